@@ -1,0 +1,83 @@
+// gshard/collectives.hpp — typed MPI collectives over the communicator of a
+// set of mesh axes, on contiguous buffers. Each call is one MPI call, counted
+// in gshard/counters.hpp. The tensor-level forms (which pack and unpack along
+// a tensor dim) are in gshard/reshard.hpp.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "gshard/counters.hpp"
+#include "gshard/error.hpp"
+#include "gshard/mesh.hpp"
+#include "gshard/mpi.hpp"
+
+namespace gshard {
+
+namespace detail {
+inline void require_size(bool ok, const char* op, const axis_group& g, std::size_t send, std::size_t recv) {
+  if (!ok)
+    throw shape_error(std::string("gshard::") + op + ": buffers of " + std::to_string(send) + " and " +
+                      std::to_string(recv) + " elements do not fit a group of " + std::to_string(g.size) +
+                      " ranks over {" + g.label + "}");
+}
+}  // namespace detail
+
+// x |-> sum over the group of x, in place.
+template <class T>
+void all_reduce(const detail::axis_group& g, std::span<T> data) {
+  count_collective(collective::all_reduce, g.label, data.size_bytes());
+  mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
+                           g.comm),
+             "MPI_Allreduce");
+}
+
+// recv = concat over group ranks r of send(r); recv.size() == send.size() * g.size.
+template <class T>
+void all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+  detail::require_size(recv.size() == send.size() * std::size_t(g.size), "all_gather", g, send.size(), recv.size());
+  count_collective(collective::all_gather, g.label, send.size_bytes());
+  const int n = mpi::count(send.size(), "all_gather");
+  mpi::check(MPI_Allgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Allgather");
+}
+
+// recv = block `g.rank` of the sum over group ranks of send; send.size() == recv.size() * g.size.
+template <class T>
+void reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+  detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
+  count_collective(collective::reduce_scatter, g.label, send.size_bytes());
+  mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
+                                      mpi::datatype<T>(), MPI_SUM, g.comm),
+             "MPI_Reduce_scatter_block");
+}
+
+// Block j of send goes to group rank j; block i of recv comes from group rank i.
+template <class T>
+void all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+  detail::require_size(send.size() == recv.size() && send.size() % std::size_t(g.size) == 0, "all_to_all", g, send.size(),
+                       recv.size());
+  count_collective(collective::all_to_all, g.label, send.size_bytes());
+  const int n = mpi::count(send.size() / std::size_t(g.size), "all_to_all");
+  mpi::check(MPI_Alltoall(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Alltoall");
+}
+
+// data |-> data of group rank `root`.
+template <class T>
+void broadcast(const detail::axis_group& g, std::span<T> data, int root) {
+  count_collective(collective::broadcast, g.label, data.size_bytes());
+  mpi::check(MPI_Bcast(data.data(), mpi::count(data.size(), "broadcast"), mpi::datatype<T>(), root, g.comm), "MPI_Bcast");
+}
+
+// Collective permute: every rank sends `send` to group rank `dest` and
+// receives `recv` from group rank `source` (the inverse of someone's dest).
+template <class T>
+void permute(const detail::axis_group& g, std::span<const T> send, int dest, std::span<T> recv, int source) {
+  count_collective(collective::permute, g.label, send.size_bytes());
+  mpi::check(MPI_Sendrecv(send.data(), mpi::count(send.size(), "permute"), mpi::datatype<T>(), dest, 0x6773, recv.data(),
+                          mpi::count(recv.size(), "permute"), mpi::datatype<T>(), source, 0x6773, g.comm,
+                          MPI_STATUS_IGNORE),
+             "MPI_Sendrecv");
+}
+
+}  // namespace gshard

@@ -1,0 +1,121 @@
+// gshard/counters.hpp — every collective gshard runs is counted here, by kind,
+// by mesh axes and by bytes, so tests, benchmarks and traces can see exactly
+// what ran. Totals are always kept; an ordered log is kept while a
+// collective_recorder is alive. Knows nothing of MPI.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace gshard {
+
+// The last two move whole tensors to or from one root: scatter and gather
+// (distribution and collection, not part of any plan).
+enum class collective : std::uint8_t { all_reduce, all_gather, reduce_scatter, all_to_all, permute, broadcast, scatter, gather };
+
+inline constexpr std::string_view name_of(collective k) {
+  switch (k) {
+    case collective::all_reduce: return "all_reduce";
+    case collective::all_gather: return "all_gather";
+    case collective::reduce_scatter: return "reduce_scatter";
+    case collective::all_to_all: return "all_to_all";
+    case collective::permute: return "permute";
+    case collective::broadcast: return "broadcast";
+    case collective::scatter: return "scatter";
+    case collective::gather: return "gather";
+  }
+  return "?";
+}
+
+// One collective as this rank saw it. `axes` names the mesh axes it ran over
+// ("data", or "data,expert" for several); `bytes` is the size of this rank's
+// input buffer (what it contributes), the same measure the plans print.
+struct collective_event {
+  collective kind;
+  std::string axes;
+  std::size_t bytes;
+
+  friend bool operator==(const collective_event&, const collective_event&) = default;
+};
+
+inline std::string to_string(const collective_event& e) {
+  return std::string(name_of(e.kind)) + "(" + e.axes + ", " + std::to_string(e.bytes) + " B)";
+}
+
+struct collective_total {
+  collective kind;
+  std::string axes;
+  std::size_t calls = 0;
+  std::size_t bytes = 0;
+};
+
+namespace detail {
+struct counter_state {
+  std::vector<collective_total> totals;
+  std::vector<collective_event> log;
+  int recorders = 0;
+};
+inline counter_state& counters() {
+  static counter_state s;
+  return s;
+}
+}  // namespace detail
+
+// Called by the collectives layer once per collective it issues.
+inline void count_collective(collective kind, std::string_view axes, std::size_t bytes) {
+  auto& s = detail::counters();
+  bool found = false;
+  for (auto& t : s.totals)
+    if (t.kind == kind && t.axes == axes) {
+      ++t.calls;
+      t.bytes += bytes;
+      found = true;
+      break;
+    }
+  if (!found) s.totals.push_back({kind, std::string(axes), 1, bytes});
+  if (s.recorders > 0) s.log.push_back({kind, std::string(axes), bytes});
+}
+
+// Totals since the start of the program, per (kind, axes).
+inline const std::vector<collective_total>& collective_totals() { return detail::counters().totals; }
+
+// Records the collectives issued during its lifetime, in order:
+//   gshard::collective_recorder rec;
+//   auto y = reshard<target>(x);
+//   assert(rec.events().size() == 1 && rec.events()[0].kind == collective::all_gather);
+class collective_recorder {
+ public:
+  collective_recorder() : start_(detail::counters().log.size()) { ++detail::counters().recorders; }
+  collective_recorder(const collective_recorder&) = delete;
+  collective_recorder& operator=(const collective_recorder&) = delete;
+  ~collective_recorder() {
+    auto& s = detail::counters();
+    if (--s.recorders == 0) s.log.clear();
+  }
+
+  std::vector<collective_event> events() const {
+    const auto& log = detail::counters().log;
+    return {log.begin() + std::ptrdiff_t(start_), log.end()};
+  }
+  std::size_t calls(collective kind, std::string_view axes = {}) const {
+    std::size_t n = 0;
+    for (const auto& e : events())
+      if (e.kind == kind && (axes.empty() || e.axes == axes)) ++n;
+    return n;
+  }
+  std::size_t bytes(collective kind, std::string_view axes = {}) const {
+    std::size_t n = 0;
+    for (const auto& e : events())
+      if (e.kind == kind && (axes.empty() || e.axes == axes)) n += e.bytes;
+    return n;
+  }
+  void reset() { start_ = detail::counters().log.size(); }
+
+ private:
+  std::size_t start_;
+};
+
+}  // namespace gshard

@@ -1,0 +1,134 @@
+// gshard/mpi.hpp — the one place gshard touches MPI's runtime: start-up and
+// shut-down, datatypes, error codes turned into exceptions, and the rule that
+// a failure on any rank ends the whole job (MPI_Abort), never a hang.
+#pragma once
+
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1  // the deprecated C++ bindings are not used
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <type_traits>
+
+#include "gshard/error.hpp"
+
+#if defined(GSHARD_USE_OPENBLAS)
+extern "C" void openblas_set_num_threads(int);
+#endif
+
+namespace gshard::mpi {
+
+template <class T>
+MPI_Datatype datatype() {
+  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return MPI_UINT8_T;
+  else if constexpr (std::is_same_v<T, char>) return MPI_CHAR;
+  else static_assert(sizeof(T) == 0, "gshard::mpi: no MPI datatype for this element type; use float, double, int32, int64 or uint8");
+}
+
+inline int world_rank() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return -1;
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+// Throws gshard::mpi_error naming the call when an MPI function failed.
+inline void check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw mpi_error(std::string("gshard::mpi: ") + call + " failed: " + std::string(msg, std::size_t(len)));
+}
+
+// MPI counts are int: larger buffers are refused with a clear error instead of overflowing.
+inline int count(std::size_t n, const char* call) {
+  if (n > std::size_t(INT_MAX))
+    throw error(std::string("gshard::mpi: ") + call + " of " + std::to_string(n) +
+                " elements exceeds MPI's int count limit; split the tensor over more ranks");
+  return int(n);
+}
+
+// Prints "gshard: rank R: <what>" to stderr and ends every rank of the job.
+[[noreturn]] inline void abort_job(const char* what, int code = 1) {
+  std::fprintf(stderr, "gshard: rank %d: %s\n", world_rank(), what);
+  std::fflush(stderr);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+namespace detail {
+[[noreturn]] inline void terminate_handler() {
+  std::string what = "terminate called without an active exception";
+  if (auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = std::string("uncaught exception: ") + ex.what();
+    } catch (...) {
+      what = "uncaught exception of unknown type";
+    }
+  }
+  abort_job(what.c_str());
+}
+}  // namespace detail
+
+// RAII for MPI_Init_thread / MPI_Finalize. While it lives, an exception that
+// escapes on any rank prints that rank and message and aborts the whole job,
+// and MPI errors on MPI_COMM_WORLD are returned (and then thrown) instead of
+// killing the job without a message.
+class environment {
+ public:
+  environment(int& argc, char**& argv) {
+    int provided = 0;
+    check(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    previous_ = std::set_terminate(detail::terminate_handler);
+#if defined(GSHARD_USE_OPENBLAS)
+    // One BLAS thread per rank unless the user asked otherwise.
+    if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);
+#endif
+  }
+  environment(const environment&) = delete;
+  environment& operator=(const environment&) = delete;
+  ~environment() {
+    std::set_terminate(previous_);
+    // Leaving by an exception on this rank alone would hang the others in
+    // MPI_Finalize: end the job instead.
+    if (std::uncaught_exceptions() > 0) abort_job("exception escaped while gshard::mpi::environment was live");
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+
+  int rank() const { return world_rank(); }
+  int size() const {
+    int s = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &s);
+    return s;
+  }
+
+ private:
+  std::terminate_handler previous_ = nullptr;
+};
+
+}  // namespace gshard::mpi

@@ -1,0 +1,458 @@
+// gshard/reshard.hpp — moves a tensor between shardings: reshard<Target>(t),
+// the one-collective forms (all_gather<"x">(t), all_to_all<"x", Dim>(t), ...),
+// and gather/scatter to and from a global tensor. Plans come from
+// reshard_plan.hpp at compile time; the executor here is instantiated per
+// element type and rank only, and runs each step as Pack / Communicate / Unpack.
+#pragma once
+
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gshard/collectives.hpp"
+#include "gshard/detail/copy_box.hpp"
+#include "gshard/reshard_plan.hpp"
+#include "gshard/tensor.hpp"
+
+namespace gshard {
+namespace detail {
+
+template <int Rank>
+index_t product(const shape<Rank>& e, int from = 0, int to = Rank) {
+  index_t p = 1;
+  for (int d = from; d < to; ++d) p *= e[std::size_t(d)];
+  return p;
+}
+
+// The rank whose `from` block is the `to` block of the rank at `coords`
+// (a bijection when permute_suffices(from, to)).
+inline int permute_source(const mesh_base& m, const rlayout& from, const rlayout& to, const index_t* coords) {
+  const index_t* size = m.sizes();
+  index_t src[max_mesh_axes] = {};
+  for (int d = 0; d < max_rank; ++d) {
+    index_t b = 0;
+    for (int i = 0; i < to.dims[d].n; ++i) b = b * size[to.dims[d].ax[i]] + coords[to.dims[d].ax[i]];
+    for (int i = from.dims[d].n - 1; i >= 0; --i) {
+      const int a = from.dims[d].ax[i];
+      src[a] = b % size[a];
+      b /= size[a];
+    }
+  }
+  for (int a = 0; a < m.naxes(); ++a)
+    if (from.is_partial(a)) src[a] = coords[a];
+  // Axes that split nothing: map the position on to's free axes onto from's.
+  index_t u = 0;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (!((to.used_mask() >> a) & 1u)) u = u * size[a] + coords[a];
+  for (int a = m.naxes() - 1; a >= 0; --a)
+    if (!((from.used_mask() >> a) & 1u)) {
+      src[a] = u % size[a];
+      u /= size[a];
+    }
+  return m.rank_of(src);
+}
+
+// Copies piece `j` of `in` along dim d (j-th of `parts` equal pieces) into `out`.
+template <class T, int Rank>
+void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out) {
+  shape<Rank> piece = e, off{}, zero{};
+  piece[std::size_t(d)] = e[std::size_t(d)] / parts;
+  off[std::size_t(d)] = j * piece[std::size_t(d)];
+  copy_box(in, e.data(), off.data(), out, piece.data(), zero.data(), piece.data(), Rank);
+}
+// Copies `piece` into `out` (extents e) at position j along dim d.
+template <class T, int Rank>
+void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, const shape<Rank>& e) {
+  shape<Rank> off{}, zero{};
+  off[std::size_t(d)] = j * pe[std::size_t(d)];
+  copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
+}
+
+// Runs one step; `before` is the layout of `in`, and the result has `after`.
+template <class T, int Rank>
+local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+                               local_tensor<T, Rank>&& in, const shape<Rank>& global) {
+  const shape<Rank> e = local_extents<Rank>(before, global, m);
+  const shape<Rank> eo = local_extents<Rank>(after, global, m);
+  const std::size_t n = std::size_t(product<Rank>(e));
+  switch (s.kind) {
+    case step_kind::all_gather: {  // (.., d{..,x}, ..) |-> (.., d{..}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      local_tensor<T, Rank> out(eo);
+      if (product<Rank>(e, 0, s.from_dim) == 1) {
+        all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
+        return out;
+      }
+      std::vector<T> recv(n * std::size_t(g.size));  // Communicate
+      all_gather<T>(g, {in.data(), n}, recv);
+      for (int p = 0; p < g.size; ++p) put_piece<T, Rank>(recv.data() + std::size_t(p) * n, e, s.from_dim, p, out.data(), eo);  // Unpack
+      return out;
+    }
+    case step_kind::slice: {  // (.., d{..}, ..) |-> (.., d{..,x}, ..), local
+      local_tensor<T, Rank> out(eo);
+      take_piece<T, Rank>(in.data(), e, s.to_dim, m.size(s.axis), m.coord(s.axis), out.data());
+      return out;
+    }
+    case step_kind::all_to_all: {  // (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      const index_t P = g.size;
+      local_tensor<T, Rank> out(eo);
+      std::vector<T> send_buf, recv_buf;
+      const T* send = in.data();
+      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack: piece j of dim b goes to rank j
+        send_buf.resize(n);
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.data() + std::size_t(j) * (n / std::size_t(P)));
+        send = send_buf.data();
+      }
+      const bool direct = product<Rank>(eo, 0, s.from_dim) == 1;
+      if (!direct) recv_buf.resize(n);
+      T* recv = direct ? out.data() : recv_buf.data();
+      all_to_all<T>(g, {send, n}, {recv, n});  // Communicate
+      if (!direct) {                           // Unpack: the piece from rank i is block i of dim a
+        shape<Rank> pe = e;
+        pe[std::size_t(s.to_dim)] = eo[std::size_t(s.to_dim)];
+        for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, s.from_dim, i, out.data(), eo);
+      }
+      return out;
+    }
+    case step_kind::all_reduce: {  // partial{x} |-> replicated on x
+      all_reduce<T>(m.group(1u << s.axis), {in.data(), n});
+      return std::move(in);
+    }
+    case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      const index_t P = g.size;
+      local_tensor<T, Rank> out(eo);
+      std::vector<T> send_buf;
+      const T* send = in.data();
+      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack
+        send_buf.resize(n);
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.data() + std::size_t(j) * (n / std::size_t(P)));
+        send = send_buf.data();
+      }
+      reduce_scatter<T>(g, {send, n}, {out.data(), std::size_t(out.size())});  // Communicate
+      return out;
+    }
+    case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
+      if (m.coord(s.axis) != 0) in.setZero();
+      return std::move(in);
+    }
+    case step_kind::permute: {  // same blocks, other ranks
+      const axis_group& g = m.group((1u << m.naxes()) - 1u);
+      const int source = permute_source(m, before, after, m.coords());
+      int dest = -1;
+      std::vector<index_t> c(std::size_t(m.naxes()));
+      for (int q = 0; q < m.nranks() && dest < 0; ++q) {
+        for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
+          c[std::size_t(a)] = r % m.size(a);
+          r = int(r / m.size(a));
+        }
+        if (permute_source(m, before, after, c.data()) == m.rank()) dest = q;
+      }
+      local_tensor<T, Rank> out(eo);
+      permute<T>(g, {in.data(), n}, dest, {out.data(), std::size_t(out.size())}, source);
+      return out;
+    }
+  }
+  return std::move(in);
+}
+
+template <class T, int Rank>
+local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank> local,
+                                      const shape<Rank>& global) {
+  for (int i = 0; i < p.n; ++i) local = run_step<T, Rank>(m, p.step[i], p.state[i], p.state[i + 1], std::move(local), global);
+  return local;
+}
+
+// Plans at run time with the mesh's real sizes, then executes: for layouts
+// that exist only at run time (the exhaustive tests).
+template <class T, int Rank>
+local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, const rlayout& to, local_tensor<T, Rank> local,
+                                      const shape<Rank>& global) {
+  const reshard_steps p = plan_reshard(from, to, m.naxes(), m.sizes());
+  return execute_reshard<T, Rank>(m, p, std::move(local), global);
+}
+
+template <std::size_t N>
+std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& names, int rank, std::string_view dtype,
+                           std::string_view labels, const index_t* global = nullptr, const mesh_base* m = nullptr,
+                           std::size_t elem_bytes = 0) {
+  std::string out;
+  if (p.n == 0) return "  (no steps: the shardings are equal)\n";
+  auto dim_name = [&](int d) { return d < int(labels.size()) ? std::string(1, labels[std::size_t(d)]) : "d" + std::to_string(d); };
+  for (int i = 0; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    out += "  " + std::to_string(i + 1) + ". " + std::string(name_of(s.kind));
+    if (s.axis >= 0) out += " over " + std::string(names[std::size_t(s.axis)].view());
+    else out += " over the whole mesh";
+    if (s.from_dim >= 0 && s.to_dim >= 0) out += ": " + dim_name(s.from_dim) + " -> " + dim_name(s.to_dim);
+    else if (s.from_dim >= 0) out += ": " + dim_name(s.from_dim);
+    else if (s.to_dim >= 0) out += ": " + dim_name(s.to_dim);
+    out += "   " + notation(unresolve(p.state[i + 1], names), rank, dtype, labels, global);
+    if (m && global && is_collective(s.kind)) {
+      index_t n = 1;
+      for (int d = 0; d < rank; ++d) n *= dim_block(p.state[i], d, global[d], m->sizes(), m->coords()).extent;
+      out += "   " + std::to_string(std::size_t(n) * elem_bytes) + " B/rank";
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// The plan of reshard<To> for a Rank-dim tensor sharded From on Mesh, as a
+// type: steps are computed at compile time and can be printed.
+//   std::cout << reshard_plan<grid, 3, by_group, by_expert>{};
+template <mesh_type Mesh, int Rank, class From, class To>
+struct reshard_plan {
+  static constexpr detail::rlayout from = detail::bind_layout<Mesh, Rank, From>::value;
+  static constexpr detail::rlayout to = detail::bind_layout<Mesh, Rank, To>::value;
+  static constexpr detail::reshard_steps steps =
+      detail::plan_reshard(from, to, Mesh::rank_count, Mesh::static_sizes.data());
+  static_assert(steps.state[steps.n] == to, "gshard::reshard: the planner did not reach the target (a gshard bug)");
+
+  // Without sizes: the steps and the layout after each.
+  static std::string describe(std::string_view labels = {}, std::string_view dtype = "") {
+    return "reshard " + detail::notation(From::spec, Rank, dtype, labels) + " -> " +
+           detail::notation(To::spec, Rank, dtype, labels) + "\n" +
+           detail::describe_steps(steps, Mesh::names, Rank, dtype, labels);
+  }
+  // With a bound mesh and global extents: also the bytes each rank sends.
+  template <class T>
+  static std::string describe(const Mesh& m, const shape<Rank>& global, std::string_view labels = {}) {
+    const auto dt = detail::dtype_name<T>();
+    return "reshard " + detail::notation(From::spec, Rank, dt, labels, global.data()) + " -> " +
+           detail::notation(To::spec, Rank, dt, labels, global.data()) + " on " + m.describe() + "\n" +
+           detail::describe_steps(steps, Mesh::names, Rank, dt, labels, global.data(), &m, sizeof(T));
+  }
+  friend std::ostream& operator<<(std::ostream& os, const reshard_plan&) { return os << describe(); }
+};
+
+// The same global tensor with sharding To. Communication as the plan says.
+template <class To, sharded_tensor X>
+with_sharding<X, To> reshard(const X& x) {
+  using plan = reshard_plan<typename X::mesh_type, X::rank, typename X::sharding_type, To>;
+  using T = typename X::value_type;
+  if constexpr (plan::steps.n == 0) {
+    return with_sharding<X, To>(x.mesh(), x.extents(), x.local());
+  } else {
+    return with_sharding<X, To>(
+        x.mesh(), x.extents(), detail::execute_reshard<T, X::rank>(x.mesh(), plan::steps, x.local(), x.extents()));
+  }
+}
+
+namespace detail {
+template <class Mesh>
+constexpr int axis_index(std::string_view name) { return Mesh::index_of(name); }
+
+template <class Mesh>
+consteval layout_spec spec_of(const rlayout& l) { return unresolve(l, Mesh::names); }
+
+template <sharded_tensor X, step_kind K, class Target>
+constexpr bool is_single_step() {
+  constexpr auto p = reshard_plan<typename X::mesh_type, X::rank, typename X::sharding_type, Target>::steps;
+  return p.n == 1 && p.step[0].kind == K;
+}
+}  // namespace detail
+
+// partial{Axis} |-> replicated on Axis: one all_reduce.
+template <fixed_string Axis, sharded_tensor X>
+auto all_reduce(const X& x) {
+  constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_reduce: the axis is not in the tensor's mesh");
+  static_assert(a < 0 || X::layout.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
+  constexpr detail::rlayout target = [] {
+    detail::rlayout l = X::layout;
+    l.partial &= ~(1u << a);
+    return l;
+  }();
+  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
+  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
+  static_assert(detail::is_single_step<X, step_kind::all_reduce, target_t>());
+  return reshard<target_t>(x);
+}
+
+// (.., d{..,Axis}, ..) |-> (.., d{..}, ..): one all_gather. Axis must be the
+// minor-most axis splitting its dim.
+template <fixed_string Axis, sharded_tensor X>
+auto all_gather(const X& x) {
+  constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_gather: the axis is not in the tensor's mesh");
+  constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static_assert(d >= 0, "gshard::all_gather: the axis splits no dim of the tensor");
+  static_assert(d < 0 || detail::minor_axis(X::layout, d) == a,
+                "gshard::all_gather: the axis is not the minor-most axis of its dim; gather the minor axes first");
+  constexpr detail::rlayout target = [] {
+    detail::rlayout l = X::layout;
+    l.pop(d);
+    return l;
+  }();
+  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
+  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
+  static_assert(detail::is_single_step<X, step_kind::all_gather, target_t>());
+  return reshard<target_t>(x);
+}
+
+// partial{Axis} |-> (.., Dim{.., Axis}, ..): one reduce_scatter.
+template <fixed_string Axis, int Dim, sharded_tensor X>
+auto reduce_scatter(const X& x) {
+  constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::reduce_scatter: the axis is not in the tensor's mesh");
+  static_assert(a < 0 || X::layout.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
+  static_assert(Dim >= 0 && Dim < X::rank, "gshard::reduce_scatter: the dim is out of range");
+  constexpr detail::rlayout target = [] {
+    detail::rlayout l = X::layout;
+    l.partial &= ~(1u << a);
+    l.push(Dim, a);
+    return l;
+  }();
+  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
+  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
+  static_assert(detail::is_single_step<X, step_kind::reduce_scatter, target_t>());
+  return reshard<target_t>(x);
+}
+
+// (.., a{..,Axis}, .., Dim{..}, ..) |-> (.., a{..}, .., Dim{..,Axis}, ..): one all_to_all.
+template <fixed_string Axis, int Dim, sharded_tensor X>
+auto all_to_all(const X& x) {
+  constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_to_all: the axis is not in the tensor's mesh");
+  constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static_assert(d >= 0, "gshard::all_to_all: the axis splits no dim of the tensor");
+  static_assert(Dim >= 0 && Dim < X::rank && Dim != d, "gshard::all_to_all: the target dim is out of range or already split by the axis");
+  static_assert(d < 0 || detail::minor_axis(X::layout, d) == a,
+                "gshard::all_to_all: the axis is not the minor-most axis of its dim");
+  constexpr detail::rlayout target = [] {
+    detail::rlayout l = X::layout;
+    l.pop(d);
+    l.push(Dim, a);
+    return l;
+  }();
+  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
+  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
+  static_assert(detail::is_single_step<X, step_kind::all_to_all, target_t>());
+  return reshard<target_t>(x);
+}
+
+// Every rank along Axis takes the shard of coordinate `root`: one broadcast.
+template <fixed_string Axis, sharded_tensor X>
+X broadcast(const X& x, int root = 0) {
+  constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::broadcast: the axis is not in the tensor's mesh");
+  X out = x;
+  broadcast<typename X::value_type>(x.mesh().group(1u << a), std::span(out.data(), std::size_t(out.local().size())), root);
+  return out;
+}
+
+// The global tensor on every rank (all_gather and all_reduce as needed).
+template <sharded_tensor X>
+local_tensor<typename X::value_type, X::rank> gather(const X& x) {
+  return reshard<replicate>(x).local();
+}
+
+// The global tensor on rank `root` of the mesh; other ranks get an empty
+// tensor. Pending sums are reduced first (all_reduce).
+template <sharded_tensor X>
+local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int root = 0) {
+  using T = typename X::value_type;
+  constexpr int R = X::rank;
+  constexpr detail::rlayout settled = [] {
+    detail::rlayout l = X::layout;
+    l.partial = 0;
+    return l;
+  }();
+  constexpr detail::layout_spec settled_spec = detail::spec_of<typename X::mesh_type>(settled);
+  const auto y = reshard<layout<detail::text_of<detail::render(settled_spec).n>(settled_spec)>>(x);
+  const detail::mesh_base& m = x.mesh();
+  // Owners hold coordinate 0 on every axis that splits nothing; they send.
+  bool owner = true;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (!((settled.used_mask() >> a) & 1u) && m.coord(a) != 0) owner = false;
+  const int n = owner ? int(y.local().size()) : 0;
+  std::vector<int> counts(std::size_t(m.nranks())), displs(std::size_t(m.nranks()));
+  mpi::check(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, root, m.comm()), "MPI_Gather");
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    displs[r] = int(total);
+    total += std::size_t(counts[r]);
+  }
+  std::vector<T> recv(m.rank() == root ? total : 0);
+  count_collective(collective::gather, m.label((1u << m.naxes()) - 1u), std::size_t(n) * sizeof(T));
+  mpi::check(MPI_Gatherv(y.data(), n, mpi::datatype<T>(), recv.data(), counts.data(), displs.data(), mpi::datatype<T>(), root,
+                         m.comm()),
+             "MPI_Gatherv");
+  if (m.rank() != root) return local_tensor<T, R>();
+  local_tensor<T, R> out(x.extents());
+  const shape<R> zero{};
+  std::vector<index_t> c(std::size_t(m.naxes()));
+  for (int q = 0; q < m.nranks(); ++q) {
+    if (counts[std::size_t(q)] == 0) continue;
+    for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
+      c[std::size_t(a)] = r % m.size(a);
+      r = int(r / m.size(a));
+    }
+    shape<R> le{}, off{};
+    for (int d = 0; d < R; ++d) {
+      const auto b = detail::dim_block(settled, d, x.extent(d), m.sizes(), c.data());
+      le[std::size_t(d)] = b.extent;
+      off[std::size_t(d)] = b.offset;
+    }
+    detail::copy_box(recv.data() + displs[std::size_t(q)], le.data(), zero.data(), out.data(), x.extents().data(), off.data(),
+                     le.data(), R);
+  }
+  return out;
+}
+
+// Rank `root` holds `global`; every rank receives its shard (MPI_Scatterv).
+// Other ranks' `global` is ignored; the extents travel from the root.
+template <class Sharding, mesh_type Mesh, class T, int Rank>
+tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Rank>& global, int root = 0) {
+  using out_t = tensor<T, Rank, Mesh, Sharding>;
+  constexpr detail::rlayout L = out_t::layout;
+  shape<Rank> g = detail::dims_of<Rank>(global);
+  count_collective(collective::scatter, m.label((1u << m.naxes()) - 1u),
+                   m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0);
+  if constexpr (Rank > 0)
+    mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<std::int64_t>(), root, m.comm()), "MPI_Bcast");
+  out_t out(m, g);  // throws on every rank alike when g does not divide
+  std::vector<int> counts(std::size_t(m.nranks())), displs(std::size_t(m.nranks()));
+  std::vector<T> send;
+  if (m.rank() == root) {
+    std::vector<index_t> c(std::size_t(m.naxes()));
+    std::size_t total = 0;
+    for (int q = 0; q < m.nranks(); ++q) {
+      for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
+        c[std::size_t(a)] = r % m.size(a);
+        r = int(r / m.size(a));
+      }
+      bool zero = false;
+      for (int a = 0; a < m.naxes(); ++a)
+        if (L.is_partial(a) && c[std::size_t(a)] != 0) zero = true;
+      shape<Rank> le{}, off{};
+      index_t n = 1;
+      for (int d = 0; d < Rank; ++d) {
+        const auto b = detail::dim_block(L, d, g[std::size_t(d)], m.sizes(), c.data());
+        le[std::size_t(d)] = b.extent;
+        off[std::size_t(d)] = b.offset;
+        n *= b.extent;
+      }
+      counts[std::size_t(q)] = zero ? 0 : mpi::count(std::size_t(n), "scatter");
+      displs[std::size_t(q)] = int(total);
+      send.resize(total + std::size_t(counts[std::size_t(q)]));
+      const shape<Rank> zoff{};
+      if (!zero && n > 0)
+        detail::copy_box(global.data(), g.data(), off.data(), send.data() + total, le.data(), zoff.data(), le.data(), Rank);
+      total += std::size_t(counts[std::size_t(q)]);
+    }
+  }
+  int mine = 0;
+  mpi::check(MPI_Scatter(counts.data(), 1, MPI_INT, &mine, 1, MPI_INT, root, m.comm()), "MPI_Scatter");
+  mpi::check(MPI_Scatterv(send.data(), counts.data(), displs.data(), mpi::datatype<T>(), out.data(), mine, mpi::datatype<T>(),
+                          root, m.comm()),
+             "MPI_Scatterv");
+  return out;
+}
+
+}  // namespace gshard

@@ -1,0 +1,481 @@
+// gshard/sharding.hpp — shardings as types: split, replicate, partial.
+// A sharding says, per tensor dim, which mesh axes split it (major to minor),
+// and which axes hold pending sums. Equal shardings are the same type, so
+// std::is_same_v means semantic equality. Knows nothing of MPI.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "gshard/fixed_string.hpp"
+
+namespace gshard {
+
+using index_t = std::ptrdiff_t;
+
+inline constexpr int max_rank = 8;        // tensor dims a sharding can describe
+inline constexpr int max_mesh_axes = 6;   // axes a mesh can have
+
+// split<Dim, Major, ..., Minor>: tensor dim `Dim` is split over the named mesh
+// axes; the shard index is the row-major composite of the ranks' coordinates.
+template <int Dim, fixed_string... Axes>
+struct split {
+  static constexpr int dim = Dim;
+  static constexpr std::array<detail::name_t, sizeof...(Axes)> axes{detail::name_t(Axes.view())...};
+};
+
+// partial<Axes...>: every rank along these axes holds a summand; the value is their sum.
+template <fixed_string... Axes>
+struct partial {
+  static constexpr std::array<detail::name_t, sizeof...(Axes)> axes{detail::name_t(Axes.view())...};
+};
+
+// mesh_split<"data", "", "model,expert">: GSPMD's dims_mapping, one string per
+// tensor dim; "" replicates the dim, "a,b" splits it over a (major) then b.
+template <fixed_string... PerDim>
+struct mesh_split {
+  static constexpr std::array<std::string_view, sizeof...(PerDim)> dims{PerDim.view()...};
+};
+
+namespace detail {
+
+// The canonical, name-based form of a sharding. Types carry it as text
+// (layout<"0{data}">); constexpr code works on this form.
+struct dim_axes {
+  int n = 0;
+  name_t axes[max_mesh_axes]{};
+
+  friend constexpr bool operator==(const dim_axes&, const dim_axes&) = default;
+};
+
+struct layout_spec {
+  dim_axes dims[max_rank]{};
+  int npartial = 0;
+  name_t partial[max_mesh_axes]{};  // sorted by name: canonical
+
+  friend constexpr bool operator==(const layout_spec&, const layout_spec&) = default;
+
+  // Highest dim that is split, or -1 when no dim is.
+  constexpr int max_split_dim() const {
+    int m = -1;
+    for (int d = 0; d < max_rank; ++d)
+      if (dims[d].n > 0) m = d;
+    return m;
+  }
+  constexpr int dim_of(std::string_view axis) const {
+    for (int d = 0; d < max_rank; ++d)
+      for (int i = 0; i < dims[d].n; ++i)
+        if (dims[d].axes[i].view() == axis) return d;
+    return -1;
+  }
+  constexpr bool is_partial(std::string_view axis) const {
+    for (int i = 0; i < npartial; ++i)
+      if (partial[i].view() == axis) return true;
+    return false;
+  }
+  constexpr bool mentions(std::string_view axis) const { return dim_of(axis) >= 0 || is_partial(axis); }
+};
+
+enum class spec_error : std::uint8_t {
+  none,
+  dim_out_of_range,      // a split<> dim below 0 or beyond max_rank
+  dim_split_twice,       // two split<> parts for one dim
+  axis_in_two_dims,      // one mesh axis splits two dims
+  axis_split_and_partial,
+  axis_repeated,         // an axis named twice in one split<> or partial<>
+  empty_split,           // split<Dim> with no axes
+  bad_mesh_split_string, // an empty name inside "a,,b" in mesh_split
+  too_many_axes,
+};
+
+struct spec_result {
+  layout_spec spec{};
+  spec_error error = spec_error::none;
+  int dim = -1;
+  name_t axis{};
+};
+
+constexpr void add_split(spec_result& r, int dim, const name_t* axes, int n) {
+  if (r.error != spec_error::none) return;
+  if (dim < 0 || dim >= max_rank) { r.error = spec_error::dim_out_of_range; r.dim = dim; return; }
+  if (n == 0) { r.error = spec_error::empty_split; r.dim = dim; return; }
+  if (r.spec.dims[dim].n != 0) { r.error = spec_error::dim_split_twice; r.dim = dim; return; }
+  if (n > max_mesh_axes) { r.error = spec_error::too_many_axes; r.dim = dim; return; }
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < i; ++j)
+      if (axes[j] == axes[i]) { r.error = spec_error::axis_repeated; r.dim = dim; r.axis = axes[i]; return; }
+    if (r.spec.dim_of(axes[i].view()) >= 0) { r.error = spec_error::axis_in_two_dims; r.dim = dim; r.axis = axes[i]; return; }
+    if (r.spec.is_partial(axes[i].view())) { r.error = spec_error::axis_split_and_partial; r.dim = dim; r.axis = axes[i]; return; }
+    r.spec.dims[dim].axes[i] = axes[i];
+  }
+  r.spec.dims[dim].n = n;
+}
+
+constexpr void add_partial(spec_result& r, const name_t* axes, int n) {
+  for (int i = 0; i < n && r.error == spec_error::none; ++i) {
+    const name_t a = axes[i];
+    if (r.spec.is_partial(a.view())) { r.error = spec_error::axis_repeated; r.axis = a; return; }
+    if (r.spec.dim_of(a.view()) >= 0) { r.error = spec_error::axis_split_and_partial; r.axis = a; return; }
+    if (r.spec.npartial == max_mesh_axes) { r.error = spec_error::too_many_axes; return; }
+    // insertion keeps the partial axes sorted by name: the canonical order
+    int k = r.spec.npartial++;
+    while (k > 0 && a < r.spec.partial[k - 1]) { r.spec.partial[k] = r.spec.partial[k - 1]; --k; }
+    r.spec.partial[k] = a;
+  }
+}
+
+constexpr void add_mesh_split(spec_result& r, int dim, std::string_view s) {
+  if (s.empty() || r.error != spec_error::none) return;
+  name_t axes[max_mesh_axes]{};
+  int n = 0;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    std::size_t end = s.find(',', start);
+    if (end == std::string_view::npos) end = s.size();
+    if (end == start) { r.error = spec_error::bad_mesh_split_string; r.dim = dim; return; }
+    if (n == max_mesh_axes) { r.error = spec_error::too_many_axes; r.dim = dim; return; }
+    axes[n++] = name_t(s.substr(start, end - start));
+    start = end + 1;
+  }
+  add_split(r, dim, axes, n);
+}
+
+template <class Part>
+struct part_traits;
+template <int Dim, fixed_string... Axes>
+struct part_traits<split<Dim, Axes...>> {
+  static constexpr void apply(spec_result& r) {
+    using P = split<Dim, Axes...>;
+    add_split(r, Dim, P::axes.data(), int(P::axes.size()));
+  }
+};
+template <fixed_string... Axes>
+struct part_traits<partial<Axes...>> {
+  static constexpr void apply(spec_result& r) {
+    using P = partial<Axes...>;
+    add_partial(r, P::axes.data(), int(P::axes.size()));
+  }
+};
+template <fixed_string... PerDim>
+struct part_traits<mesh_split<PerDim...>> {
+  static constexpr void apply(spec_result& r) {
+    int d = 0;
+    for (std::string_view s : mesh_split<PerDim...>::dims) add_mesh_split(r, d++, s);
+  }
+};
+
+template <class... Parts>
+consteval spec_result make_spec() {
+  spec_result r;
+  (part_traits<Parts>::apply(r), ...);
+  return r;
+}
+
+template <class Part>
+concept sharding_part = requires(spec_result& r) { part_traits<Part>::apply(r); };
+
+// The canonical text of a spec, e.g. "0{data,expert} 2{model} partial{x}";
+// "" for replicate. It names the sharding type: layout<"0{data}">.
+struct spec_text {
+  char s[max_rank * (4 + max_mesh_axes * (max_name_length + 1)) + 16 + max_mesh_axes * (max_name_length + 1)]{};
+  std::size_t n = 0;
+  constexpr void add(std::string_view v) {
+    for (char c : v) s[n++] = c;
+  }
+  constexpr std::string_view view() const { return {s, n}; }
+};
+
+constexpr spec_text render(const layout_spec& spec) {
+  spec_text t;
+  for (int d = 0; d < max_rank; ++d) {
+    if (spec.dims[d].n == 0) continue;
+    if (t.n) t.add(" ");
+    if (d >= 10) t.add("?");
+    const char digit[2] = {char('0' + d % 10), '\0'};
+    t.add(digit);
+    t.add("{");
+    for (int i = 0; i < spec.dims[d].n; ++i) {
+      if (i) t.add(",");
+      t.add(spec.dims[d].axes[i].view());
+    }
+    t.add("}");
+  }
+  if (spec.npartial) {
+    if (t.n) t.add(" ");
+    t.add("partial{");
+    for (int i = 0; i < spec.npartial; ++i) {
+      if (i) t.add(",");
+      t.add(spec.partial[i].view());
+    }
+    t.add("}");
+  }
+  return t;
+}
+
+// The inverse of render (only ever given render's output).
+constexpr layout_spec parse(std::string_view text) {
+  spec_result r;
+  std::size_t i = 0;
+  auto names = [&](name_t* out) {  // reads "a,b}" after a '{'
+    int n = 0;
+    while (text[i] != '}') {
+      std::size_t j = i;
+      while (text[j] != ',' && text[j] != '}') ++j;
+      out[n++] = name_t(text.substr(i, j - i));
+      i = text[j] == ',' ? j + 1 : j;
+    }
+    ++i;
+    return n;
+  };
+  while (i < text.size()) {
+    if (text[i] == ' ') { ++i; continue; }
+    name_t axes[max_mesh_axes]{};
+    if (text[i] == 'p') {
+      i += 8;  // "partial{"
+      const int n = names(axes);
+      add_partial(r, axes, n);
+    } else {
+      const int d = text[i] - '0';
+      i += 2;  // "d{"
+      const int n = names(axes);
+      add_split(r, d, axes, n);
+    }
+  }
+  return r.spec;
+}
+
+}  // namespace detail
+
+// The canonical type of a sharding, named by its canonical text. Write it as
+// sharding<...> or replicate; errors show it as layout<"0{data} partial{x}">.
+template <fixed_string Text>
+struct layout {
+  static constexpr detail::layout_spec spec = detail::parse(Text.view());
+  static constexpr std::string_view text = Text.view();
+};
+
+namespace detail {
+
+// The layout type of a spec held in a constexpr variable:
+//   constexpr layout_spec s = ...;  using L = layout<detail::text_of<detail::render(s).n>(s)>;
+template <std::size_t Len>
+consteval fixed_string<Len + 1> text_of(const layout_spec& s) {
+  return to_fixed<Len>(render(s).view());
+}
+
+template <class... Parts>
+struct make_sharding {
+  static_assert((sharding_part<Parts> && ...),
+                "gshard::sharding: every part must be split<Dim, \"axis\"...>, partial<\"axis\"...> or mesh_split<...>");
+  static constexpr spec_result r = make_spec<Parts...>();
+  static_assert(r.error != spec_error::dim_out_of_range,
+                "gshard::sharding: split<Dim, ...> names a dim below 0 or at least gshard::max_rank");
+  static_assert(r.error != spec_error::dim_split_twice,
+                "gshard::sharding: one dim appears in two split<> parts; list all its axes in one split<Dim, \"major\", \"minor\">");
+  static_assert(r.error != spec_error::axis_in_two_dims,
+                "gshard::sharding: one mesh axis splits two dims; a mesh axis may split at most one dim of a tensor");
+  static_assert(r.error != spec_error::axis_split_and_partial,
+                "gshard::sharding: a mesh axis is both split and partial; an axis either splits a dim or holds summands");
+  static_assert(r.error != spec_error::axis_repeated,
+                "gshard::sharding: a mesh axis is named twice in one split<> or partial<>");
+  static_assert(r.error != spec_error::empty_split,
+                "gshard::sharding: split<Dim> names no mesh axis; omit it to replicate the dim");
+  static_assert(r.error != spec_error::bad_mesh_split_string,
+                "gshard::sharding: mesh_split<> has an empty axis name; use \"\" for a replicated dim and \"a,b\" for several axes");
+  static_assert(r.error != spec_error::too_many_axes, "gshard::sharding: more than gshard::max_mesh_axes axes");
+  using type = layout<text_of<render(r.spec).n>(r.spec)>;
+};
+
+template <class T>
+struct is_layout : std::false_type {};
+template <fixed_string S>
+struct is_layout<layout<S>> : std::true_type {};
+
+}  // namespace detail
+
+// sharding<split<0, "data">, partial<"model">>: the canonical layout type.
+template <class... Parts>
+using sharding = typename detail::make_sharding<Parts...>::type;
+
+// Every dim replicated on every axis, no pending sums.
+using replicate = layout<"">;
+
+template <class S>
+concept sharding_type = detail::is_layout<S>::value;
+
+// ---------------------------------------------------------------------------
+// Resolved layouts: the same facts with mesh-axis indices, for the planners.
+namespace detail {
+
+struct rdim {
+  int n = 0;
+  std::int8_t ax[max_mesh_axes]{};  // mesh axis indices, major to minor
+  friend constexpr bool operator==(const rdim&, const rdim&) = default;
+};
+
+struct rlayout {
+  rdim dims[max_rank]{};
+  std::uint32_t partial = 0;  // bit a set: axis a is partial
+
+  friend constexpr bool operator==(const rlayout&, const rlayout&) = default;
+
+  constexpr int dim_of(int axis) const {
+    for (int d = 0; d < max_rank; ++d)
+      for (int i = 0; i < dims[d].n; ++i)
+        if (dims[d].ax[i] == axis) return d;
+    return -1;
+  }
+  constexpr bool is_partial(int axis) const { return (partial >> axis) & 1u; }
+  // Appends `axis` as the minor-most axis of dim d / removes d's minor-most axis.
+  constexpr void push(int d, int axis) { dims[d].ax[dims[d].n++] = std::int8_t(axis); }
+  constexpr void pop(int d) { dims[d].ax[--dims[d].n] = 0; }  // cleared, so layouts compare whole
+  constexpr bool is_free(int axis) const { return dim_of(axis) < 0 && !is_partial(axis); }
+  constexpr std::uint32_t used_mask() const {
+    std::uint32_t m = partial;
+    for (const rdim& d : dims)
+      for (int i = 0; i < d.n; ++i) m |= 1u << d.ax[i];
+    return m;
+  }
+  constexpr std::uint32_t split_mask() const { return used_mask() & ~partial; }
+};
+
+// The mesh axes splitting one dim, as a bit mask.
+constexpr std::uint32_t axis_set(const rdim& d) {
+  std::uint32_t m = 0;
+  for (int i = 0; i < d.n; ++i) m |= 1u << d.ax[i];
+  return m;
+}
+
+struct resolve_result {
+  rlayout layout{};
+  bool ok = true;
+  name_t unknown{};  // the first axis name not in the mesh
+};
+
+// Maps the axis names of `s` onto the indices of `names` (a mesh's axes).
+template <std::size_t NAxes>
+constexpr resolve_result resolve(const layout_spec& s, const std::array<name_t, NAxes>& names) {
+  resolve_result r;
+  auto index_of = [&](const name_t& n) -> int {
+    for (std::size_t i = 0; i < NAxes; ++i)
+      if (names[i] == n) return int(i);
+    return -1;
+  };
+  for (int d = 0; d < max_rank; ++d) {
+    for (int i = 0; i < s.dims[d].n; ++i) {
+      const int a = index_of(s.dims[d].axes[i]);
+      if (a < 0) { r.ok = false; r.unknown = s.dims[d].axes[i]; return r; }
+      r.layout.dims[d].ax[i] = std::int8_t(a);
+    }
+    r.layout.dims[d].n = s.dims[d].n;
+  }
+  for (int i = 0; i < s.npartial; ++i) {
+    const int a = index_of(s.partial[i]);
+    if (a < 0) { r.ok = false; r.unknown = s.partial[i]; return r; }
+    r.layout.partial |= 1u << a;
+  }
+  return r;
+}
+
+// The inverse of resolve: a name-based spec from a resolved layout.
+template <std::size_t NAxes>
+constexpr layout_spec unresolve(const rlayout& l, const std::array<name_t, NAxes>& names) {
+  spec_result r;
+  for (int d = 0; d < max_rank; ++d) {
+    name_t axes[max_mesh_axes]{};
+    for (int i = 0; i < l.dims[d].n; ++i) axes[i] = names[std::size_t(l.dims[d].ax[i])];
+    if (l.dims[d].n > 0) add_split(r, d, axes, l.dims[d].n);
+  }
+  for (std::size_t a = 0; a < NAxes; ++a)
+    if (l.is_partial(int(a))) add_partial(r, &names[a], 1);
+  return r.spec;
+}
+
+// ---------------------------------------------------------------------------
+// The one place that says where a shard lives. Everything that needs a local
+// extent or a global offset (distribute, reshard, einsum, checkpoints,
+// printing) asks these two functions.
+
+// Number of shards of dim d: the product of the sizes of the axes splitting it.
+constexpr index_t dim_parts(const rlayout& l, int d, const index_t* axis_sizes) {
+  index_t p = 1;
+  for (int i = 0; i < l.dims[d].n; ++i) p *= axis_sizes[l.dims[d].ax[i]];
+  return p;
+}
+
+struct block {
+  index_t offset;
+  index_t extent;
+};
+
+// The slice of dim d (global extent `global`) held by the rank at `coords`:
+// block index = row-major composite of its coordinates on the splitting axes.
+constexpr block dim_block(const rlayout& l, int d, index_t global, const index_t* axis_sizes, const index_t* coords) {
+  index_t idx = 0, parts = 1;
+  for (int i = 0; i < l.dims[d].n; ++i) {
+    const int a = l.dims[d].ax[i];
+    idx = idx * axis_sizes[a] + coords[a];
+    parts *= axis_sizes[a];
+  }
+  const index_t extent = global / parts;
+  return {idx * extent, extent};
+}
+
+// ---------------------------------------------------------------------------
+// Printing: f32[G{data},S,M] partial{expert}.
+
+template <class T>
+constexpr std::string_view dtype_name() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, double>) return "f64";
+  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
+  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
+  else return "?";
+}
+
+// `labels` names each dim (an einsum term such as "GSM"); when empty the dims
+// print as their extents if `extents` is given, else as d0, d1, ...
+inline std::string notation(const layout_spec& s, int rank, std::string_view dtype, std::string_view labels = {},
+                            const index_t* extents = nullptr) {
+  std::string out(dtype);
+  out += '[';
+  for (int d = 0; d < rank; ++d) {
+    if (d) out += ',';
+    if (d < int(labels.size())) out += labels[std::size_t(d)];
+    else if (extents) out += std::to_string(extents[d]);
+    else out += "d" + std::to_string(d);
+    if (d < max_rank && s.dims[d].n > 0) {
+      out += '{';
+      for (int i = 0; i < s.dims[d].n; ++i) {
+        if (i) out += ',';
+        out += s.dims[d].axes[i].view();
+      }
+      out += '}';
+    }
+  }
+  out += ']';
+  if (s.npartial > 0) {
+    out += " partial{";
+    for (int i = 0; i < s.npartial; ++i) {
+      if (i) out += ',';
+      out += s.partial[i].view();
+    }
+    out += '}';
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// The notation of a sharding type, e.g. to_string<sharding<split<0,"data">>>(3, "GSM") == "[G{data},S,M]".
+template <sharding_type S>
+std::string to_string(int rank, std::string_view labels = {}) {
+  return detail::notation(S::spec, rank, "", labels);
+}
+
+}  // namespace gshard

@@ -1,0 +1,233 @@
+// gshard/tensor.hpp — a sharded tensor: global extents, the bound mesh, and
+// this rank's shard as a row-major Eigen tensor. The sharding is part of the
+// type; where each shard lives is computed by detail::dim_block alone.
+#pragma once
+
+#include <array>
+#include <string>
+#include <unsupported/Eigen/CXX11/Tensor>
+#include <utility>
+
+#include "gshard/detail/copy_box.hpp"
+#include "gshard/error.hpp"
+#include "gshard/mesh.hpp"
+#include "gshard/sharding.hpp"
+
+namespace gshard {
+
+template <class T, int Rank>
+using local_tensor = Eigen::Tensor<T, Rank, Eigen::RowMajor>;
+
+template <int Rank>
+using shape = std::array<index_t, std::size_t(Rank)>;
+
+namespace detail {
+
+// Diagnostics that name the offending value in the compiler's
+// "required from" note.
+template <fixed_string Axis>
+struct axis_not_in_mesh {
+  static_assert(Axis.size() == 0, "gshard::tensor: the sharding names a mesh axis that is not in the mesh (see Axis below)");
+  static constexpr bool ok = true;
+};
+template <int Dim, index_t Extent, index_t Parts>
+struct static_extent_not_divisible {
+  static_assert(Extent % Parts == 0,
+                "gshard::tensor: a static extent is not divisible by the number of shards of its dim (Dim, Extent, Parts below)");
+  static constexpr bool ok = true;
+};
+
+// Checks a sharding against a mesh and a rank; yields its resolved layout.
+template <class Mesh, int Rank, class S>
+struct bind_layout {
+  static_assert(sharding_type<S>, "gshard::tensor: the sharding must be a gshard::sharding<...> or gshard::replicate");
+  static constexpr resolve_result r = resolve(S::spec, Mesh::names);
+  static_assert(axis_not_in_mesh<to_fixed<r.unknown.view().size()>(r.unknown.view())>::ok);
+  static_assert(S::spec.max_split_dim() < Rank, "gshard::tensor: the sharding splits a dim at or beyond the tensor's rank");
+  static constexpr rlayout value = r.layout;
+};
+
+template <class Mesh>
+constexpr index_t static_parts(const rlayout& l, int d) {
+  index_t p = 1;
+  for (int i = 0; i < l.dims[d].n; ++i) {
+    const index_t s = Mesh::static_sizes[std::size_t(l.dims[d].ax[i])];
+    if (s < 0) return -1;
+    p *= s;
+  }
+  return p;
+}
+
+template <class Mesh, int Rank, class S, index_t... E>
+constexpr bool check_static_extents() {
+  constexpr rlayout L = bind_layout<Mesh, Rank, S>::value;
+  if constexpr (sizeof...(E) > 0) {
+    constexpr std::array<index_t, sizeof...(E)> e{E...};
+    [&]<std::size_t... D>(std::index_sequence<D...>) {
+      ((void)static_extent_not_divisible<int(D), (e[D] >= 0 && static_parts<Mesh>(L, int(D)) > 0 ? e[D] : 0),
+                                         (static_parts<Mesh>(L, int(D)) > 0 ? static_parts<Mesh>(L, int(D)) : 1)>::ok,
+       ...);
+    }(std::make_index_sequence<sizeof...(E)>{});
+  }
+  return true;
+}
+
+// Local extents of every dim of a tensor with layout `l` on this rank.
+template <int Rank>
+shape<Rank> local_extents(const rlayout& l, const shape<Rank>& global, const mesh_base& m) {
+  shape<Rank> e{};
+  for (int d = 0; d < Rank; ++d) e[std::size_t(d)] = dim_block(l, d, global[std::size_t(d)], m.sizes(), m.coords()).extent;
+  return e;
+}
+template <int Rank>
+shape<Rank> global_offsets(const rlayout& l, const shape<Rank>& global, const mesh_base& m) {
+  shape<Rank> o{};
+  for (int d = 0; d < Rank; ++d) o[std::size_t(d)] = dim_block(l, d, global[std::size_t(d)], m.sizes(), m.coords()).offset;
+  return o;
+}
+
+template <int Rank>
+std::string extents_string(const shape<Rank>& e) {
+  std::string s = "[";
+  for (int d = 0; d < Rank; ++d) s += (d ? "," : "") + std::to_string(e[std::size_t(d)]);
+  return s + "]";
+}
+
+// Every split dim divisible by its number of shards; the same error on every rank otherwise.
+template <int Rank>
+void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank>& global, const mesh_base& m,
+                     std::string_view dtype) {
+  for (int d = 0; d < Rank; ++d) {
+    const index_t parts = dim_parts(l, d, m.sizes());
+    if (global[std::size_t(d)] < 0 || global[std::size_t(d)] % parts != 0)
+      throw shape_error("gshard::tensor: dim " + std::to_string(d) + " of " +
+                        notation(spec, Rank, dtype, {}, global.data()) + " has extent " +
+                        std::to_string(global[std::size_t(d)]) + ", not divisible into " + std::to_string(parts) +
+                        " shards over {" + m.label(axis_set(l.dims[d])) + "} of " + m.describe());
+  }
+}
+
+}  // namespace detail
+
+// tensor<float, 3, grid, sharding<split<0, "data">>> — f32[G{data},S,M].
+// Optional static extents (gshard::dynamic for a dynamic one) are checked
+// against the mesh at compile time where both are static.
+template <class T, int Rank, mesh_type Mesh, class Sharding, index_t... StaticExtents>
+class tensor {
+  static_assert(Rank >= 0 && Rank <= max_rank, "gshard::tensor: the rank is 0 to gshard::max_rank");
+  static_assert(sizeof...(StaticExtents) == 0 || sizeof...(StaticExtents) == std::size_t(Rank),
+                "gshard::tensor: give no static extents, or one per dim (gshard::dynamic where unknown)");
+
+ public:
+  using value_type = T;
+  using mesh_type = Mesh;
+  using sharding_type = Sharding;
+  using local_type = local_tensor<T, Rank>;
+  using extents_type = shape<Rank>;
+  static constexpr int rank = Rank;
+  static constexpr detail::rlayout layout = detail::bind_layout<Mesh, Rank, Sharding>::value;
+  static_assert(detail::check_static_extents<Mesh, Rank, Sharding, StaticExtents...>());
+
+  // Zero-filled shards of a tensor of global `extents`.
+  tensor(const Mesh& m, const extents_type& global) : mesh_(&m), extents_(global) {
+    validate();
+    local_ = local_type(local_extents());
+    local_.setZero();
+  }
+
+  // From this rank's shard; its extents must be the ones dim_block gives.
+  tensor(const Mesh& m, const extents_type& global, local_type local)
+      : mesh_(&m), extents_(global), local_(std::move(local)) {
+    validate();
+    const extents_type want = local_extents();
+    for (int d = 0; d < Rank; ++d)
+      if (local_.dimension(d) != want[std::size_t(d)]) {
+        extents_type got{};
+        for (int k = 0; k < Rank; ++k) got[std::size_t(k)] = local_.dimension(k);
+        throw shape_error("gshard::tensor: rank " + std::to_string(m.rank()) + " was given a local shard of extents " +
+                          detail::extents_string<Rank>(got) + " but " + notation() + " places " +
+                          detail::extents_string<Rank>(want) + " there");
+      }
+  }
+
+  const Mesh& mesh() const { return *mesh_; }
+  const extents_type& extents() const { return extents_; }
+  index_t extent(int d) const { return extents_[std::size_t(d)]; }
+  index_t size() const {
+    index_t n = 1;
+    for (index_t e : extents_) n *= e;
+    return n;
+  }
+  local_type& local() { return local_; }
+  const local_type& local() const { return local_; }
+  T* data() { return local_.data(); }
+  const T* data() const { return local_.data(); }
+
+  extents_type local_extents() const { return detail::local_extents<Rank>(layout, extents_, *mesh_); }
+  // Global index of this shard's first element along each dim.
+  extents_type offsets() const { return detail::global_offsets<Rank>(layout, extents_, *mesh_); }
+
+  // "f32[8{data},16,512]", or with labels "f32[G{data},S,M]".
+  std::string notation(std::string_view labels = {}) const {
+    return detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), labels, extents_.data());
+  }
+
+ private:
+  void validate() const {
+    if constexpr (sizeof...(StaticExtents) > 0) {
+      constexpr extents_type fixed{StaticExtents...};
+      for (int d = 0; d < Rank; ++d)
+        if (fixed[std::size_t(d)] != dynamic && fixed[std::size_t(d)] != extents_[std::size_t(d)])
+          throw shape_error("gshard::tensor: dim " + std::to_string(d) + " has static extent " +
+                            std::to_string(fixed[std::size_t(d)]) + " but was given " +
+                            std::to_string(extents_[std::size_t(d)]));
+    }
+    detail::check_divisible<Rank>(layout, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>());
+  }
+
+  const Mesh* mesh_;
+  extents_type extents_;
+  local_type local_;
+};
+
+namespace detail {
+template <class X>
+struct is_tensor : std::false_type {};
+template <class T, int R, class M, class S, index_t... E>
+struct is_tensor<tensor<T, R, M, S, E...>> : std::true_type {};
+
+template <int Rank, class Derived>
+shape<Rank> dims_of(const Eigen::TensorBase<Derived, Eigen::ReadOnlyAccessors>& t) {
+  const auto& d = static_cast<const Derived&>(t).dimensions();
+  shape<Rank> e{};
+  for (int k = 0; k < Rank; ++k) e[std::size_t(k)] = d[k];
+  return e;
+}
+}  // namespace detail
+
+template <class X>
+concept sharded_tensor = detail::is_tensor<std::remove_cvref_t<X>>::value;
+
+// The same tensor type with another sharding.
+template <sharded_tensor X, class S>
+using with_sharding = tensor<typename X::value_type, X::rank, typename X::mesh_type, S>;
+
+// Every rank slices its own shard of `global` (which every rank holds); no
+// communication. For a partial sharding, coordinate 0 of each partial axis
+// holds the value and the others hold zeros.
+template <class Sharding, mesh_type Mesh, class T, int Rank>
+tensor<T, Rank, Mesh, Sharding> distribute(const Mesh& m, const local_tensor<T, Rank>& global) {
+  using out_t = tensor<T, Rank, Mesh, Sharding>;
+  const shape<Rank> g = detail::dims_of<Rank>(global);
+  out_t out(m, g);
+  bool zero = false;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (out_t::layout.is_partial(a) && m.coord(a) != 0) zero = true;
+  if (zero || out.local().size() == 0) return out;
+  const shape<Rank> le = out.local_extents(), off = out.offsets();
+  const shape<Rank> zero_off{};
+  detail::copy_box(global.data(), g.data(), off.data(), out.data(), le.data(), zero_off.data(), le.data(), Rank);
+  return out;
+}
+
+}  // namespace gshard

@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Run an MPI program that must fail: require a non-zero exit well inside the
+timeout and the expected text (rank and message) in its output.
+
+usage: expect_abort.py TIMEOUT_SECONDS EXPECTED_TEXT [EXPECTED_TEXT...] -- MPIEXEC [ARGS...]
+"""
+import subprocess
+import sys
+import time
+
+
+def main() -> int:
+    sep = sys.argv.index("--")
+    timeout = float(sys.argv[1])
+    expected = sys.argv[2:sep]
+    cmd = sys.argv[sep + 1:]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = None, (e.stdout or b"").decode() + (e.stderr or b"").decode()
+    took = time.monotonic() - start
+    missing = [e for e in expected if e not in out]
+    ok = code not in (None, 0) and not missing
+    print(f"exit code {code} after {took:.1f} s (limit {timeout:.0f} s)")
+    for e in missing:
+        print(f"missing text: {e!r}")
+    if not ok:
+        print(out[-4000:])
+    print(f"gshard-test-summary: passed={int(ok)} failed={int(not ok)} ranks=0")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

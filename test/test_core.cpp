@@ -1,0 +1,282 @@
+// Mesh binding, sharding types, tensors, distribute/gather/scatter, the raw
+// and the typed collectives, and the errors users see. Every result is
+// compared with the global tensor every rank builds from the same values.
+#include <gshard/gshard.hpp>
+
+#include <numeric>
+#include <sstream>
+
+#include "testing.hpp"
+
+using namespace gshard;
+using gshard::testing::world_rank;
+using gshard::testing::world_size;
+
+// ---------------------------------------------------------------------------
+// Sharding types are canonical (these run in the compiler).
+static_assert(std::is_same_v<sharding<partial<"y", "x">>, sharding<partial<"x", "y">>>);
+static_assert(std::is_same_v<sharding<split<1, "a">, split<0, "b">>, sharding<split<0, "b">, split<1, "a">>>);
+static_assert(std::is_same_v<sharding<mesh_split<"data", "", "model,expert">>,
+                             sharding<split<0, "data">, split<2, "model", "expert">>>);
+static_assert(std::is_same_v<sharding<>, replicate>);
+static_assert(!std::is_same_v<sharding<split<0, "x", "y">>, sharding<split<0, "y", "x">>>);
+// Regression: GCC 12 once made these one type (see detail::canonical).
+static_assert(!std::is_same_v<sharding<split<0, "x">>, sharding<split<1, "x">>>);
+static_assert(!std::is_same_v<sharding<split<1, "x">, split<0, "y">>, sharding<split<0, "x">, split<1, "y">>>);
+
+using dyn1 = mesh<axis<"x">>;
+using dyn2 = mesh<axis<"x">, axis<"y">>;
+
+namespace {
+template <class T, int R>
+local_tensor<T, R> arange(const shape<R>& e) {
+  local_tensor<T, R> t(e);
+  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = T(i + 1);
+  return t;
+}
+template <class T, int R>
+bool equal(const local_tensor<T, R>& a, const local_tensor<T, R>& b) {
+  if (a.dimensions() != b.dimensions()) return false;
+  for (index_t i = 0; i < a.size(); ++i)
+    if (a.data()[i] != b.data()[i]) return false;
+  return true;
+}
+// The shard a rank must hold, cut from the global tensor by the library's one placement function.
+template <class X>
+local_tensor<typename X::value_type, X::rank> expected_shard(const X& x, const local_tensor<typename X::value_type, X::rank>& g) {
+  local_tensor<typename X::value_type, X::rank> out(x.local_extents());
+  const auto off = x.offsets();
+  const auto le = x.local_extents();
+  const shape<X::rank> zero{};
+  detail::copy_box(g.data(), x.extents().data(), off.data(), out.data(), le.data(), zero.data(), le.data(), X::rank);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("mesh binds to the world with row-major coordinates", "[mesh]") {
+  const int P = world_size();
+  dyn1 m1(MPI_COMM_WORLD);
+  GSHARD_REQUIRE(m1.size(0) == P && m1.coord(0) == world_rank() && m1.nranks() == P);
+  GSHARD_REQUIRE(m1.group<"x">().size == P && m1.group<"x">().rank == world_rank());
+
+  dyn2 m2(MPI_COMM_WORLD, {1, P});
+  GSHARD_REQUIRE(m2.coord(0) == 0 && m2.coord(1) == world_rank());
+  GSHARD_REQUIRE(m2.group<"y">().size == P && m2.group<"x">().size == 1);
+  GSHARD_REQUIRE(m2.group<"x", "y">().size == P && m2.group<"x", "y">().label == "x,y");
+  GSHARD_REQUIRE(m2.rank_of(m2.coords()) == world_rank());
+  GSHARD_REQUIRE(m2.describe() == "mesh(x=1, y=" + std::to_string(P) + ")");
+
+  if (P == 4 || P == 8) {
+    dyn2 m(MPI_COMM_WORLD, {2, P / 2});
+    GSHARD_REQUIRE(m.coord(0) == world_rank() / (P / 2) && m.coord(1) == world_rank() % (P / 2));
+    GSHARD_REQUIRE(m.group<"x">().rank == m.coord(0) && m.group<"y">().rank == m.coord(1));
+    GSHARD_REQUIRE(m.group<"x">().size == 2 && m.group<"y">().size == P / 2);
+  }
+  // A static axis next to a dynamic one: the dynamic size is inferred.
+  mesh<axis<"data", 1>, axis<"expert">> m3(MPI_COMM_WORLD);
+  GSHARD_REQUIRE(m3.size(1) == P);
+}
+
+TEST_CASE("binding a mesh of the wrong size throws on every rank, naming both numbers", "[mesh][errors]") {
+  const int P = world_size();
+  using nine = mesh<axis<"data", 3>, axis<"expert", 3>>;
+  GSHARD_REQUIRE_THROWS_WITH(nine(MPI_COMM_WORLD), mesh_error,
+                             "needs 9 ranks but the communicator has " + std::to_string(P));
+  GSHARD_REQUIRE_THROWS_WITH(dyn2(MPI_COMM_WORLD), mesh_error, "2 axes have dynamic size");
+  GSHARD_REQUIRE_THROWS_WITH((dyn2(MPI_COMM_WORLD, {P, 2})), mesh_error,
+                             "needs " + std::to_string(2 * P) + " ranks but the communicator has " + std::to_string(P));
+  if (P == 3) {  // a static axis of 2 leaves no size for the dynamic one
+    using half = mesh<axis<"data", 2>, axis<"expert">>;
+    GSHARD_REQUIRE_THROWS_WITH(half(MPI_COMM_WORLD), mesh_error, "does not divide the communicator's 3 ranks");
+  }
+}
+
+TEST_CASE("with_mesh picks the compile-time mesh that fits the world", "[mesh]") {
+  const int P = world_size();
+  using m1 = mesh<axis<"data", 1>>;
+  using m2 = mesh<axis<"data", 2>>;
+  using m4 = mesh<axis<"data", 2>, axis<"expert", 2>>;
+  using m8 = mesh<axis<"data", 2>, axis<"expert", 4>>;
+  if (P == 3) {
+    GSHARD_REQUIRE_THROWS_WITH((with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [](const auto&) { return 0; })), mesh_error,
+                               "no mesh fits 3 ranks; this program supports 1, 2, 4, 8");
+  } else {
+    const int axes = with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [&](const auto& m) { return m.naxes() * 100 + m.nranks(); });
+    const int want = (P <= 2 ? 100 : 200) + P;
+    GSHARD_REQUIRE(axes == want);
+  }
+}
+
+TEST_CASE("tensor shards: extents, offsets, notation, and the divisibility error", "[tensor]") {
+  const int P = world_size();
+  dyn2 m(MPI_COMM_WORLD, {1, P});
+  using S = sharding<split<1, "y">, partial<"x">>;
+  tensor<float, 3, dyn2, S> t(m, {2, 3 * P, 5});
+  GSHARD_REQUIRE(t.local_extents() == (shape<3>{2, 3, 5}));
+  GSHARD_REQUIRE(t.offsets() == (shape<3>{0, 3 * index_t(world_rank()), 0}));
+  GSHARD_REQUIRE(t.notation() == "f32[2," + std::to_string(3 * P) + "{y},5] partial{x}");
+  GSHARD_REQUIRE(t.notation("GSM") == "f32[G,S{y},M] partial{x}");
+  GSHARD_REQUIRE((to_string<sharding<split<0, "data", "expert">>>(3, "GSM") == "[G{data,expert},S,M]"));
+
+  if (P > 1) {
+    const std::string want = "gshard::tensor: dim 1 of f32[2," + std::to_string(3 * P + 1) + "{y},5] partial{x} has extent " +
+                             std::to_string(3 * P + 1) + ", not divisible into " + std::to_string(P) + " shards over {y}";
+    GSHARD_REQUIRE_THROWS_WITH((tensor<float, 3, dyn2, S>(m, {2, 3 * P + 1, 5})), shape_error, want);
+  }
+  // A local shard of the wrong extents is refused.
+  GSHARD_REQUIRE_THROWS_WITH((tensor<float, 3, dyn2, S>(m, {2, 3 * P, 5}, local_tensor<float, 3>(2, 4, 5))), shape_error,
+                             "was given a local shard of extents [2,4,5]");
+  // Static extents are checked against the run-time ones.
+  using M4 = tensor<float, 2, dyn1, sharding<split<0, "x">>, dynamic, 4>;
+  GSHARD_REQUIRE_THROWS_WITH(M4(dyn1(MPI_COMM_WORLD), {index_t(P), 5}), shape_error, "dim 1 has static extent 4 but was given 5");
+}
+
+TEST_CASE("distribute, gather, gather_to_root and scatter round-trip the global tensor", "[tensor]") {
+  const int P = world_size();
+  dyn2 m(MPI_COMM_WORLD, {P, 1});
+  const auto g = arange<double, 3>({2 * P, 3, 4});
+  using S = sharding<split<0, "x">, split<2, "y">>;
+  auto t = distribute<S>(m, g);
+  GSHARD_REQUIRE(equal(t.local(), expected_shard(t, g)));
+  GSHARD_REQUIRE(equal(gather(t), g));
+  const auto r = gather_to_root(t);
+  GSHARD_REQUIRE(world_rank() == 0 ? equal(r, g) : r.size() == 0);
+
+  local_tensor<double, 3> only_root = world_rank() == 0 ? g : local_tensor<double, 3>();
+  collective_recorder rec;
+  auto s = scatter<S>(m, only_root);
+  GSHARD_REQUIRE(rec.calls(collective::scatter) == 1);
+  GSHARD_REQUIRE(equal(s.local(), t.local()));
+
+  // Partial: distribute puts the value on coordinate 0; gather sums it back.
+  using Q = sharding<partial<"x">>;
+  auto q = distribute<Q>(m, g);
+  GSHARD_REQUIRE(equal(gather(q), g));
+  GSHARD_REQUIRE(equal(gather_to_root(q), world_rank() == 0 ? g : local_tensor<double, 3>()));
+  auto qs = scatter<Q>(m, only_root);
+  GSHARD_REQUIRE(equal(gather(qs), g));
+
+  // Scatter refuses extents that do not divide, on every rank alike.
+  if (P > 1) {
+    local_tensor<double, 3> bad = world_rank() == 0 ? arange<double, 3>({2 * P + 1, 3, 4}) : local_tensor<double, 3>();
+    GSHARD_REQUIRE_THROWS_WITH(scatter<S>(m, bad), shape_error, "not divisible");
+  }
+}
+
+TEST_CASE("raw collectives compute what MPI defines and are counted", "[collectives]") {
+  const int P = world_size(), r = world_rank();
+  dyn1 m(MPI_COMM_WORLD);
+  const auto& g = m.group<"x">();
+  collective_recorder rec;
+
+  std::vector<double> v(5, double(r + 1));
+  all_reduce<double>(g, v);
+  GSHARD_REQUIRE(v[4] == P * (P + 1) / 2.0);
+
+  std::vector<float> send(3, float(r)), recv(3 * std::size_t(P));
+  all_gather<float>(g, send, recv);
+  bool ok = true;
+  for (int q = 0; q < P; ++q) ok = ok && recv[std::size_t(3 * q + 2)] == float(q);
+  GSHARD_REQUIRE(ok);
+
+  std::vector<double> rs_in(2 * std::size_t(P)), rs_out(2);
+  for (std::size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = double(i);
+  reduce_scatter<double>(g, rs_in, rs_out);
+  GSHARD_REQUIRE(rs_out[0] == double(2 * r) * P && rs_out[1] == double(2 * r + 1) * P);
+
+  std::vector<double> a2a_in(static_cast<std::size_t>(P)), a2a_out(static_cast<std::size_t>(P));
+  for (int j = 0; j < P; ++j) a2a_in[std::size_t(j)] = 100.0 * r + j;  // to rank j
+  all_to_all<double>(g, a2a_in, a2a_out);
+  ok = true;
+  for (int i = 0; i < P; ++i) ok = ok && a2a_out[std::size_t(i)] == 100.0 * i + r;
+  GSHARD_REQUIRE(ok);
+
+  std::vector<double> b(4, double(r));
+  broadcast<double>(g, b, P - 1);
+  GSHARD_REQUIRE(b[3] == double(P - 1));
+
+  std::vector<double> ps{double(r)}, pr{-1.0};
+  permute<double>(g, ps, (r + 1) % P, pr, (r + P - 1) % P);
+  GSHARD_REQUIRE(pr[0] == double((r + P - 1) % P));
+
+  // Zero-size buffers are fine.
+  std::vector<double> none;
+  all_reduce<double>(g, none);
+  all_gather<double>(g, none, none);
+  all_to_all<double>(g, none, none);
+  reduce_scatter<double>(g, none, none);
+
+  const auto ev = rec.events();
+  GSHARD_REQUIRE(ev.size() == 10);
+  GSHARD_REQUIRE((ev[0] == collective_event{collective::all_reduce, "x", 5 * sizeof(double)}));
+  GSHARD_REQUIRE((ev[1] == collective_event{collective::all_gather, "x", 3 * sizeof(float)}));
+  GSHARD_REQUIRE((ev[2] == collective_event{collective::reduce_scatter, "x", 2 * std::size_t(P) * sizeof(double)}));
+  GSHARD_REQUIRE(ev[3].kind == collective::all_to_all && ev[4].kind == collective::broadcast && ev[5].kind == collective::permute);
+  GSHARD_REQUIRE(rec.calls(collective::all_reduce, "x") == 2 && rec.bytes(collective::all_to_all) == std::size_t(P) * sizeof(double));
+
+  // Mismatched buffers are refused before MPI sees them.
+  std::vector<double> small(1);
+  GSHARD_REQUIRE_THROWS_WITH(all_gather<double>(g, v, small), shape_error,
+                             P == 1 ? "buffers of 5 and 1" : "do not fit a group of");
+}
+
+TEST_CASE("typed collectives: one collective each, the sharding type follows", "[collectives][reshard]") {
+  const int P = world_size();
+  dyn2 m(MPI_COMM_WORLD, {P, 1});
+  const auto g = arange<double, 2>({2 * P, 3 * P});
+  using S0 = sharding<split<0, "x">>;
+  auto t = distribute<S0>(m, g);
+
+  collective_recorder rec;
+  auto full = all_gather<"x">(t);
+  static_assert(std::is_same_v<decltype(full)::sharding_type, replicate>);
+  GSHARD_REQUIRE(equal(full.local(), g));
+
+  auto moved = all_to_all<"x", 1>(t);
+  static_assert(std::is_same_v<decltype(moved)::sharding_type, sharding<split<1, "x">>>);
+  GSHARD_REQUIRE(equal(moved.local(), expected_shard(moved, g)));
+
+  auto p = distribute<sharding<partial<"x">>>(m, g);
+  auto summed = all_reduce<"x">(p);
+  static_assert(std::is_same_v<decltype(summed)::sharding_type, replicate>);
+  GSHARD_REQUIRE(equal(summed.local(), g));
+
+  auto scattered = reduce_scatter<"x", 1>(p);
+  static_assert(std::is_same_v<decltype(scattered)::sharding_type, sharding<split<1, "x">>>);
+  GSHARD_REQUIRE(equal(scattered.local(), expected_shard(scattered, g)));
+
+  auto rep = distribute<replicate>(m, g);
+  if (world_rank() != 0) rep.local().setZero();
+  auto b = broadcast<"x">(rep, 0);
+  GSHARD_REQUIRE(equal(b.local(), g));
+
+  const auto ev = rec.events();
+  GSHARD_REQUIRE(ev.size() == 5);
+  GSHARD_REQUIRE(ev[0].kind == collective::all_gather && ev[1].kind == collective::all_to_all &&
+                 ev[2].kind == collective::all_reduce && ev[3].kind == collective::reduce_scatter &&
+                 ev[4].kind == collective::broadcast);
+}
+
+TEST_CASE("reshard plans print their steps", "[reshard]") {
+  using grid = mesh<axis<"data", 2>, axis<"expert", 4>>;
+  using by_group = sharding<split<1, "data", "expert">>;   // EGCM split over G
+  using by_expert = sharding<split<0, "expert">, split<1, "data">>;
+  using plan = reshard_plan<grid, 4, by_group, by_expert>;
+  static_assert(plan::steps.n == 1 && plan::steps.step[0].kind == step_kind::all_to_all);
+  std::ostringstream os;
+  os << plan{};
+  GSHARD_REQUIRE(os.str() == "reshard [d0,d1{data,expert},d2,d3] -> [d0{expert},d1{data},d2,d3]\n"
+                             "  1. all_to_all over expert: d1 -> d0   [d0{expert},d1{data},d2,d3]\n");
+  GSHARD_REQUIRE(plan::describe("EGCM", "f32") ==
+                 "reshard f32[E,G{data,expert},C,M] -> f32[E{expert},G{data},C,M]\n"
+                 "  1. all_to_all over expert: G -> E   f32[E{expert},G{data},C,M]\n");
+  using same = reshard_plan<grid, 2, by_group, by_group>;
+  GSHARD_REQUIRE(same::describe() == "reshard [d0,d1{data,expert}] -> [d0,d1{data,expert}]\n  (no steps: the shardings are equal)\n");
+  if (world_size() == 8) {
+    grid g(MPI_COMM_WORLD);
+    const std::string d = plan::describe<float>(g, {8, 8, 4, 16}, "EGCM");
+    GSHARD_REQUIRE(d == "reshard f32[E,G{data,expert},C,M] -> f32[E{expert},G{data},C,M] on mesh(data=2, expert=4)\n"
+                        "  1. all_to_all over expert: G -> E   f32[E{expert},G{data},C,M]   2048 B/rank\n");
+    GSHARD_REQUIRE(d.find("2048 B/rank") != std::string::npos);  // 8*1*4*16 floats
+  }
+}
