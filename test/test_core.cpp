@@ -241,6 +241,13 @@ TEST_CASE("typed collectives: one collective each, the sharding type follows", "
   static_assert(std::is_same_v<decltype(summed)::sharding_type, replicate>);
   GSHARD_REQUIRE(equal(summed.local(), g));
 
+  // An rvalue is reduced in place, with the same collective.
+  auto p2 = distribute<sharding<partial<"x">>>(m, g);
+  const double* before = p2.data();
+  auto summed2 = all_reduce<"x">(std::move(p2));
+  GSHARD_REQUIRE(equal(summed2.local(), g));
+  GSHARD_REQUIRE(summed2.data() == before);
+
   auto scattered = reduce_scatter<"x", 1>(p);
   static_assert(std::is_same_v<decltype(scattered)::sharding_type, sharding<split<1, "x">>>);
   GSHARD_REQUIRE(equal(scattered.local(), expected_shard(scattered, g)));
@@ -251,10 +258,10 @@ TEST_CASE("typed collectives: one collective each, the sharding type follows", "
   GSHARD_REQUIRE(equal(b.local(), g));
 
   const auto ev = rec.events();
-  GSHARD_REQUIRE(ev.size() == 5);
+  GSHARD_REQUIRE(ev.size() == 6);
   GSHARD_REQUIRE(ev[0].kind == collective::all_gather && ev[1].kind == collective::all_to_all &&
-                 ev[2].kind == collective::all_reduce && ev[3].kind == collective::reduce_scatter &&
-                 ev[4].kind == collective::broadcast);
+                 ev[2].kind == collective::all_reduce && ev[3].kind == collective::all_reduce &&
+                 ev[4].kind == collective::reduce_scatter && ev[5].kind == collective::broadcast);
 }
 
 TEST_CASE("reshard plans print their steps", "[reshard]") {

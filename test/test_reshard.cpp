@@ -143,10 +143,15 @@ struct tally {
 std::string show(const rlayout& l, const detail::mesh_base& m, int rank) {
   std::string s = "[";
   for (int d = 0; d < rank; ++d) {
-    s += (d ? "," : "") + std::string("d") + std::to_string(d);
+    if (d) s += ',';
+    s += 'd';
+    s += std::to_string(d);
     if (l.dims[d].n) {
       s += "{";
-      for (int i = 0; i < l.dims[d].n; ++i) s += (i ? "," : "") + std::string(m.axis_name(l.dims[d].ax[i]));
+      for (int i = 0; i < l.dims[d].n; ++i) {
+        if (i) s += ',';
+        s += m.axis_name(l.dims[d].ax[i]);
+      }
       s += "}";
     }
   }

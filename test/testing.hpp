@@ -32,7 +32,8 @@ inline verdict agree(bool ok, const std::string& detail = {}) {
     if (!oks[std::size_t(r)]) {
       v.all = false;
       if (first < 0) first = r;
-      ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      if (!ranks.empty()) ranks += ',';
+      ranks += std::to_string(r);
     }
   if (v.all) return v;
   // Share the first failing rank's detail with everyone.

@@ -33,6 +33,16 @@ void all_reduce(const detail::axis_group& g, std::span<T> data) {
              "MPI_Allreduce");
 }
 
+// recv = sum over the group of send (out of place).
+template <class T>
+void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+  detail::require_size(send.size() == recv.size(), "all_reduce", g, send.size(), recv.size());
+  count_collective(collective::all_reduce, g.label, send.size_bytes());
+  mpi::check(MPI_Allreduce(send.data(), recv.data(), mpi::count(send.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
+                           g.comm),
+             "MPI_Allreduce");
+}
+
 // recv = concat over group ranks r of send(r); recv.size() == send.size() * g.size.
 template <class T>
 void all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {

@@ -12,6 +12,9 @@
 #include <mpi.h>
 
 #include <climits>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -103,6 +106,17 @@ class environment {
     check(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     previous_ = std::set_terminate(detail::terminate_handler);
+#if defined(__GLIBC__)
+    // Tensors are values: every reshard or einsum returns fresh storage. By
+    // default glibc maps large blocks with mmap and unmaps them on free, so
+    // each new tensor pays a page fault per 4 KiB (~10 us each here). Keep
+    // freed memory in the heap instead, so repeated shapes reuse warm pages.
+    // GSHARD_MALLOC_DEFAULTS=1 keeps glibc's defaults.
+    if (!std::getenv("GSHARD_MALLOC_DEFAULTS")) {
+      mallopt(M_MMAP_THRESHOLD, 1 << 30);
+      mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    }
+#endif
 #if defined(GSHARD_USE_OPENBLAS)
     // One BLAS thread per rank unless the user asked otherwise.
     if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);

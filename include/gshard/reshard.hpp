@@ -72,7 +72,7 @@ void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, 
 // Runs one step; `before` is the layout of `in`, and the result has `after`.
 template <class T, int Rank>
 local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
-                               local_tensor<T, Rank>&& in, const shape<Rank>& global) {
+                               const local_tensor<T, Rank>& in, const shape<Rank>& global) {
   const shape<Rank> e = local_extents<Rank>(before, global, m);
   const shape<Rank> eo = local_extents<Rank>(after, global, m);
   const std::size_t n = std::size_t(product<Rank>(e));
@@ -117,8 +117,9 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
       return out;
     }
     case step_kind::all_reduce: {  // partial{x} |-> replicated on x
-      all_reduce<T>(m.group(1u << s.axis), {in.data(), n});
-      return std::move(in);
+      local_tensor<T, Rank> out(eo);
+      all_reduce<T>(m.group(1u << s.axis), {in.data(), n}, {out.data(), n});
+      return out;
     }
     case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
       const axis_group& g = m.group(1u << s.axis);
@@ -135,8 +136,10 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
       return out;
     }
     case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
-      if (m.coord(s.axis) != 0) in.setZero();
-      return std::move(in);
+      local_tensor<T, Rank> out(eo);
+      if (m.coord(s.axis) != 0) out.setZero();
+      else out = in;
+      return out;
     }
     case step_kind::permute: {  // same blocks, other ranks
       const axis_group& g = m.group((1u << m.naxes()) - 1u);
@@ -155,23 +158,42 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
       return out;
     }
   }
-  return std::move(in);
+  return in;
 }
 
+// Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
+// work in place, the other steps write a fresh shard.
 template <class T, int Rank>
-local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank> local,
+local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
+                                      const shape<Rank>& global, int first = 0) {
+  for (int i = first; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    if (s.kind == step_kind::all_reduce) {
+      all_reduce<T>(m.group(1u << s.axis), std::span<T>(local.data(), std::size_t(local.size())));
+    } else if (s.kind == step_kind::zero_partial) {
+      if (m.coord(s.axis) != 0) local.setZero();
+    } else {
+      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global);
+    }
+  }
+  return std::move(local);
+}
+
+// Runs a plan on a shard it only reads: the first step writes a fresh shard.
+template <class T, int Rank>
+local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
                                       const shape<Rank>& global) {
-  for (int i = 0; i < p.n; ++i) local = run_step<T, Rank>(m, p.step[i], p.state[i], p.state[i + 1], std::move(local), global);
-  return local;
+  if (p.n == 0) return local;
+  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
 }
 
 // Plans at run time with the mesh's real sizes, then executes: for layouts
 // that exist only at run time (the exhaustive tests).
 template <class T, int Rank>
-local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, const rlayout& to, local_tensor<T, Rank> local,
-                                      const shape<Rank>& global) {
+local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, const rlayout& to,
+                                      const local_tensor<T, Rank>& local, const shape<Rank>& global) {
   const reshard_steps p = plan_reshard(from, to, m.naxes(), m.sizes());
-  return execute_reshard<T, Rank>(m, p, std::move(local), global);
+  return execute_reshard<T, Rank>(m, p, local, global);
 }
 
 template <std::size_t N>
@@ -180,7 +202,11 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
                            std::size_t elem_bytes = 0) {
   std::string out;
   if (p.n == 0) return "  (no steps: the shardings are equal)\n";
-  auto dim_name = [&](int d) { return d < int(labels.size()) ? std::string(1, labels[std::size_t(d)]) : "d" + std::to_string(d); };
+  auto dim_name = [&](int d) {
+    std::string n(1, d < int(labels.size()) ? labels[std::size_t(d)] : 'd');
+    if (d >= int(labels.size())) n += std::to_string(d);
+    return n;
+  };
   for (int i = 0; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
     out += "  " + std::to_string(i + 1) + ". " + std::string(name_of(s.kind));
@@ -231,15 +257,21 @@ struct reshard_plan {
 };
 
 // The same global tensor with sharding To. Communication as the plan says.
-template <class To, sharded_tensor X>
-with_sharding<X, To> reshard(const X& x) {
-  using plan = reshard_plan<typename X::mesh_type, X::rank, typename X::sharding_type, To>;
-  using T = typename X::value_type;
-  if constexpr (plan::steps.n == 0) {
-    return with_sharding<X, To>(x.mesh(), x.extents(), x.local());
+// Given an rvalue, reuses its storage where a step allows (an all_reduce
+// then runs in place).
+template <class To, class X>
+  requires sharded_tensor<X>
+auto reshard(X&& x) {
+  using Y = std::remove_cvref_t<X>;
+  using out_t = with_sharding<Y, To>;
+  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
+  using T = typename Y::value_type;
+  const auto& mesh = x.mesh();
+  const auto extents = x.extents();
+  if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
+    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {
-    return with_sharding<X, To>(
-        x.mesh(), x.extents(), detail::execute_reshard<T, X::rank>(x.mesh(), plan::steps, x.local(), x.extents()));
+    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, x.local(), extents));
   }
 }
 
@@ -258,8 +290,10 @@ constexpr bool is_single_step() {
 }  // namespace detail
 
 // partial{Axis} |-> replicated on Axis: one all_reduce.
-template <fixed_string Axis, sharded_tensor X>
-auto all_reduce(const X& x) {
+template <fixed_string Axis, class Xr>
+  requires sharded_tensor<Xr>
+auto all_reduce(Xr&& x) {
+  using X = std::remove_cvref_t<Xr>;
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_reduce: the axis is not in the tensor's mesh");
   static_assert(a < 0 || X::layout.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
@@ -271,13 +305,15 @@ auto all_reduce(const X& x) {
   constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
   using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
   static_assert(detail::is_single_step<X, step_kind::all_reduce, target_t>());
-  return reshard<target_t>(x);
+  return reshard<target_t>(std::forward<Xr>(x));
 }
 
 // (.., d{..,Axis}, ..) |-> (.., d{..}, ..): one all_gather. Axis must be the
 // minor-most axis splitting its dim.
-template <fixed_string Axis, sharded_tensor X>
-auto all_gather(const X& x) {
+template <fixed_string Axis, class Xr>
+  requires sharded_tensor<Xr>
+auto all_gather(Xr&& x) {
+  using X = std::remove_cvref_t<Xr>;
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_gather: the axis is not in the tensor's mesh");
   constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
@@ -292,12 +328,14 @@ auto all_gather(const X& x) {
   constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
   using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
   static_assert(detail::is_single_step<X, step_kind::all_gather, target_t>());
-  return reshard<target_t>(x);
+  return reshard<target_t>(std::forward<Xr>(x));
 }
 
 // partial{Axis} |-> (.., Dim{.., Axis}, ..): one reduce_scatter.
-template <fixed_string Axis, int Dim, sharded_tensor X>
-auto reduce_scatter(const X& x) {
+template <fixed_string Axis, int Dim, class Xr>
+  requires sharded_tensor<Xr>
+auto reduce_scatter(Xr&& x) {
+  using X = std::remove_cvref_t<Xr>;
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::reduce_scatter: the axis is not in the tensor's mesh");
   static_assert(a < 0 || X::layout.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
@@ -311,12 +349,14 @@ auto reduce_scatter(const X& x) {
   constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
   using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
   static_assert(detail::is_single_step<X, step_kind::reduce_scatter, target_t>());
-  return reshard<target_t>(x);
+  return reshard<target_t>(std::forward<Xr>(x));
 }
 
 // (.., a{..,Axis}, .., Dim{..}, ..) |-> (.., a{..}, .., Dim{..,Axis}, ..): one all_to_all.
-template <fixed_string Axis, int Dim, sharded_tensor X>
-auto all_to_all(const X& x) {
+template <fixed_string Axis, int Dim, class Xr>
+  requires sharded_tensor<Xr>
+auto all_to_all(Xr&& x) {
+  using X = std::remove_cvref_t<Xr>;
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_to_all: the axis is not in the tensor's mesh");
   constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
@@ -333,7 +373,7 @@ auto all_to_all(const X& x) {
   constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
   using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
   static_assert(detail::is_single_step<X, step_kind::all_to_all, target_t>());
-  return reshard<target_t>(x);
+  return reshard<target_t>(std::forward<Xr>(x));
 }
 
 // Every rank along Axis takes the shard of coordinate `root`: one broadcast.

@@ -448,7 +448,10 @@ inline std::string notation(const layout_spec& s, int rank, std::string_view dty
     if (d) out += ',';
     if (d < int(labels.size())) out += labels[std::size_t(d)];
     else if (extents) out += std::to_string(extents[d]);
-    else out += "d" + std::to_string(d);
+    else {
+      out += 'd';
+      out += std::to_string(d);
+    }
     if (d < max_rank && s.dims[d].n > 0) {
       out += '{';
       for (int i = 0; i < s.dims[d].n; ++i) {

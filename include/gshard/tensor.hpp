@@ -89,7 +89,10 @@ shape<Rank> global_offsets(const rlayout& l, const shape<Rank>& global, const me
 template <int Rank>
 std::string extents_string(const shape<Rank>& e) {
   std::string s = "[";
-  for (int d = 0; d < Rank; ++d) s += (d ? "," : "") + std::to_string(e[std::size_t(d)]);
+  for (int d = 0; d < Rank; ++d) {
+    if (d) s += ',';
+    s += std::to_string(e[std::size_t(d)]);
+  }
   return s + "]";
 }
 
