@@ -9,10 +9,14 @@
 #include <functional>
 #include <map>
 
+#include "layouts.hpp"
 #include "testing.hpp"
 
 using namespace gshard;
 using detail::rlayout;
+using gshard::testing::all_layouts;
+using gshard::testing::global_tensor;
+using gshard::testing::shard_of;
 using gshard::testing::world_rank;
 using gshard::testing::world_size;
 
@@ -20,44 +24,6 @@ namespace {
 
 using dyn1 = mesh<axis<"x">>;
 using dyn2 = mesh<axis<"x">, axis<"y">>;
-
-// Every layout of a rank-`rank` tensor over `naxes` axes: each axis splits
-// one dim, is partial, or is unused; the axes of a dim in every order.
-std::vector<rlayout> all_layouts(int rank, int naxes) {
-  std::vector<rlayout> out;
-  std::vector<int> state(std::size_t(naxes), -2);  // -2 unused, -1 partial, d split
-  std::function<void(int)> assign = [&](int a) {
-    if (a == naxes) {
-      std::vector<std::vector<int>> per_dim(static_cast<std::size_t>(rank));
-      rlayout base;
-      for (int k = 0; k < naxes; ++k) {
-        if (state[std::size_t(k)] == -1) base.partial |= 1u << k;
-        if (state[std::size_t(k)] >= 0) per_dim[std::size_t(state[std::size_t(k)])].push_back(k);
-      }
-      std::function<void(int, rlayout)> order = [&](int d, rlayout l) {
-        if (d == rank) {
-          out.push_back(l);
-          return;
-        }
-        auto axes = per_dim[std::size_t(d)];
-        std::sort(axes.begin(), axes.end());
-        do {
-          rlayout l2 = l;
-          for (int ax : axes) l2.push(d, ax);
-          order(d + 1, l2);
-        } while (std::next_permutation(axes.begin(), axes.end()));
-      };
-      order(0, base);
-      return;
-    }
-    for (int s = -2; s < rank; ++s) {
-      state[std::size_t(a)] = s;
-      assign(a + 1);
-    }
-  };
-  assign(0);
-  return out;
-}
 
 // The state of one axis in a layout: (kind, dim, position).
 struct axis_state {
@@ -83,34 +49,6 @@ std::optional<std::vector<collective>> table(const axis_state& from, const axis_
   if (from.kind == 1 && to.kind == 2) return std::vector{C::reduce_scatter};
   if (from.kind == 0 && to.kind == 1) return std::vector<C>{};
   return std::nullopt;
-}
-
-template <int R>
-local_tensor<double, R> global_tensor(const shape<R>& e) {
-  local_tensor<double, R> t(e);
-  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = double(i + 1);
-  return t;
-}
-
-// This rank's shard of `g` under layout l; for partial layouts, distinct
-// integer summands whose sum is the shard.
-template <int R>
-local_tensor<double, R> shard_of(const local_tensor<double, R>& g, const rlayout& l, const detail::mesh_base& m) {
-  const shape<R> ge = detail::dims_of<R>(g);
-  const shape<R> le = detail::local_extents<R>(l, ge, m), off = detail::global_offsets<R>(l, ge, m), zero{};
-  local_tensor<double, R> out(le);
-  if (out.size() > 0) detail::copy_box(g.data(), ge.data(), off.data(), out.data(), le.data(), zero.data(), le.data(), R);
-  index_t c = 0, parts = 1;
-  for (int a = 0; a < m.naxes(); ++a)
-    if (l.is_partial(a)) {
-      c = c * m.size(a) + m.coord(a);
-      parts *= m.size(a);
-    }
-  for (index_t i = 0; i < out.size(); ++i) {
-    const double noise = double((i * 7 + 3) % 11);
-    out.data()[i] = c < parts - 1 ? double(c + 1) * noise : out.data()[i] - noise * double(parts * (parts - 1) / 2);
-  }
-  return out;
 }
 
 struct mesh_case {

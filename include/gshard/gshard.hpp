@@ -1,9 +1,10 @@
 // gshard/gshard.hpp — the whole library: meshes, shardings, sharded tensors,
-// collectives and resharding. Each piece also compiles on its own.
+// collectives, resharding and einsum. Each piece also compiles on its own.
 #pragma once
 
 #include "gshard/collectives.hpp"
 #include "gshard/counters.hpp"
+#include "gshard/einsum.hpp"
 #include "gshard/error.hpp"
 #include "gshard/fixed_string.hpp"
 #include "gshard/mesh.hpp"

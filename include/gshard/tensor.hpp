@@ -27,13 +27,13 @@ namespace detail {
 // "required from" note.
 template <fixed_string Axis>
 struct axis_not_in_mesh {
-  static_assert(Axis.size() == 0, "gshard::tensor: the sharding names a mesh axis that is not in the mesh (see Axis below)");
+  static_assert(Axis.size() == 0, "gshard::tensor: the sharding names a mesh axis that is not in the mesh (the axis: see the instantiation above)");
   static constexpr bool ok = true;
 };
 template <int Dim, index_t Extent, index_t Parts>
 struct static_extent_not_divisible {
   static_assert(Extent % Parts == 0,
-                "gshard::tensor: a static extent is not divisible by the number of shards of its dim (Dim, Extent, Parts below)");
+                "gshard::tensor: a static extent is not divisible by the number of shards of its dim (dim, extent, shards: see the instantiation above)");
   static constexpr bool ok = true;
 };
 

@@ -1,0 +1,368 @@
+// Einsum: many specs times every sharding of each operand over the meshes
+// that fit the world — (P), and (2,2) at 4 ranks, (2,4) at 8 — in float and
+// double, against plain loops on the global tensors. Legal combinations must
+// produce the natural output with no communication at all; asking for a
+// replicated output must run exactly the planned collectives; a pending sum
+// asked into a split output must be one reduce_scatter. The typed API is
+// checked to run the same plans.
+#include <gshard/gshard.hpp>
+
+#include <array>
+#include <cmath>
+#include <string>
+
+#include "layouts.hpp"
+#include "testing.hpp"
+
+using namespace gshard;
+using detail::rlayout;
+using gshard::testing::all_layouts;
+using gshard::testing::random_tensor;
+using gshard::testing::shard_of;
+using gshard::testing::world_rank;
+using gshard::testing::world_size;
+
+namespace {
+
+using dyn1 = mesh<axis<"x">>;
+using dyn2 = mesh<axis<"x">, axis<"y">>;
+
+// The global reference with plain loops over every label, in double.
+template <class T, int RA, int RB, int RO>
+local_tensor<double, RO> reference(const detail::einsum_spec& s, const local_tensor<T, RA>& a,
+                                   const local_tensor<T, RB>* b, const index_t* ext) {
+  std::string labels;
+  for (int op = 0; op < s.nin; ++op)
+    for (char l : s.term(op))
+      if (labels.find(l) == std::string::npos) labels += l;
+  shape<RO> oe{};
+  for (int d = 0; d < RO; ++d) oe[std::size_t(d)] = ext[int(s.out[d])];
+  local_tensor<double, RO> out(oe);
+  out.setZero();
+  for (char l : labels)
+    if (ext[int(l)] == 0) return out;
+  std::array<index_t, 128> idx{};
+  auto offset = [&](std::string_view term, auto& dims) {
+    index_t o = 0;
+    for (std::size_t d = 0; d < term.size(); ++d) o = o * dims[d] + idx[std::size_t(term[d])];
+    return o;
+  };
+  const auto da = a.dimensions();
+  while (true) {
+    double v = double(a.data()[offset(s.term(0), da)]);
+    if (s.nin == 2) v *= double(b->data()[offset(s.term(1), b->dimensions())]);
+    out.data()[offset(s.out_term(), oe)] += v;
+    int k = int(labels.size()) - 1;
+    while (k >= 0 && ++idx[std::size_t(labels[std::size_t(k)])] == ext[int(labels[std::size_t(k)])])
+      idx[std::size_t(labels[std::size_t(k--)])] = 0;
+    if (k < 0) break;
+  }
+  return out;
+}
+
+// The local shard `got` (layout l; pending sums are summed here with raw,
+// uncounted MPI) equals its slice of `ref` within tolerance.
+template <class T, int R>
+bool matches(local_tensor<T, R> got, const rlayout& l, const local_tensor<double, R>& ref, const detail::mesh_base& m,
+             double tol, std::string& why) {
+  const shape<R> ge = detail::dims_of<R>(ref);
+  const shape<R> le = detail::local_extents<R>(l, ge, m), off = detail::global_offsets<R>(l, ge, m), zero{};
+  if (detail::dims_of<R>(got) != le) {
+    why = "local extents differ";
+    return false;
+  }
+  if (l.partial)
+    MPI_Allreduce(MPI_IN_PLACE, got.data(), int(got.size()), mpi::datatype<T>(), MPI_SUM, m.group(l.partial).comm);
+  local_tensor<double, R> want(le);
+  if (want.size() > 0) detail::copy_box(ref.data(), ge.data(), off.data(), want.data(), le.data(), zero.data(), le.data(), R);
+  for (index_t i = 0; i < want.size(); ++i)
+    if (!(std::abs(double(got.data()[i]) - want.data()[i]) <= tol * (1.0 + std::abs(want.data()[i])))) {
+      why = "element " + std::to_string(i) + ": " + std::to_string(double(got.data()[i])) + " vs " +
+            std::to_string(want.data()[i]);
+      return false;
+    }
+  return true;
+}
+
+std::string show(const rlayout& l, const detail::mesh_base& m, std::string_view labels) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < labels.size(); ++d) {
+    if (d) s += ',';
+    s += labels[d];
+    if (l.dims[d].n) {
+      s += '{';
+      for (int i = 0; i < l.dims[d].n; ++i) {
+        if (i) s += ',';
+        s += m.axis_name(l.dims[d].ax[i]);
+      }
+      s += '}';
+    }
+  }
+  s += ']';
+  if (l.partial) s += " partial{" + m.label(l.partial) + "}";
+  return s;
+}
+
+struct tally {
+  int legal = 0, illegal = 0, requested = 0, reduce_scatters = 0;
+  std::string first_failure;
+  void fail(const std::string& s) {
+    if (first_failure.empty()) first_failure = s;
+  }
+};
+
+std::vector<collective_event> planned(const detail::reshard_steps& p, const detail::mesh_base& m, const index_t* global,
+                                      int rank, std::size_t elem) {
+  std::vector<collective_event> out;
+  for (int i = 0; i < p.n; ++i) {
+    if (!is_collective(p.step[i].kind)) continue;
+    index_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= detail::dim_block(p.state[i], d, global[d], m.sizes(), m.coords()).extent;
+    const std::uint32_t mask = p.step[i].axis >= 0 ? 1u << p.step[i].axis : (1u << m.naxes()) - 1u;
+    out.push_back({collective_of(p.step[i].kind), m.label(mask), std::size_t(n) * elem});
+  }
+  return out;
+}
+
+// Every pair of operand layouts for one spec on one mesh.
+template <fixed_string Spec, class T>
+void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs, index_t zero_label = 0) {
+  static constexpr detail::einsum_spec s = detail::parse_einsum(Spec.view());
+  static_assert(s.problem == detail::spec_problem::none);
+  constexpr int RA = s.in_rank[0], RB = s.nin == 2 ? s.in_rank[1] : 0, RO = s.out_rank;
+  const index_t W = m.nranks();
+  // Label extents: multiples of the mesh size, so every split divides.
+  index_t ext[128] = {};
+  int k = 0;
+  for (int op = 0; op < s.nin; ++op)
+    for (char l : s.term(op))
+      if (!ext[int(l)]) ext[int(l)] = W * (1 + (k++ % 2));
+  if (zero_label) ext[zero_label] = 0;
+  shape<RA> ga{};
+  shape<RB> gb{};
+  for (int d = 0; d < RA; ++d) ga[std::size_t(d)] = ext[int(s.in[0][d])];
+  for (int d = 0; d < RB; ++d) gb[std::size_t(d)] = ext[int(s.in[1][d])];
+  const auto A = random_tensor<RA, T>(ga, 11);
+  const auto B = random_tensor<RB, T>(gb, 12);
+  const auto ref = reference<T, RA, RB, RO>(s, A, s.nin == 2 ? &B : nullptr, ext);
+  index_t contraction = 1;
+  for (int op = 0; op < s.nin; ++op)
+    for (char l : s.term(op))
+      if (s.find_out(l) < 0) contraction *= std::max<index_t>(ext[int(l)], 1);
+  const double tol = (std::is_same_v<T, float> ? 1e-5 : 1e-12) * double(contraction) * 4;
+
+  const auto layouts_a = all_layouts(RA, m.naxes());
+  const auto layouts_b = s.nin == 2 ? all_layouts(RB, m.naxes()) : std::vector<rlayout>{rlayout{}};
+  for (const rlayout& la : layouts_a)
+    for (const rlayout& lb : layouts_b) {
+      const rlayout in[2] = {la, lb};
+      const detail::einsum_program p = detail::plan_einsum_program(s, in, nullptr, m);
+      if (p.sharding.problem != detail::einsum_problem::none) {
+        ++t.illegal;
+        continue;
+      }
+      ++t.legal;
+      std::string what = std::string(Spec.view()) + " " + show(la, m, s.term(0));
+      if (s.nin == 2) what += ", " + show(lb, m, s.term(1));
+      what += " on " + m.describe();
+      const auto a = shard_of<RA, T>(A, la, m);
+      const auto b = shard_of<RB, T>(B, lb, m);
+      shape<RO> go{};
+      std::string why;
+      {
+        collective_recorder rec;
+        const auto out = detail::execute_einsum<T, RA, RB, RO>(m, p, a, ga, &b, gb, go);
+        if (!rec.events().empty()) t.fail(what + ": the natural output communicated");
+        if (!matches<T, RO>(out, p.sharding.out, ref, m, tol, why)) t.fail(what + ": wrong natural output: " + why);
+      }
+      if (!requested_outputs) continue;
+      // Requested: replicated.
+      {
+        const rlayout rep{};
+        const detail::einsum_program p2 = detail::plan_einsum_program(s, in, &rep, m);
+        collective_recorder rec;
+        const auto out = detail::execute_einsum<T, RA, RB, RO>(m, p2, a, ga, &b, gb, go);
+        ++t.requested;
+        if (rec.events() != planned(p2.finish, m, go.data(), RO, sizeof(T)))
+          t.fail(what + ": replicated output ran other collectives than planned");
+        if (!matches<T, RO>(out, rep, ref, m, tol, why)) t.fail(what + ": wrong replicated output: " + why);
+      }
+      // Requested: a pending sum split over an output dim -> one reduce_scatter, no all_reduce.
+      for (int x = 0; x < m.naxes(); ++x) {
+        if (!p.sharding.out.is_partial(x)) continue;
+        for (int d = 0; d < RO; ++d) {
+          rlayout target = p.sharding.out;
+          target.partial &= ~(1u << x);
+          target.push(d, x);
+          if (go[std::size_t(d)] % detail::dim_parts(target, d, m.sizes()) != 0) continue;
+          const detail::einsum_program p3 = detail::plan_einsum_program(s, in, &target, m);
+          collective_recorder rec;
+          const auto out = detail::execute_einsum<T, RA, RB, RO>(m, p3, a, ga, &b, gb, go);
+          ++t.reduce_scatters;
+          const auto ev = rec.events();
+          if (ev.size() != 1 || ev[0].kind != collective::reduce_scatter)
+            t.fail(what + ": a pending sum into a split output was not one reduce_scatter");
+          if (!matches<T, RO>(out, target, ref, m, tol, why)) t.fail(what + ": wrong reduce_scatter output: " + why);
+          break;
+        }
+      }
+    }
+}
+
+struct mesh_case {
+  std::string name;
+  std::unique_ptr<detail::mesh_base> mesh;
+};
+std::vector<mesh_case> meshes_for_world() {
+  const int P = world_size();
+  std::vector<mesh_case> out;
+  out.push_back({"(" + std::to_string(P) + ")", std::make_unique<dyn1>(MPI_COMM_WORLD)});
+  if (P == 4) out.push_back({"(2,2)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 2})});
+  if (P == 8) out.push_back({"(2,4)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 4})});
+  return out;
+}
+
+template <fixed_string... Specs>
+void run_specs(const char* group) {
+  const auto meshes = meshes_for_world();
+  std::size_t ran = 0;
+  for (const auto& mc : meshes) {
+    tally td, tf;
+    (all_shardings<Specs, double>(*mc.mesh, td, true), ...);
+    (all_shardings<Specs, float>(*mc.mesh, tf, false), ...);
+    INFO(group << " on mesh " << mc.name << ": " << td.legal << " legal and " << td.illegal << " rejected sharding pairs, "
+               << td.requested << " replicated and " << td.reduce_scatters << " reduce_scatter outputs");
+    GSHARD_REQUIRE_MSG(td.first_failure.empty(), td.first_failure);
+    GSHARD_REQUIRE_MSG(tf.first_failure.empty(), tf.first_failure);
+    GSHARD_REQUIRE(td.legal > 0 && td.legal == tf.legal && td.requested == td.legal);
+    ++ran;
+  }
+  GSHARD_REQUIRE(ran == (world_size() == 4 || world_size() == 8 ? 2u : 1u));
+}
+
+}  // namespace
+
+TEST_CASE("einsum: matmuls, transposes, reductions, outer products, every sharding", "[einsum][exhaustive]") {
+  run_specs<"ij,jk->ik", "bij,bjk->bik", "ij->ji", "ijk->ki", "ij->i", "i,j->ij", "ij,ij->ij", "ij,j->i", "ab,cb->ac",
+            "ab,cd->ad", "abc->">("basic specs");
+}
+
+TEST_CASE("einsum: the MoE einsums, every sharding", "[einsum][exhaustive][moe]") {
+  run_specs<"GSM,ME->GSE", "GSEC,GSM->EGCM", "EGCM,EMH->EGCH", "EGCH,EHM->EGCM", "GSEC,EGCM->GSM", "GSE->GE">("MoE specs");
+}
+
+TEST_CASE("einsum: the attention and dense FFN einsums, every sharding", "[einsum][exhaustive][attention]") {
+  run_specs<"BLM,MNK->BLNK", "BLNK,BTNK->BNLT", "BNLT,BTNK->BLNK", "BLNK,NKM->BLM", "BLM,MH->BLH", "BLH,HM->BLM">(
+      "attention specs");
+}
+
+TEST_CASE("einsum: zero-size labels give zeros or empty results", "[einsum]") {
+  const auto meshes = meshes_for_world();
+  tally t;
+  all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'j');  // contraction over nothing: zeros
+  all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'i');  // an empty output
+  all_shardings<"bij,bjk->bik", float>(*meshes[0].mesh, t, false, 'b');
+  GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+  GSHARD_REQUIRE(t.legal > 0);
+}
+
+// ---------------------------------------------------------------------------
+// The typed API runs the compile-time plans.
+
+TEST_CASE("typed einsum: GShard's dispatch is one local einsum plus one all_to_all", "[einsum][moe]") {
+  using grid = mesh<axis<"data">, axis<"expert">>;
+  using by_group = sharding<split<0, "data", "expert">>;  // GSEC and GSM: G over every rank
+  using by_expert = sharding<split<0, "expert">, split<1, "data">>;
+  using plan = einsum_plan<"GSEC,GSM->EGCM", grid, by_group, by_group, by_expert>;
+  static_assert(std::is_same_v<plan::natural, sharding<split<1, "data", "expert">>>);
+  static_assert(plan::slice_a::steps.n == 0 && plan::slice_b::steps.n == 0);
+  static_assert(plan::finish::steps.n == 1 && plan::finish::steps.step[0].kind == step_kind::all_to_all);
+
+  const int P = world_size();
+  const index_t D = P == 4 || P == 8 ? 2 : 1;
+  grid m(MPI_COMM_WORLD, {D, P / D});
+  const index_t G = 2 * P, S = 6, E = 2 * (P / D), C = 3, M = 5;
+  const auto disp = random_tensor<4, float>({G, S, E, C}, 1);
+  const auto x = random_tensor<3, float>({G, S, M}, 2);
+  const auto d = distribute<by_group>(m, disp);
+  const auto xs = distribute<by_group>(m, x);
+  collective_recorder rec;
+  const auto xe = einsum<"GSEC,GSM->EGCM", by_expert>(d, xs);
+  static_assert(std::is_same_v<decltype(xe)::sharding_type, by_expert>);
+  const auto ev = rec.events();
+  GSHARD_REQUIRE(ev.size() == 1 && ev[0].kind == collective::all_to_all && ev[0].axes == "expert");
+  index_t ext[128] = {};
+  ext['G'] = G, ext['S'] = S, ext['E'] = E, ext['C'] = C, ext['M'] = M;
+  const auto ref = reference<float, 4, 3, 4>(plan::spec, disp, &x, ext);
+  std::string why;
+  GSHARD_REQUIRE_MSG((matches<float, 4>(xe.local(), decltype(xe)::layout, ref, m, 1e-5 * S, why)), why);
+
+  // The plan prints the local step with its FLOPs and the collective with its bytes.
+  const std::string text = plan_of<"GSEC,GSM->EGCM", by_expert>(d, xs);
+  const index_t local_flops = 2 * (G / P) * S * E * C * M;
+  GSHARD_REQUIRE(text.find("1. local einsum GSEC,GSM->EGCM -> f32[E,G{data,expert},C,M]   " + std::to_string(local_flops) +
+                           " FLOP/rank") != std::string::npos);
+  GSHARD_REQUIRE(text.find("2. all_to_all over expert: G -> E   f32[E{expert},G{data},C,M]   " +
+                           std::to_string(E * (G / P) * C * M * 4) + " B/rank") != std::string::npos);
+}
+
+TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {
+  using grid = mesh<axis<"x">>;
+  grid m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  using rows = sharding<split<0, "x">>;
+  using cols = sharding<split<1, "x">>;
+  const auto a = random_tensor<2, double>({2 * P, 3 * P}, 3);
+  const auto b = random_tensor<2, double>({3 * P, 4}, 4);
+  index_t ext[128] = {};
+  ext['i'] = 2 * P, ext['j'] = 3 * P, ext['k'] = 4;
+  const auto ref = reference<double, 2, 2, 2>(detail::parse_einsum("ij,jk->ik"), a, &b, ext);
+  std::string why;
+
+  // Contracting label split in both: partial, no communication.
+  {
+    const auto A = distribute<cols>(m, a);
+    const auto B = distribute<rows>(m, b);
+    collective_recorder rec;
+    const auto c = einsum<"ij,jk->ik">(A, B);
+    static_assert(std::is_same_v<decltype(c)::sharding_type, sharding<partial<"x">>>);
+    GSHARD_REQUIRE(rec.events().empty());
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    // Asked for a split output: one reduce_scatter, not all_reduce + slice.
+    const auto r = einsum<"ij,jk->ik", rows>(A, B);
+    const auto ev = rec.events();
+    GSHARD_REQUIRE(ev.size() == 1 && ev[0].kind == collective::reduce_scatter);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(r.local(), decltype(r)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+  }
+  // Contracting label split in one, the other replicated: a local slice.
+  {
+    const auto A = distribute<cols>(m, a);
+    const auto B = distribute<replicate>(m, b);
+    using plan = einsum_plan<"ij,jk->ik", grid, cols, replicate>;
+    static_assert(plan::slice_b::steps.n == 1 && plan::slice_b::steps.step[0].kind == step_kind::slice);
+    collective_recorder rec;
+    const auto c = einsum<"ij,jk->ik", replicate>(A, B);
+    const auto ev = rec.events();
+    GSHARD_REQUIRE(ev.size() == 1 && ev[0].kind == collective::all_reduce);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    GSHARD_REQUIRE(plan::describe("f64").find("1. slice B over x: j   (local)") != std::string::npos);
+  }
+  // Free label split: a split output, no communication.
+  {
+    const auto A = distribute<rows>(m, a);
+    const auto B = distribute<replicate>(m, b);
+    collective_recorder rec;
+    const auto c = einsum<"ij,jk->ik">(A, B);
+    static_assert(std::is_same_v<decltype(c)::sharding_type, rows>);
+    GSHARD_REQUIRE(rec.events().empty());
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+  }
+  // Operands that disagree on a label's extent: one clear error on every rank.
+  {
+    const auto A = distribute<replicate>(m, a);
+    const auto B = distribute<replicate>(m, random_tensor<2, double>({3 * P + 1, 4}, 5));
+    GSHARD_REQUIRE_THROWS_WITH((einsum<"ij,jk->ik">(A, B)), shape_error,
+                               "gshard::einsum ij,jk->ik: label j has extent " + std::to_string(3 * P) + " in f64[i,j] but " +
+                                   std::to_string(3 * P + 1) + " in f64[j,k]");
+  }
+}
