@@ -25,18 +25,19 @@ namespace detail {
 // Names the axis and labels of a sharding combination the rules reject.
 template <fixed_string Spec, fixed_string Axis, char LabelA, char LabelB, einsum_problem P>
 struct check_einsum_sharding {
+  // The spec, axis and labels are in the instantiation the compiler shows.
   static_assert(P != einsum_problem::axis_on_two_labels,
-                "gshard::einsum: one mesh axis splits different labels of the two operands (spec, axis and labels: see the instantiation above); "
-                "reshard one operand so the axis splits the same label in both, or neither");
+                "gshard::einsum: one mesh axis splits different labels of the two operands; reshard one operand so "
+                "the axis splits the same label in both, or neither");
   static_assert(P != einsum_problem::lists_disagree,
-                "gshard::einsum: a label of both operands is split over axis lists where neither extends the other "
-                "(Axis, LabelA below); reshard one operand to match the other");
+                "gshard::einsum: a label of both operands is split over axis lists where neither extends the other; "
+                "reshard one operand to match the other");
   static_assert(P != einsum_problem::partial_and_split,
-                "gshard::einsum: one operand is partial over a mesh axis that splits the other (Axis, LabelA, LabelB "
-                "below); all_reduce the partial operand first");
+                "gshard::einsum: one operand is partial over a mesh axis that splits the other; all_reduce the "
+                "partial operand first");
   static_assert(P != einsum_problem::both_partial,
-                "gshard::einsum: both operands are partial over the same mesh axis (spec and axis: see the instantiation above); the product of two "
-                "sums is not a sum of products: all_reduce one of them first");
+                "gshard::einsum: both operands are partial over the same mesh axis; the product of two sums is not a "
+                "sum of products: all_reduce one of them first");
   static constexpr bool ok = P == einsum_problem::none;
 };
 
