@@ -11,7 +11,6 @@
 // place and is compared with MPI_Allreduce into another buffer.
 #include <gshard/gshard.hpp>
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,21 +26,6 @@ namespace {
 const flat& world_mesh() {
   static flat m(MPI_COMM_WORLD);
   return m;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-double slowest(const std::function<void()>& f) {
-  MPI_Barrier(MPI_COMM_WORLD);
-  const double t0 = MPI_Wtime();
-  f();
-  const double local = MPI_Wtime() - t0;
-  double max = 0;
-  MPI_Allreduce(&local, &max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return max;
 }
 
 void bench(benchmark::State& state, collective kind) {
@@ -97,32 +81,12 @@ void bench(benchmark::State& state, collective kind) {
       break;
     default: break;
   }
-  raw();  // warm up: first touch, MPI connections
-  buf();
-  if (ten) ten();
-  std::vector<double> t_raw, r_buf, r_ten;
-  std::size_t turn = 0;
-  for (auto _ : state) {
-    // Rotate which form goes first: the first after a barrier pays for
-    // whatever the previous one left in the caches.
-    double t[3] = {0, 0, 0};
-    const std::function<void()>* forms[3] = {&raw, &buf, &ten};
-    const std::size_t nforms = ten ? 3 : 2;
-    for (std::size_t k = 0; k < nforms; ++k) {
-      const std::size_t f = (turn + k) % nforms;
-      t[f] = slowest(*forms[f]);
-    }
-    ++turn;
-    t_raw.push_back(t[0]);
-    r_buf.push_back(t[1] / t[0]);
-    if (ten) r_ten.push_back(t[2] / t[0]);
-    state.SetIterationTime(t[1]);
-  }
-  // Medians: one slow iteration (a page fault storm, a descheduled rank)
-  // should not decide a ratio.
-  state.counters["mpi_us"] = 1e6 * median(t_raw);
-  state.counters["gshard/mpi"] = median(r_buf);
-  if (ten) state.counters["tensor/mpi"] = median(r_ten);
+  std::vector<std::function<void()>> forms{raw, buf};
+  if (ten) forms.push_back(ten);
+  const auto c = gshard::bench::compare(state, forms, 1);
+  state.counters["mpi_us"] = 1e6 * c.median_time[0];
+  state.counters["gshard/mpi"] = c.median_ratio[1];
+  if (ten) state.counters["tensor/mpi"] = c.median_ratio[2];
   state.SetBytesProcessed(state.iterations() * std::int64_t(n * sizeof(float)));
 }
 

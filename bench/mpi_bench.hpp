@@ -6,6 +6,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -25,6 +27,57 @@ void run_timed(benchmark::State& state, F&& f, MPI_Comm comm = MPI_COMM_WORLD) {
     MPI_Allreduce(&local, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
     state.SetIterationTime(slowest);
   }
+}
+
+// Runs `forms` back to back in every iteration, in rotating order (the first
+// after a barrier pays for what the previous one left in the caches), each
+// timed as the slowest rank. The iteration time is that of forms[timed].
+// Returns per form the median time (s) and the median of its per-iteration
+// ratio to forms[0]: one slow iteration does not decide a ratio.
+struct comparison {
+  std::vector<double> median_time;
+  std::vector<double> median_ratio;
+};
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+inline double slowest(const std::function<void()>& f, MPI_Comm comm = MPI_COMM_WORLD) {
+  MPI_Barrier(comm);
+  const double t0 = MPI_Wtime();
+  f();
+  const double local = MPI_Wtime() - t0;
+  double max = 0;
+  MPI_Allreduce(&local, &max, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return max;
+}
+
+inline comparison compare(benchmark::State& state, const std::vector<std::function<void()>>& forms, std::size_t timed) {
+  for (const auto& f : forms) f();  // warm up: first touch, MPI connections, BLAS buffers
+  const std::size_t n = forms.size();
+  std::vector<std::vector<double>> times(n), ratios(n);
+  std::size_t turn = 0;
+  for (auto _ : state) {
+    std::vector<double> t(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t f = (turn + k) % n;
+      t[f] = slowest(forms[f]);
+    }
+    ++turn;
+    for (std::size_t f = 0; f < n; ++f) {
+      times[f].push_back(t[f]);
+      ratios[f].push_back(t[f] / t[0]);
+    }
+    state.SetIterationTime(t[timed]);
+  }
+  comparison c;
+  for (std::size_t f = 0; f < n; ++f) {
+    c.median_time.push_back(median(times[f]));
+    c.median_ratio.push_back(median(ratios[f]));
+  }
+  return c;
 }
 
 class silent_reporter : public benchmark::BenchmarkReporter {

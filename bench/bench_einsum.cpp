@@ -1,0 +1,107 @@
+// bench/bench_einsum.cpp — the local einsum against a direct GEMM on the same
+// shapes in the same run, and a distributed matmul whose contracting dim is
+// split (all_reduce output versus reduce_scatter output).
+//   scripts/mpirun -np 1 build/bench/bench_einsum --benchmark_filter=local
+//   scripts/mpirun -np 2 build/bench/bench_einsum --benchmark_filter=matmul_split
+// local/<spec>: counters gemm_gflops (the direct GEMM loop: one sgemm per batch
+// on contiguous matrices) and speed = gemm time / einsum time (1.0 = as fast).
+#include <gshard/gshard.hpp>
+
+#include <cstring>
+#include <string>
+
+#include "mpi_bench.hpp"
+
+using namespace gshard;
+using flat = mesh<axis<"x">>;
+
+namespace {
+
+const flat& world_mesh() {
+  static flat m(MPI_COMM_WORLD);
+  return m;
+}
+
+// A GEMM-shaped einsum: labels and extents, and the GEMM it amounts to.
+struct gemm_case {
+  const char* name;
+  index_t batch, m, n, k;  // the equivalent GEMMs: `batch` of (m×k)·(k×n)
+};
+
+template <fixed_string Spec, class T, int RA, int RB>
+void local(benchmark::State& state, shape<RA> ea, shape<RB> eb, gemm_case g) {
+  const flat& mesh = world_mesh();
+  local_tensor<T, RA> a(ea);
+  local_tensor<T, RB> b(eb);
+  a.setRandom();
+  b.setRandom();
+  const auto A = distribute<replicate>(mesh, a);
+  const auto B = distribute<replicate>(mesh, b);
+  // The baseline: the same GEMMs on contiguous matrices, output preallocated.
+  std::vector<T> ga(std::size_t(g.batch * g.m * g.k), T(1)), gb(std::size_t(g.batch * g.k * g.n), T(1)),
+      gc(std::size_t(g.batch * g.m * g.n));
+  auto gemm = [&] {
+    for (index_t i = 0; i < g.batch; ++i)
+      detail::gemm<T>(false, false, g.m, g.n, g.k, T(1), ga.data() + i * g.m * g.k, g.k, gb.data() + i * g.k * g.n, g.n,
+                      T(0), gc.data() + i * g.m * g.n, g.n);
+  };
+  auto ein = [&] { benchmark::DoNotOptimize(einsum<Spec>(A, B)); };
+  const auto c = gshard::bench::compare(state, {gemm, ein}, 1);
+  const double flop = 2.0 * double(g.batch * g.m * g.n * g.k);
+  state.counters["gemm_gflops"] = flop / c.median_time[0] * 1e-9;
+  state.counters["einsum_gflops"] = flop / c.median_time[1] * 1e-9;
+  state.counters["speed"] = 1.0 / c.median_ratio[1];
+}
+
+// ij,jk->ik with j split over every rank: the partial product is summed by an
+// all_reduce into a replicated output, or by a reduce_scatter into rows.
+void matmul_split(benchmark::State& state) {
+  const flat& mesh = world_mesh();
+  const index_t n = state.range(0);
+  using cols = sharding<split<1, "x">>;
+  using rows = sharding<split<0, "x">>;
+  local_tensor<float, 2> a(n, n), b(n, n);
+  a.setRandom();
+  b.setRandom();
+  const auto A = distribute<cols>(mesh, a);
+  const auto B = distribute<rows>(mesh, b);
+  auto reduce = [&] { benchmark::DoNotOptimize(einsum<"ij,jk->ik", replicate>(A, B)); };
+  auto scatter = [&] { benchmark::DoNotOptimize(einsum<"ij,jk->ik", rows>(A, B)); };
+  auto natural = [&] { benchmark::DoNotOptimize(einsum<"ij,jk->ik">(A, B)); };
+  const auto c = gshard::bench::compare(state, {reduce, scatter, natural}, 1);
+  state.counters["all_reduce_ms"] = 1e3 * c.median_time[0];
+  state.counters["reduce_scatter_ms"] = 1e3 * c.median_time[1];
+  state.counters["local_only_ms"] = 1e3 * c.median_time[2];
+  state.counters["rs/ar"] = c.median_ratio[1];
+}
+
+const int registered = [] {
+  auto reg = [](const char* name, auto fn) {
+    benchmark::RegisterBenchmark(name, fn)->UseManualTime()->Unit(benchmark::kMillisecond);
+  };
+  reg("local/ij,jk->ik/f32/512", [](benchmark::State& s) { local<"ij,jk->ik", float, 2, 2>(s, {512, 512}, {512, 512}, {"", 1, 512, 512, 512}); });
+  reg("local/ij,jk->ik/f32/1024", [](benchmark::State& s) { local<"ij,jk->ik", float, 2, 2>(s, {1024, 1024}, {1024, 1024}, {"", 1, 1024, 1024, 1024}); });
+  reg("local/ij,jk->ik/f64/512", [](benchmark::State& s) { local<"ij,jk->ik", double, 2, 2>(s, {512, 512}, {512, 512}, {"", 1, 512, 512, 512}); });
+  reg("local/ji,jk->ik/f32/512", [](benchmark::State& s) { local<"ji,jk->ik", float, 2, 2>(s, {512, 512}, {512, 512}, {"", 1, 512, 512, 512}); });
+  reg("local/ij,kj->ik/f32/512", [](benchmark::State& s) { local<"ij,kj->ik", float, 2, 2>(s, {512, 512}, {512, 512}, {"", 1, 512, 512, 512}); });
+  reg("local/bij,bjk->bik/f32/8x256", [](benchmark::State& s) { local<"bij,bjk->bik", float, 3, 3>(s, {8, 256, 256}, {8, 256, 256}, {"", 8, 256, 256, 256}); });
+  // MoE expert FFN: E=4 experts, G·C = 2·128 = 256 slots, M=512, H=1024.
+  reg("local/EGCM,EMH->EGCH/f32", [](benchmark::State& s) { local<"EGCM,EMH->EGCH", float, 4, 3>(s, {4, 2, 128, 512}, {4, 512, 1024}, {"", 4, 256, 1024, 512}); });
+  reg("local/EGCH,EHM->EGCM/f32", [](benchmark::State& s) { local<"EGCH,EHM->EGCM", float, 4, 3>(s, {4, 2, 128, 1024}, {4, 1024, 512}, {"", 4, 256, 512, 1024}); });
+  // Attention: B=2, L=T=256, M=512, N=4 heads, K=64 (projections); B=1, N=2, L=T=512, K=256 (logits, mixing).
+  reg("local/BLM,MNK->BLNK/f32", [](benchmark::State& s) { local<"BLM,MNK->BLNK", float, 3, 3>(s, {2, 256, 512}, {512, 4, 64}, {"", 1, 512, 256, 512}); });
+  reg("local/BLNK,BTNK->BNLT/f32", [](benchmark::State& s) { local<"BLNK,BTNK->BNLT", float, 4, 4>(s, {1, 512, 2, 256}, {1, 512, 2, 256}, {"", 2, 512, 512, 256}); });
+  reg("local/BNLT,BTNK->BLNK/f32", [](benchmark::State& s) { local<"BNLT,BTNK->BLNK", float, 4, 4>(s, {1, 2, 512, 512}, {1, 512, 2, 256}, {"", 2, 512, 256, 512}); });
+  reg("local/BLNK,NKM->BLM/f32", [](benchmark::State& s) { local<"BLNK,NKM->BLM", float, 4, 3>(s, {2, 256, 4, 64}, {4, 64, 512}, {"", 1, 512, 512, 256}); });
+  benchmark::RegisterBenchmark("matmul_split", matmul_split)->Arg(1024)->UseManualTime()->Unit(benchmark::kMillisecond);
+  std::string backend = detail::gemm_backend();
+#if defined(GSHARD_USE_OPENBLAS)
+  backend += std::string(" (OpenBLAS kernel: ") + detail::openblas_get_corename() + ")";
+#endif
+  benchmark::AddCustomContext("gemm", backend);
+  return 0;
+}();
+
+}  // namespace
+
+int main(int argc, char** argv) { return gshard::bench::main(argc, argv); }
