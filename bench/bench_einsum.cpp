@@ -96,7 +96,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("matmul_split", matmul_split)->Arg(1024)->UseManualTime()->Unit(benchmark::kMillisecond);
   std::string backend = detail::gemm_backend();
 #if defined(GSHARD_USE_OPENBLAS)
-  backend += std::string(" (OpenBLAS kernel: ") + detail::openblas_get_corename() + ")";
+  backend += std::string(" (OpenBLAS kernel: ") + openblas_get_corename() + ")";
 #endif
   benchmark::AddCustomContext("gemm", backend);
   return 0;

@@ -262,6 +262,7 @@ TEST_CASE("einsum: zero-size labels give zeros or empty results", "[einsum]") {
   all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'j');  // contraction over nothing: zeros
   all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'i');  // an empty output
   all_shardings<"bij,bjk->bik", float>(*meshes[0].mesh, t, false, 'b');
+  all_shardings<"ab,ba->", double>(*meshes[0].mesh, t, true, 'a');  // an empty label that breaks a GEMM merge
   GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
   GSHARD_REQUIRE(t.legal > 0);
 }
@@ -356,6 +357,26 @@ TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter",
     static_assert(std::is_same_v<decltype(c)::sharding_type, rows>);
     GSHARD_REQUIRE(rec.events().empty());
     GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+  }
+  // Integers: a transpose, and a product by the plain loop.
+  {
+    local_tensor<std::int32_t, 2> ia(2 * P, 3);
+    for (index_t i = 0; i < ia.size(); ++i) ia.data()[i] = std::int32_t(i);
+    const auto IA = distribute<rows>(m, ia);
+    const auto t = gather(einsum<"ij->ji">(IA));
+    bool ok = t.dimension(0) == 3 && t.dimension(1) == 2 * P;
+    for (index_t i = 0; i < 2 * P && ok; ++i)
+      for (index_t j = 0; j < 3; ++j) ok = ok && t(j, i) == ia(i, j);
+    const auto sq = gather(einsum<"ij,ij->i">(IA, IA));
+    for (index_t i = 0; i < 2 * P && ok; ++i) ok = ok && sq(i) == ia(i, 0) * ia(i, 0) + ia(i, 1) * ia(i, 1) + ia(i, 2) * ia(i, 2);
+    GSHARD_REQUIRE(ok);
+  }
+  // Operands placed on two meshes of one type: refused on every rank.
+  {
+    grid other(MPI_COMM_WORLD);
+    const auto A = distribute<replicate>(m, a);
+    const auto B = distribute<replicate>(other, b);
+    GSHARD_REQUIRE_THROWS_WITH((einsum<"ij,jk->ik">(A, B)), shape_error, "the operands are placed on two different meshes");
   }
   // Operands that disagree on a label's extent: one clear error on every rank.
   {

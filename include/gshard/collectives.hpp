@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gshard/counters.hpp"
+#include "gshard/detail/options.hpp"
 #include "gshard/error.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/mpi.hpp"
@@ -58,15 +59,10 @@ void all_gather(const detail::axis_group& g, std::span<const T> send, std::span<
 
 namespace detail {
 // Which reduce-scatter runs: gshard's ring (default) or MPI_Reduce_scatter_block
-// (GSHARD_REDUCE_SCATTER=mpi). OpenMPI 4.1's reduce-scatter measured 3-4x
-// slower than the ring here, and slower than its own allreduce.
-inline bool reduce_scatter_uses_mpi() {
-  static const bool mpi = [] {
-    const char* v = std::getenv("GSHARD_REDUCE_SCATTER");
-    return v && std::string_view(v) == "mpi";
-  }();
-  return mpi;
-}
+// (GSHARD_REDUCE_SCATTER=mpi, agreed across ranks: detail/options.hpp).
+// OpenMPI 4.1's reduce-scatter measured 3-4x slower than the ring here, and
+// slower than its own allreduce.
+inline bool reduce_scatter_uses_mpi() { return options().reduce_scatter_mpi != 0; }
 
 // Ring reduce-scatter, the bandwidth-optimal algorithm: P-1 steps, each
 // passing one running partial sum of n/P elements to the right neighbour and

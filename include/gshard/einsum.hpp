@@ -58,6 +58,7 @@ struct einsum_plan {
   static_assert(!spec_check::ok || spec.nin == nin,
                 "gshard::einsum: the number of operands differs from the number of input terms in the spec");
   static constexpr int rank_a = spec.in_rank[0], rank_b = spec.in_rank[1], rank_out = spec.out_rank;
+  static constexpr std::string_view text = Spec.view();
 
   static constexpr detail::rlayout inputs[2] = {
       detail::bind_layout<Mesh, rank_a, SA>::value,
@@ -241,6 +242,9 @@ template <class Plan, class T, class A, class B>
 auto run_einsum(const A& a, const B* b) {
   using Mesh = typename A::mesh_type;
   constexpr int RB = Plan::nin == 2 ? Plan::rank_b : 0;
+  if constexpr (Plan::nin == 2)
+    if (&a.mesh() != &b->mesh())
+      throw shape_error("gshard::einsum " + std::string(Plan::text) + ": the operands are placed on two different meshes");
   index_t global[128] = {};
   Plan::label_extents(a.extents().data(), Plan::nin == 2 ? b->extents().data() : nullptr, global, dtype_name<T>());
   static constexpr einsum_program program{Plan::spec, Plan::sharding, {Plan::slice_a::steps, Plan::slice_b::steps},

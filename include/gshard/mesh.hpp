@@ -23,8 +23,8 @@ inline constexpr index_t dynamic = -1;
 
 template <fixed_string Name, index_t Size = dynamic>
 struct axis {
-  static_assert(Name.size() >= 1 && Name.size() <= detail::max_name_length,
-                "gshard::axis: an axis name has 1 to 23 characters");
+  static_assert(detail::valid_axis_name(Name.view()) && Name.size() <= detail::max_name_length,
+                "gshard::axis: an axis name has 1 to 23 characters, none of them ',', '{', '}' or ' '");
   static_assert(Size == dynamic || Size >= 1, "gshard::axis: the size is at least 1, or gshard::dynamic");
   static constexpr detail::name_t name{Name.view()};
   static constexpr index_t size = Size;
@@ -72,6 +72,16 @@ class mesh_base {
 
   // The communicator over the axes in `mask` (bit a = axis a).
   const axis_group& group(std::uint32_t mask) const { return groups_.at(mask); }
+
+  // Coordinates of rank q (in comm()): row-major over the axes.
+  std::vector<index_t> coords_of(int q) const {
+    std::vector<index_t> c(static_cast<std::size_t>(naxes_));
+    for (int a = naxes_ - 1; a >= 0; --a) {
+      c[std::size_t(a)] = q % sizes_[std::size_t(a)];
+      q = int(q / sizes_[std::size_t(a)]);
+    }
+    return c;
+  }
 
   // Rank (in comm()) of the process at `coords`.
   int rank_of(const index_t* coords) const {
@@ -121,11 +131,7 @@ class mesh_base {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     nranks_ = nranks;
-    coords_.assign(std::size_t(naxes_), 0);
-    for (int a = naxes_ - 1, r = rank_; a >= 0; --a) {
-      coords_[std::size_t(a)] = r % sizes_[std::size_t(a)];
-      r = int(r / sizes_[std::size_t(a)]);
-    }
+    coords_ = coords_of(rank_);
     // One communicator per subset of axes: color = position on the other axes,
     // key = composite position on these (row-major in mesh order).
     groups_.resize(std::size_t(1) << naxes_);
@@ -151,6 +157,12 @@ class mesh_base {
   static void check(int rc, const char* call) { mpi::check(rc, call); }
 
   void infer_dynamic(std::vector<index_t>& sizes, int nranks) {
+    for (std::size_t a = 0; a < sizes.size(); ++a)
+      if (sizes[a] != dynamic && sizes[a] < 1) {
+        sizes_ = sizes;
+        throw mesh_error("gshard::mesh: axis " + names_[a] + " was given size " + std::to_string(sizes[a]) +
+                         "; sizes are at least 1");
+      }
     int unknown = 0;
     index_t known = 1;
     for (index_t s : sizes) {
@@ -240,8 +252,13 @@ class mesh : public detail::mesh_base {
   static std::vector<index_t> fill(const std::array<index_t, std::size_t(ndynamic)>& dyn) {
     std::vector<index_t> s{Axes::size...};
     std::size_t k = 0;
-    for (auto& v : s)
-      if (v == dynamic) v = dyn[k++];
+    for (std::size_t a = 0; a < s.size(); ++a)
+      if (s[a] == dynamic) {
+        if (dyn[k] < 1)
+          throw mesh_error("gshard::mesh: axis " + std::string(names[a].view()) + " was given size " + std::to_string(dyn[k]) +
+                           "; sizes are at least 1");
+        s[a] = dyn[k++];
+      }
     return s;
   }
 };
@@ -260,7 +277,8 @@ concept mesh_type = detail::is_mesh<M>::value;
 // for mpirun -np 1, 2, 4 and 8:
 //   with_mesh<mesh<axis<"data",1>>, mesh<axis<"data",2>>, mesh<axis<"data",2>, axis<"expert",2>>>(
 //       MPI_COMM_WORLD, [&]<class Mesh>(const Mesh& m) { ... });
-// Throws gshard::mesh_error (on every rank) when none fits.
+// Throws gshard::mesh_error (on every rank) when none fits. The mesh lives
+// only while f runs, so f must not return tensors placed on it.
 template <mesh_type... Meshes, class F>
 decltype(auto) with_mesh(MPI_Comm comm, F&& f) {
   static_assert(sizeof...(Meshes) >= 1, "gshard::with_mesh: list at least one mesh");
@@ -277,12 +295,16 @@ decltype(auto) with_mesh(MPI_Comm comm, F&& f) {
     for (index_t s : sizes) list += (list.empty() ? "" : ", ") + std::to_string(s);
     throw mesh_error("gshard::with_mesh: no mesh fits " + std::to_string(nranks) + " ranks; this program supports " + list);
   }
+  auto run = [&]<class M>(std::type_identity<M>) -> R {
+    const M mesh(comm);  // lives while f runs: f must not return tensors placed on it
+    return f(mesh);
+  };
   return [&]<std::size_t... I>(std::index_sequence<I...>) -> R {
     if constexpr (std::is_void_v<R>) {
-      ((I == pick ? (void)f(Meshes(comm)) : void()), ...);
+      ((I == pick ? run(std::type_identity<Meshes>{}) : void()), ...);
     } else {
       std::optional<R> out;
-      ((I == pick ? (void)out.emplace(f(Meshes(comm))) : void()), ...);
+      ((I == pick ? (void)out.emplace(run(std::type_identity<Meshes>{})) : void()), ...);
       return std::move(*out);
     }
   }(std::index_sequence_for<Meshes...>{});

@@ -22,11 +22,13 @@
 #include <string>
 #include <type_traits>
 
+#include "gshard/detail/options.hpp"
 #include "gshard/error.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
 extern "C" void openblas_set_num_threads(int);
 #endif
+
 
 namespace gshard::mpi {
 
@@ -117,6 +119,12 @@ class environment {
       mallopt(M_TRIM_THRESHOLD, 1 << 30);
     }
 #endif
+    // Every rank takes rank 0's run-time options (detail/options.hpp).
+    gshard::detail::run_options& o = gshard::detail::options();
+    int v[2] = {o.reduce_scatter_mpi, o.gemm};
+    MPI_Bcast(v, 2, MPI_INT, 0, MPI_COMM_WORLD);
+    o.reduce_scatter_mpi = v[0];
+    o.gemm = v[1];
 #if defined(GSHARD_USE_OPENBLAS)
     // One BLAS thread per rank unless the user asked otherwise.
     if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);

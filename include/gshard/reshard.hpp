@@ -145,14 +145,8 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
       const axis_group& g = m.group((1u << m.naxes()) - 1u);
       const int source = permute_source(m, before, after, m.coords());
       int dest = -1;
-      std::vector<index_t> c(std::size_t(m.naxes()));
-      for (int q = 0; q < m.nranks() && dest < 0; ++q) {
-        for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
-          c[std::size_t(a)] = r % m.size(a);
-          r = int(r / m.size(a));
-        }
-        if (permute_source(m, before, after, c.data()) == m.rank()) dest = q;
-      }
+      for (int q = 0; q < m.nranks() && dest < 0; ++q)
+        if (permute_source(m, before, after, m.coords_of(q).data()) == m.rank()) dest = q;
       local_tensor<T, Rank> out(eo);
       permute<T>(g, {in.data(), n}, dest, {out.data(), std::size_t(out.size())}, source);
       return out;
@@ -377,10 +371,15 @@ auto all_to_all(Xr&& x) {
 }
 
 // Every rank along Axis takes the shard of coordinate `root`: one broadcast.
+// Axis must hold neither a split nor a pending sum of the tensor (the ranks
+// along it are meant to hold the same shard: this makes them agree).
 template <fixed_string Axis, sharded_tensor X>
 X broadcast(const X& x, int root = 0) {
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::broadcast: the axis is not in the tensor's mesh");
+  static_assert(a < 0 || X::layout.is_free(a),
+                "gshard::broadcast: the axis splits the tensor or holds its pending sums; broadcasting would give every "
+                "rank the root's block under a type that says otherwise");
   X out = x;
   broadcast<typename X::value_type>(x.mesh().group(1u << a), std::span(out.data(), std::size_t(out.local().size())), root);
   return out;
@@ -392,8 +391,48 @@ local_tensor<typename X::value_type, X::rank> gather(const X& x) {
   return reshard<replicate>(x).local();
 }
 
+namespace detail {
+
+// Where every rank's shard of a layout-l tensor of extents g lies, and how
+// many elements each rank sends (0 where `sends(q)` is false). A pure
+// function of values every rank has, so a count MPI cannot hold is refused
+// on every rank alike.
+template <int R>
+struct shard_table {
+  std::vector<shape<R>> extent, offset;
+  std::vector<int> counts, displs;
+};
+template <int R, class Sends>
+shard_table<R> shard_table_of(const mesh_base& m, const rlayout& l, const shape<R>& g, Sends sends, const char* op) {
+  shard_table<R> t;
+  std::size_t total = 0;
+  for (int q = 0; q < m.nranks(); ++q) {
+    const std::vector<index_t> c = m.coords_of(q);
+    shape<R> le{}, off{};
+    std::size_t n = 1;
+    for (int d = 0; d < R; ++d) {
+      const block b = dim_block(l, d, g[std::size_t(d)], m.sizes(), c.data());
+      le[std::size_t(d)] = b.extent;
+      off[std::size_t(d)] = b.offset;
+      n *= std::size_t(b.extent);
+    }
+    if (!sends(c)) n = 0;
+    t.extent.push_back(le);
+    t.offset.push_back(off);
+    t.counts.push_back(mpi::count(n, op));
+    t.displs.push_back(mpi::count(total, op));
+    total += n;
+  }
+  mpi::count(total, op);
+  return t;
+}
+
+}  // namespace detail
+
 // The global tensor on rank `root` of the mesh; other ranks get an empty
-// tensor. Pending sums are reduced first (all_reduce).
+// tensor. Pending sums are reduced first (all_reduce); then one MPI_Gatherv
+// (counted as `gather`) from the ranks at coordinate 0 of every axis that
+// splits nothing.
 template <sharded_tensor X>
 local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int root = 0) {
   using T = typename X::value_type;
@@ -406,47 +445,33 @@ local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int roo
   constexpr detail::layout_spec settled_spec = detail::spec_of<typename X::mesh_type>(settled);
   const auto y = reshard<layout<detail::text_of<detail::render(settled_spec).n>(settled_spec)>>(x);
   const detail::mesh_base& m = x.mesh();
-  // Owners hold coordinate 0 on every axis that splits nothing; they send.
-  bool owner = true;
-  for (int a = 0; a < m.naxes(); ++a)
-    if (!((settled.used_mask() >> a) & 1u) && m.coord(a) != 0) owner = false;
-  const int n = owner ? int(y.local().size()) : 0;
-  std::vector<int> counts(std::size_t(m.nranks())), displs(std::size_t(m.nranks()));
-  mpi::check(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, root, m.comm()), "MPI_Gather");
-  std::size_t total = 0;
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    displs[r] = int(total);
-    total += std::size_t(counts[r]);
-  }
+  const auto owner = [&](const std::vector<index_t>& c) {
+    for (int a = 0; a < m.naxes(); ++a)
+      if (!((settled.used_mask() >> a) & 1u) && c[std::size_t(a)] != 0) return false;
+    return true;
+  };
+  const auto t = detail::shard_table_of<R>(m, settled, x.extents(), owner, "gather_to_root");
+  const int n = t.counts[std::size_t(m.rank())];
+  const std::size_t total = std::size_t(t.displs.back()) + std::size_t(t.counts.back());
   std::vector<T> recv(m.rank() == root ? total : 0);
   count_collective(collective::gather, m.label((1u << m.naxes()) - 1u), std::size_t(n) * sizeof(T));
-  mpi::check(MPI_Gatherv(y.data(), n, mpi::datatype<T>(), recv.data(), counts.data(), displs.data(), mpi::datatype<T>(), root,
-                         m.comm()),
+  mpi::check(MPI_Gatherv(y.data(), n, mpi::datatype<T>(), recv.data(), t.counts.data(), t.displs.data(), mpi::datatype<T>(),
+                         root, m.comm()),
              "MPI_Gatherv");
   if (m.rank() != root) return local_tensor<T, R>();
   local_tensor<T, R> out(x.extents());
   const shape<R> zero{};
-  std::vector<index_t> c(std::size_t(m.naxes()));
-  for (int q = 0; q < m.nranks(); ++q) {
-    if (counts[std::size_t(q)] == 0) continue;
-    for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
-      c[std::size_t(a)] = r % m.size(a);
-      r = int(r / m.size(a));
-    }
-    shape<R> le{}, off{};
-    for (int d = 0; d < R; ++d) {
-      const auto b = detail::dim_block(settled, d, x.extent(d), m.sizes(), c.data());
-      le[std::size_t(d)] = b.extent;
-      off[std::size_t(d)] = b.offset;
-    }
-    detail::copy_box(recv.data() + displs[std::size_t(q)], le.data(), zero.data(), out.data(), x.extents().data(), off.data(),
-                     le.data(), R);
-  }
+  for (int q = 0; q < m.nranks(); ++q)
+    if (t.counts[std::size_t(q)] > 0)
+      detail::copy_box(recv.data() + t.displs[std::size_t(q)], t.extent[std::size_t(q)].data(), zero.data(), out.data(),
+                       x.extents().data(), t.offset[std::size_t(q)].data(), t.extent[std::size_t(q)].data(), R);
   return out;
 }
 
-// Rank `root` holds `global`; every rank receives its shard (MPI_Scatterv).
-// Other ranks' `global` is ignored; the extents travel from the root.
+// Rank `root` holds `global`; every rank receives its shard. Other ranks'
+// `global` is ignored: the extents travel from the root (MPI_Bcast), then one
+// MPI_Scatterv; counted together as one `scatter`. For a partial sharding,
+// coordinate 0 of each partial axis receives the value, the others zeros.
 template <class Sharding, mesh_type Mesh, class T, int Rank>
 tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Rank>& global, int root = 0) {
   using out_t = tensor<T, Rank, Mesh, Sharding>;
@@ -454,43 +479,25 @@ tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Ran
   shape<Rank> g = detail::dims_of<Rank>(global);
   count_collective(collective::scatter, m.label((1u << m.naxes()) - 1u),
                    m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0);
-  if constexpr (Rank > 0)
-    mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<std::int64_t>(), root, m.comm()), "MPI_Bcast");
+  if constexpr (Rank > 0) mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<index_t>(), root, m.comm()), "MPI_Bcast");
   out_t out(m, g);  // throws on every rank alike when g does not divide
-  std::vector<int> counts(std::size_t(m.nranks())), displs(std::size_t(m.nranks()));
+  const auto receives = [&](const std::vector<index_t>& c) {
+    for (int a = 0; a < m.naxes(); ++a)
+      if (L.is_partial(a) && c[std::size_t(a)] != 0) return false;
+    return true;
+  };
+  const auto t = detail::shard_table_of<Rank>(m, L, g, receives, "scatter");
   std::vector<T> send;
   if (m.rank() == root) {
-    std::vector<index_t> c(std::size_t(m.naxes()));
-    std::size_t total = 0;
-    for (int q = 0; q < m.nranks(); ++q) {
-      for (int a = m.naxes() - 1, r = q; a >= 0; --a) {
-        c[std::size_t(a)] = r % m.size(a);
-        r = int(r / m.size(a));
-      }
-      bool zero = false;
-      for (int a = 0; a < m.naxes(); ++a)
-        if (L.is_partial(a) && c[std::size_t(a)] != 0) zero = true;
-      shape<Rank> le{}, off{};
-      index_t n = 1;
-      for (int d = 0; d < Rank; ++d) {
-        const auto b = detail::dim_block(L, d, g[std::size_t(d)], m.sizes(), c.data());
-        le[std::size_t(d)] = b.extent;
-        off[std::size_t(d)] = b.offset;
-        n *= b.extent;
-      }
-      counts[std::size_t(q)] = zero ? 0 : mpi::count(std::size_t(n), "scatter");
-      displs[std::size_t(q)] = int(total);
-      send.resize(total + std::size_t(counts[std::size_t(q)]));
-      const shape<Rank> zoff{};
-      if (!zero && n > 0)
-        detail::copy_box(global.data(), g.data(), off.data(), send.data() + total, le.data(), zoff.data(), le.data(), Rank);
-      total += std::size_t(counts[std::size_t(q)]);
-    }
+    send.resize(std::size_t(t.displs.back()) + std::size_t(t.counts.back()));
+    const shape<Rank> zero{};
+    for (int q = 0; q < m.nranks(); ++q)
+      if (t.counts[std::size_t(q)] > 0)
+        detail::copy_box(global.data(), g.data(), t.offset[std::size_t(q)].data(), send.data() + t.displs[std::size_t(q)],
+                         t.extent[std::size_t(q)].data(), zero.data(), t.extent[std::size_t(q)].data(), Rank);
   }
-  int mine = 0;
-  mpi::check(MPI_Scatter(counts.data(), 1, MPI_INT, &mine, 1, MPI_INT, root, m.comm()), "MPI_Scatter");
-  mpi::check(MPI_Scatterv(send.data(), counts.data(), displs.data(), mpi::datatype<T>(), out.data(), mine, mpi::datatype<T>(),
-                          root, m.comm()),
+  mpi::check(MPI_Scatterv(send.data(), t.counts.data(), t.displs.data(), mpi::datatype<T>(), out.data(),
+                          t.counts[std::size_t(m.rank())], mpi::datatype<T>(), root, m.comm()),
              "MPI_Scatterv");
   return out;
 }

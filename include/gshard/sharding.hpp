@@ -24,6 +24,7 @@ inline constexpr int max_mesh_axes = 6;   // axes a mesh can have
 // axes; the shard index is the row-major composite of the ranks' coordinates.
 template <int Dim, fixed_string... Axes>
 struct split {
+  static_assert(((Axes.size() <= detail::max_name_length) && ...), "gshard::split: an axis name is longer than 23 characters");
   static constexpr int dim = Dim;
   static constexpr std::array<detail::name_t, sizeof...(Axes)> axes{detail::name_t(Axes.view())...};
 };
@@ -31,6 +32,7 @@ struct split {
 // partial<Axes...>: every rank along these axes holds a summand; the value is their sum.
 template <fixed_string... Axes>
 struct partial {
+  static_assert(((Axes.size() <= detail::max_name_length) && ...), "gshard::partial: an axis name is longer than 23 characters");
   static constexpr std::array<detail::name_t, sizeof...(Axes)> axes{detail::name_t(Axes.view())...};
 };
 
@@ -82,6 +84,7 @@ struct layout_spec {
 
 enum class spec_error : std::uint8_t {
   none,
+  bad_axis_name,         // empty, too long, or holding one of ",{} "
   dim_out_of_range,      // a split<> dim below 0 or beyond max_rank
   dim_split_twice,       // two split<> parts for one dim
   axis_in_two_dims,      // one mesh axis splits two dims
@@ -99,8 +102,19 @@ struct spec_result {
   name_t axis{};
 };
 
+// Axis names are 1 to 23 characters, none of them ',', '{', '}' or ' '
+// (those structure the canonical text).
+constexpr bool valid_axis_name(std::string_view n) {
+  if (n.empty() || n.size() > max_name_length) return false;
+  for (char c : n)
+    if (c == ',' || c == '{' || c == '}' || c == ' ') return false;
+  return true;
+}
+
 constexpr void add_split(spec_result& r, int dim, const name_t* axes, int n) {
   if (r.error != spec_error::none) return;
+  for (int i = 0; i < n; ++i)
+    if (!valid_axis_name(axes[i].view())) { r.error = spec_error::bad_axis_name; r.dim = dim; r.axis = axes[i]; return; }
   if (dim < 0 || dim >= max_rank) { r.error = spec_error::dim_out_of_range; r.dim = dim; return; }
   if (n == 0) { r.error = spec_error::empty_split; r.dim = dim; return; }
   if (r.spec.dims[dim].n != 0) { r.error = spec_error::dim_split_twice; r.dim = dim; return; }
@@ -118,6 +132,7 @@ constexpr void add_split(spec_result& r, int dim, const name_t* axes, int n) {
 constexpr void add_partial(spec_result& r, const name_t* axes, int n) {
   for (int i = 0; i < n && r.error == spec_error::none; ++i) {
     const name_t a = axes[i];
+    if (!valid_axis_name(a.view())) { r.error = spec_error::bad_axis_name; r.axis = a; return; }
     if (r.spec.is_partial(a.view())) { r.error = spec_error::axis_repeated; r.axis = a; return; }
     if (r.spec.dim_of(a.view()) >= 0) { r.error = spec_error::axis_split_and_partial; r.axis = a; return; }
     if (r.spec.npartial == max_mesh_axes) { r.error = spec_error::too_many_axes; return; }
@@ -272,6 +287,9 @@ struct make_sharding {
   static_assert((sharding_part<Parts> && ...),
                 "gshard::sharding: every part must be split<Dim, \"axis\"...>, partial<\"axis\"...> or mesh_split<...>");
   static constexpr spec_result r = make_spec<Parts...>();
+  static_assert(r.error != spec_error::bad_axis_name,
+                "gshard::sharding: an axis name is empty, longer than 23 characters, or holds ',', '{', '}' or ' '; "
+                "list several axes as separate arguments: split<0, \"data\", \"expert\">");
   static_assert(r.error != spec_error::dim_out_of_range,
                 "gshard::sharding: split<Dim, ...> names a dim below 0 or at least gshard::max_rank");
   static_assert(r.error != spec_error::dim_split_twice,

@@ -139,6 +139,9 @@ class tensor {
   }
 
   // From this rank's shard; its extents must be the ones dim_block gives.
+  // A wrong shard is a fact about this rank alone, which the others cannot
+  // see: throwing here would leave them waiting in their next collective, so
+  // the job ends (mpi::abort_job) with the rank and the extents.
   tensor(const Mesh& m, const extents_type& global, local_type local)
       : mesh_(&m), extents_(global), local_(std::move(local)) {
     validate();
@@ -147,9 +150,10 @@ class tensor {
       if (local_.dimension(d) != want[std::size_t(d)]) {
         extents_type got{};
         for (int k = 0; k < Rank; ++k) got[std::size_t(k)] = local_.dimension(k);
-        throw shape_error("gshard::tensor: rank " + std::to_string(m.rank()) + " was given a local shard of extents " +
-                          detail::extents_string<Rank>(got) + " but " + notation() + " places " +
-                          detail::extents_string<Rank>(want) + " there");
+        mpi::abort_job(("gshard::tensor: rank " + std::to_string(m.rank()) + " was given a local shard of extents " +
+                        detail::extents_string<Rank>(got) + " but " + notation() + " places " +
+                        detail::extents_string<Rank>(want) + " there")
+                           .c_str());
       }
   }
 

@@ -25,6 +25,10 @@ int n = sizeof(*p);
 void f(const tensor<float, 1, grid, sharding<split<0, "data", "expert">>>& t) { (void)all_gather<"data">(t); }
 #elif defined(GSHARD_CASE_all_reduce_not_partial)
 void f(const tensor<float, 1, grid, replicate>& t) { (void)all_reduce<"data">(t); }
+#elif defined(GSHARD_CASE_broadcast_split_axis)
+void f(const tensor<float, 1, grid, sharding<split<0, "data">>>& t) { (void)broadcast<"data">(t); }
+#elif defined(GSHARD_CASE_comma_in_axis_name)
+sharding<split<0, "data,expert">>* p = nullptr;
 #else
 #error "no GSHARD_CASE_ given"
 #endif

@@ -161,6 +161,10 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
     return;
   }
   labeled_view vb = contiguous_view(s.term(1), b_ext);
+  if (va.size() == 0 || vb.size() == 0) {  // an empty label: empty output, or a sum over nothing
+    std::fill(out, out + vo.size(), T(0));
+    return;
+  }
 
   // Sum out the labels each input holds alone and the output lacks.
   std::vector<T> a_red, b_red;
