@@ -118,7 +118,7 @@ std::vector<collective_event> planned(const detail::reshard_steps& p, const deta
     if (!is_collective(p.step[i].kind)) continue;
     index_t n = 1;
     for (int d = 0; d < rank; ++d) n *= detail::dim_block(p.state[i], d, global[d], m.sizes(), m.coords()).extent;
-    const std::uint32_t mask = p.step[i].axis >= 0 ? 1u << p.step[i].axis : (1u << m.naxes()) - 1u;
+    const std::uint32_t mask = p.step[i].mask;
     out.push_back({collective_of(p.step[i].kind), m.label(mask), std::size_t(n) * elem});
   }
   return out;

@@ -140,7 +140,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
       for (int i = 0; i < plan.n; ++i) {
         const auto& s = plan.step[i];
         if (!is_collective(s.kind)) continue;
-        const std::uint32_t mask = s.axis >= 0 ? 1u << s.axis : (1u << m.naxes()) - 1u;
+        const std::uint32_t mask = s.mask;
         const shape<R> e = detail::local_extents<R>(plan.state[i], ge, m);
         planned.push_back({collective_of(s.kind), m.label(mask), std::size_t(detail::product<R>(e)) * sizeof(double)});
         if (s.kind == step_kind::permute) ++t.permutes;

@@ -118,7 +118,7 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
     }
     case step_kind::all_reduce: {  // partial{x} |-> replicated on x
       local_tensor<T, Rank> out(eo);
-      all_reduce<T>(m.group(1u << s.axis), {in.data(), n}, {out.data(), n});
+      all_reduce<T>(m.group(s.mask), {in.data(), n}, {out.data(), n});
       return out;
     }
     case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
@@ -163,7 +163,7 @@ local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p
   for (int i = first; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
     if (s.kind == step_kind::all_reduce) {
-      all_reduce<T>(m.group(1u << s.axis), std::span<T>(local.data(), std::size_t(local.size())));
+      all_reduce<T>(m.group(s.mask), std::span<T>(local.data(), std::size_t(local.size())));
     } else if (s.kind == step_kind::zero_partial) {
       if (m.coord(s.axis) != 0) local.setZero();
     } else {
@@ -204,8 +204,17 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
   for (int i = 0; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
     out += "  " + std::to_string(i + 1) + ". " + std::string(name_of(s.kind));
-    if (s.axis >= 0) out += " over " + std::string(names[std::size_t(s.axis)].view());
-    else out += " over the whole mesh";
+    if (s.kind == step_kind::permute) out += " over the whole mesh";
+    else {
+      out += " over ";
+      bool first = true;
+      for (std::size_t a = 0; a < N; ++a)
+        if ((s.mask >> a) & 1u) {
+          if (!first) out += ',';
+          out += names[a].view();
+          first = false;
+        }
+    }
     if (s.from_dim >= 0 && s.to_dim >= 0) out += ": " + dim_name(s.from_dim) + " -> " + dim_name(s.to_dim);
     else if (s.from_dim >= 0) out += ": " + dim_name(s.from_dim);
     else if (s.to_dim >= 0) out += ": " + dim_name(s.to_dim);

@@ -7,7 +7,7 @@
 //   split(d) -> replicate    all_gather        (the axis must be d's minor-most)
 //   replicate -> split(d)    slice, local      (the axis becomes d's minor-most)
 //   split(a) -> split(b)     all_to_all
-//   partial -> replicate     all_reduce
+//   partial -> replicate     all_reduce (one over all such axes at once)
 //   partial -> split(d)      reduce_scatter
 //   replicate -> partial     zero_partial, local (coordinate 0 keeps the value)
 //   same blocks, other ranks permute           (one step for the whole mesh)
@@ -59,6 +59,8 @@ struct reshard_step {
   std::int8_t axis = -1;      // the mesh axis (permute: -1, it spans the mesh)
   std::int8_t from_dim = -1;  // all_gather, all_to_all: the dim the axis leaves
   std::int8_t to_dim = -1;    // slice, all_to_all, reduce_scatter: the dim it joins
+  std::uint32_t mask = 0;     // the axes the step runs over: 1 << axis, every axis for
+                              // permute, several for a merged all_reduce
   friend constexpr bool operator==(const reshard_step&, const reshard_step&) = default;
 };
 
@@ -121,7 +123,7 @@ constexpr void apply(rlayout& l, const reshard_step& s) {
       l.pop(s.from_dim);
       l.push(s.to_dim, s.axis);
       break;
-    case step_kind::all_reduce: l.partial &= ~(1u << s.axis); break;
+    case step_kind::all_reduce: l.partial &= ~s.mask; break;
     case step_kind::reduce_scatter:
       l.partial &= ~(1u << s.axis);
       l.push(s.to_dim, s.axis);
@@ -139,6 +141,12 @@ constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int
   reshard_steps p;
   rlayout cur = src;
   auto emit = [&](reshard_step s) {
+    s.mask = s.kind == step_kind::permute ? (naxes >= 32 ? ~0u : (1u << naxes) - 1u) : 1u << s.axis;
+    if (s.kind == step_kind::all_reduce && p.n > 0 && p.step[p.n - 1].kind == step_kind::all_reduce) {
+      p.step[p.n - 1].mask |= s.mask;  // one all_reduce over the union of the axes
+      apply(cur, s);
+      return;
+    }
     p.state[p.n] = cur;
     if (s.kind == step_kind::permute) cur = dst;
     else apply(cur, s);

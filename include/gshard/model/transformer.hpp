@@ -3,8 +3,10 @@
 // FFN an MoE layer in every other block (blocks 1, 3, ...). The batch is
 // split over every mesh axis but "model" (the MoE layer's groups are its
 // sequences); weights are replicated, experts split over "expert". Written as
-// einsums on whole tensors: the shardings decide the communication, which is
-// the MoE layers' all_to_alls and nothing else.
+// einsums on whole tensors: the shardings decide the communication — in the
+// forward the MoE layers' all_to_alls and nothing else; in the backward also
+// the all_reduces of the replicated weights' gradients, which come from the
+// types (a weight replicated over the ranks that split the batch).
 #pragma once
 
 #include <cmath>
@@ -15,6 +17,8 @@
 #include <vector>
 
 #include "gshard/einsum.hpp"
+#include "gshard/grad.hpp"
+#include "gshard/moe/backward.hpp"
 #include "gshard/moe/layer.hpp"
 #include "gshard/ops.hpp"
 
@@ -36,53 +40,163 @@ struct config {
 template <mesh_type Mesh>
 using batch_split = typename moe::shardings<Mesh>::by_group;  // [B{data,expert},...]
 
+namespace detail {
+template <class Mesh>
+struct partial_spec {  // pending sums over every axis that splits the batch
+  static constexpr gshard::detail::layout_spec value = [] {
+    gshard::detail::spec_result r;
+    for (const gshard::detail::name_t& a : Mesh::names)
+      if (a.view() != "model") gshard::detail::add_partial(r, &a, 1);
+    return r.spec;
+  }();
+};
+}  // namespace detail
+// A weight's gradient before the data-parallel reduction: partial over the batch axes.
+template <mesh_type Mesh>
+using batch_partial = moe::detail::layout_of<detail::partial_spec<Mesh>::value>;
+
+template <class T, mesh_type Mesh>
+using rep1 = tensor<T, 1, Mesh, replicate>;
+template <class T, mesh_type Mesh>
+using rep2 = tensor<T, 2, Mesh, replicate>;
+template <class T, mesh_type Mesh>
+using rep3 = tensor<T, 3, Mesh, replicate>;
+
 template <class T, mesh_type Mesh>
 struct block_params {
-  std::vector<T> norm1, norm2;                       // [M] each, every rank
-  tensor<T, 3, Mesh, replicate> wq, wk, wv;          // [M,N,K]
-  tensor<T, 3, Mesh, replicate> wo;                  // [N,K,M]
-  std::optional<tensor<T, 2, Mesh, replicate>> w1;  // dense: [M,H]
-  std::optional<tensor<T, 2, Mesh, replicate>> w2;  // dense: [H,M]
-  std::optional<moe::params<T, Mesh>> moe;           // MoE blocks
+  rep1<T, Mesh> norm1, norm2;            // [M]
+  rep3<T, Mesh> wq, wk, wv;              // [M,N,K]
+  rep3<T, Mesh> wo;                      // [N,K,M]
+  std::optional<rep2<T, Mesh>> w1, w2;   // dense blocks: [M,H], [H,M]
+  std::optional<moe::params<T, Mesh>> moe;  // MoE blocks
 };
 
 template <class T, mesh_type Mesh>
 struct params {
-  tensor<T, 2, Mesh, replicate> embed;  // [V,M]
+  rep2<T, Mesh> embed;  // [V,M]
   std::vector<block_params<T, Mesh>> blocks;
-  std::vector<T> final_norm;            // [M]
-  tensor<T, 2, Mesh, replicate> unembed;  // [M,V]
+  rep1<T, Mesh> final_norm;  // [M]
+  rep2<T, Mesh> unembed;     // [M,V]
 };
+
+// f(name, tensor of ps[0], tensor of ps[1], ...) for every parameter, in a
+// fixed order: gradients, optimizer state and checkpoints walk the same list.
+template <class F, class P, class... Ps>
+void for_each_param(F&& f, P& p, Ps&... ps) {
+  f("embed", p.embed, ps.embed...);
+  for (std::size_t l = 0; l < p.blocks.size(); ++l) {
+    const std::string b = "block" + std::to_string(l) + ".";
+    f(b + "norm1", p.blocks[l].norm1, ps.blocks[l].norm1...);
+    f(b + "wq", p.blocks[l].wq, ps.blocks[l].wq...);
+    f(b + "wk", p.blocks[l].wk, ps.blocks[l].wk...);
+    f(b + "wv", p.blocks[l].wv, ps.blocks[l].wv...);
+    f(b + "wo", p.blocks[l].wo, ps.blocks[l].wo...);
+    f(b + "norm2", p.blocks[l].norm2, ps.blocks[l].norm2...);
+    if (p.blocks[l].moe) {
+      f(b + "gate", p.blocks[l].moe->gate, ps.blocks[l].moe->gate...);
+      f(b + "wi", p.blocks[l].moe->wi, ps.blocks[l].moe->wi...);
+      f(b + "wo_experts", p.blocks[l].moe->wo, ps.blocks[l].moe->wo...);
+    } else {
+      f(b + "w1", *p.blocks[l].w1, *ps.blocks[l].w1...);
+      f(b + "w2", *p.blocks[l].w2, *ps.blocks[l].w2...);
+    }
+  }
+  f("final_norm", p.final_norm, ps.final_norm...);
+  f("unembed", p.unembed, ps.unembed...);
+}
 
 // Parameters that depend only on (config, seed): the same at every rank count.
 template <class T, mesh_type Mesh>
 params<T, Mesh> init(const Mesh& m, const config& c, std::uint64_t seed) {
   std::uint64_t id = 1000;
-  auto rep2 = [&](index_t a, index_t b, double sd) {
-    tensor<T, 2, Mesh, replicate> t(m, {a, b});
+  auto normal2 = [&](index_t a, index_t b, double sd) {
+    rep2<T, Mesh> t(m, {a, b});
     moe::init_normal(t, sd, seed, id++);
     return t;
   };
-  auto rep3 = [&](index_t a, index_t b, index_t d, double sd) {
-    tensor<T, 3, Mesh, replicate> t(m, {a, b, d});
+  auto normal3 = [&](index_t a, index_t b, index_t d, double sd) {
+    rep3<T, Mesh> t(m, {a, b, d});
     moe::init_normal(t, sd, seed, id++);
+    return t;
+  };
+  auto ones = [&](index_t n) {
+    rep1<T, Mesh> t(m, {n});
+    t.local().setConstant(T(1));
     return t;
   };
   const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden;
-  params<T, Mesh> p{rep2(c.vocab, M, 1.0), {}, std::vector<T>(std::size_t(M), T(1)), rep2(M, c.vocab, 1.0 / std::sqrt(double(M)))};
+  params<T, Mesh> p{normal2(c.vocab, M, 1.0), {}, ones(M), normal2(M, c.vocab, 1.0 / std::sqrt(double(M)))};
   for (int l = 0; l < c.layers; ++l) {
-    block_params<T, Mesh> b{std::vector<T>(std::size_t(M), T(1)), std::vector<T>(std::size_t(M), T(1)),
-                            rep3(M, N, K, 1.0 / std::sqrt(double(M))), rep3(M, N, K, 1.0 / std::sqrt(double(M))),
-                            rep3(M, N, K, 1.0 / std::sqrt(double(M))), rep3(N, K, M, 1.0 / std::sqrt(double(N * K))),
+    block_params<T, Mesh> b{ones(M), ones(M),
+                            normal3(M, N, K, 1.0 / std::sqrt(double(M))), normal3(M, N, K, 1.0 / std::sqrt(double(M))),
+                            normal3(M, N, K, 1.0 / std::sqrt(double(M))), normal3(N, K, M, 1.0 / std::sqrt(double(N * K))),
                             {}, {}, {}};
     if (c.is_moe(l)) b.moe = moe::init_params<T>(m, M, H, c.experts, seed, std::uint64_t(l + 1));
     else {
-      b.w1 = rep2(M, H, 1.0 / std::sqrt(double(M)));
-      b.w2 = rep2(H, M, 1.0 / std::sqrt(double(H)));
+      b.w1 = normal2(M, H, 1.0 / std::sqrt(double(M)));
+      b.w2 = normal2(H, M, 1.0 / std::sqrt(double(H)));
     }
     p.blocks.push_back(std::move(b));
   }
   return p;
+}
+
+// Parameters of the same shapes, all zero: a gradient or an optimizer state.
+template <class T, mesh_type Mesh>
+params<T, Mesh> zeros_like(const params<T, Mesh>& p) {
+  params<T, Mesh> z = p;
+  for_each_param([](const std::string&, auto& t) { t.local().setZero(); }, z);
+  return z;
+}
+
+template <class T, mesh_type Mesh>
+using activation = tensor<T, 3, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,M]
+template <class T, mesh_type Mesh>
+using activation4 = tensor<T, 4, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,N,K] and [B{..},N,L,T]
+
+// What the backward needs from one block's forward.
+template <class T, mesh_type Mesh>
+struct block_cache {
+  std::optional<activation<T, Mesh>> x, h1, x_mid, h2;           // input, norm1(x), after attention, norm2
+  std::optional<activation4<T, Mesh>> q, k, v, probs, o;          // attention
+  std::optional<activation<T, Mesh>> r;                           // dense FFN: relu(BLM,MH->BLH)
+  std::optional<moe::output<T, Mesh>> moe_out;                    // MoE: routing
+  moe::cache<T, Mesh> moe;
+};
+
+// Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT
+// scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK; BLNK,NKM->BLM.
+template <class T, mesh_type Mesh>
+activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
+                              block_cache<T, Mesh>* keep = nullptr) {
+  auto q = einsum<"BLM,MNK->BLNK">(h, b.wq);  // [B{data,expert},L,N,K]
+  auto k = einsum<"BLM,MNK->BLNK">(h, b.wk);
+  auto v = einsum<"BLM,MNK->BLNK">(h, b.wv);
+  auto logits = einsum<"BLNK,BTNK->BNLT">(q, k);  // [B{data,expert},N,L,T]
+  const auto le = logits.local_extents();
+  const index_t L = le[2], Tn = le[3];
+  const T scale = T(1) / std::sqrt(T(b.wq.extent(2)));
+  T* p = logits.data();
+  for (index_t bn = 0; bn < le[0] * le[1]; ++bn)
+    for (index_t l = 0; l < L; ++l, p += Tn)
+      for (index_t t = 0; t < Tn; ++t) p[t] = t <= l ? p[t] * scale : -std::numeric_limits<T>::infinity();
+  auto probs = softmax(std::move(logits));
+  auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);  // [B{data,expert},L,N,K]
+  auto out = einsum<"BLNK,NKM->BLM">(o, b.wo);
+  if (keep) {
+    keep->q = std::move(q), keep->k = std::move(k), keep->v = std::move(v);
+    keep->probs = std::move(probs), keep->o = std::move(o);
+  }
+  return out;
+}
+
+template <class T, mesh_type Mesh>
+activation<T, Mesh> dense_ffn(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
+                              block_cache<T, Mesh>* keep = nullptr) {
+  auto r = relu(einsum<"BLM,MH->BLH">(h, *b.w1));  // [B{data,expert},L,H]
+  auto y = einsum<"BLH,HM->BLM">(r, *b.w2);
+  if (keep) keep->r = std::move(r);
+  return y;
 }
 
 // What one forward saw: this rank's partial sums (the caller reduces them,
@@ -94,70 +208,63 @@ struct forward_stats {
   std::vector<moe::gating_stats> moe;  // per MoE layer, this rank's groups
 };
 
+// Everything the backward needs from a forward.
 template <class T, mesh_type Mesh>
-using activation = tensor<T, 3, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,M]
-
-// Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT
-// scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK; BLNK,NKM->BLM.
-template <class T, mesh_type Mesh>
-activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T, Mesh>& b) {
-  const auto q = einsum<"BLM,MNK->BLNK">(h, b.wq);  // [B{data,expert},L,N,K]
-  const auto k = einsum<"BLM,MNK->BLNK">(h, b.wk);
-  const auto v = einsum<"BLM,MNK->BLNK">(h, b.wv);
-  auto logits = einsum<"BLNK,BTNK->BNLT">(q, k);  // [B{data,expert},N,L,T]
-  const auto le = logits.local_extents();
-  const index_t L = le[2], Tn = le[3];
-  const T scale = T(1) / std::sqrt(T(b.wq.extent(2)));
-  T* p = logits.data();
-  for (index_t bn = 0; bn < le[0] * le[1]; ++bn)
-    for (index_t l = 0; l < L; ++l, p += Tn)
-      for (index_t t = 0; t < Tn; ++t) p[t] = t <= l ? p[t] * scale : -std::numeric_limits<T>::infinity();
-  const auto probs = softmax(std::move(logits));
-  const auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);  // [B{data,expert},L,N,K]
-  return einsum<"BLNK,NKM->BLM">(o, b.wo);
-}
-
-template <class T, mesh_type Mesh>
-activation<T, Mesh> dense_ffn(const activation<T, Mesh>& h, const block_params<T, Mesh>& b) {
-  return einsum<"BLH,HM->BLM">(relu(einsum<"BLM,MH->BLH">(h, *b.w1)), *b.w2);
-}
+struct model_cache {
+  std::vector<block_cache<T, Mesh>> blocks;
+  std::optional<activation<T, Mesh>> x_final, h_final;  // before and after the final norm
+  std::optional<activation<T, Mesh>> logits;            // [B{..},L,V]
+};
 
 // tokens: [B{data,expert}, L+1] bytes; predicts tokens[:, 1:] from tokens[:, :-1].
-// Returns the logits [B{data,expert},L,V] and this rank's partial statistics.
+// Returns the logits [B{data,expert},L,V] and this rank's partial statistics;
+// with `keep`, also what the backward needs.
 template <class T, mesh_type Mesh>
 std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
     const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, const params<T, Mesh>& p, const config& c,
-    std::uint64_t step, moe::dispatch_mode mode = moe::dispatch_mode::index) {
+    std::uint64_t step, moe::dispatch_mode mode = moe::dispatch_mode::index, model_cache<T, Mesh>* keep = nullptr) {
   const Mesh& m = tokens.mesh();
   const index_t B = tokens.extent(0), L = tokens.extent(1) - 1, M = c.model, V = c.vocab;
   if (L < 1) throw shape_error("gshard::model::forward: tokens " + tokens.notation("BL") + " need at least 2 per row");
   const index_t Bl = tokens.local_extents()[0];
   const std::int32_t* tok = tokens.data();
-  // Embedding: rows of the replicated table, looked up locally.
+  // Embedding: rows of the replicated table, looked up locally. A byte out of
+  // range is a fact of this rank's data alone: it ends the job with a message.
   activation<T, Mesh> x(m, {B, L, M});
   for (index_t b = 0; b < Bl; ++b)
     for (index_t l = 0; l < L; ++l) {
       const std::int32_t id = tok[b * (L + 1) + l];
       if (id < 0 || id >= V)
-        throw shape_error("gshard::model::forward: token " + std::to_string(id) + " is outside the vocabulary of " +
-                          std::to_string(V));
+        mpi::abort_job(("gshard::model::forward: token " + std::to_string(id) + " is outside the vocabulary of " +
+                        std::to_string(V))
+                           .c_str());
       std::memcpy(x.data() + (b * L + l) * M, p.embed.data() + index_t(id) * M, sizeof(T) * std::size_t(M));
     }
   forward_stats st;
+  if (keep) keep->blocks.assign(std::size_t(c.layers), {});
   for (int layer = 0; layer < c.layers; ++layer) {
     const auto& b = p.blocks[std::size_t(layer)];
-    x = x + attention(rms_norm(x, b.norm1), b);
-    auto h = rms_norm(x, b.norm2);
-    if (c.is_moe(layer)) {
-      auto r = moe::forward(h, *b.moe, c.gating, (step << 8) | std::uint64_t(layer), mode);
+    block_cache<T, Mesh>* bc = keep ? &keep->blocks[std::size_t(layer)] : nullptr;
+    auto h1 = rms_norm(x, b.norm1);
+    auto x_mid = x + attention(h1, b, bc);
+    auto h2 = rms_norm(x_mid, b.norm2);
+    activation<T, Mesh> ffn = [&] {
+      if (!c.is_moe(layer)) return dense_ffn(h2, b, bc);
+      auto r = moe::forward(h2, *b.moe, c.gating, (step << 8) | std::uint64_t(layer), mode, bc ? &bc->moe : nullptr);
       st.aux_partial += r.aux_partial;
-      st.moe.push_back(std::move(r.stats));
-      x = x + r.y;
-    } else {
-      x = x + dense_ffn(h, b);
+      st.moe.push_back(r.stats);
+      auto y = std::move(r.y);
+      if (bc) bc->moe_out = std::move(r);
+      return y;
+    }();
+    auto x_next = x_mid + ffn;
+    if (bc) {
+      bc->x = std::move(x), bc->h1 = std::move(h1), bc->x_mid = std::move(x_mid), bc->h2 = std::move(h2);
     }
+    x = std::move(x_next);
   }
-  auto logits = einsum<"BLM,MV->BLV">(rms_norm(std::move(x), p.final_norm), p.unembed);  // [B{data,expert},L,V]
+  auto h_final = rms_norm(x, p.final_norm);
+  auto logits = einsum<"BLM,MV->BLV">(h_final, p.unembed);  // [B{data,expert},L,V]
   // Cross-entropy of the next byte, summed over this rank's tokens.
   const T* lg = logits.data();
   for (index_t b = 0; b < Bl; ++b)
@@ -169,6 +276,9 @@ std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
       st.ce_sum += double(mx) + std::log(sum) - double(lg[tok[b * (L + 1) + l + 1]]);
       st.tokens += 1;
     }
+  if (keep) {
+    keep->x_final = std::move(x), keep->h_final = std::move(h_final), keep->logits = logits;
+  }
   return {std::move(logits), std::move(st)};
 }
 
@@ -183,6 +293,96 @@ loss reduce_loss(const forward_stats& s, const config& c, const Mesh& m) {
   all_reduce<double>(m.group((1u << m.naxes()) - 1u), v);
   const double ce = v[1] > 0 ? v[0] / v[1] : 0.0;
   return {ce, v[2], ce + c.aux_coef * v[2]};
+}
+
+namespace detail {
+// A norm scale's gradient: this rank's summand, reduced over the batch axes.
+template <class T, mesh_type Mesh>
+void add_scale_grad(rep1<T, Mesh>& grad, tensor<T, 1, Mesh, batch_partial<Mesh>>&& summand) {
+  grad.local() += reshard<replicate>(std::move(summand)).local();  // all_reduce over the batch axes
+}
+}  // namespace detail
+
+// Gradients of total = mean cross-entropy + aux_coef · Σ aux, for the forward
+// that filled `keep` on `tokens`. Returns them in the parameters' shardings.
+template <class T, mesh_type Mesh>
+params<T, Mesh> backward(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, const params<T, Mesh>& p,
+                         const config& c, const model_cache<T, Mesh>& keep) {
+  const Mesh& m = tokens.mesh();
+  const index_t B = tokens.extent(0), L = tokens.extent(1) - 1, M = c.model, V = c.vocab;
+  const index_t Bl = tokens.local_extents()[0];
+  const std::int32_t* tok = tokens.data();
+  params<T, Mesh> g = zeros_like(p);
+  auto scale_summand = [&] { return tensor<T, 1, Mesh, batch_partial<Mesh>>(m, {M}); };
+
+  // Cross-entropy: (softmax − onehot) / number of predicted tokens.
+  activation<T, Mesh> dlogits(m, {B, L, V});
+  {
+    const T inv = T(1) / T(B * L);
+    const T* lg = keep.logits->data();
+    T* d = dlogits.data();
+    for (index_t b = 0; b < Bl; ++b)
+      for (index_t l = 0; l < L; ++l, lg += V, d += V) {
+        T mx = lg[0];
+        for (index_t v = 1; v < V; ++v) mx = std::max(mx, lg[v]);
+        T sum = 0;
+        for (index_t v = 0; v < V; ++v) sum += (d[v] = std::exp(lg[v] - mx));
+        for (index_t v = 0; v < V; ++v) d[v] *= inv / sum;
+        d[tok[b * (L + 1) + l + 1]] -= inv;
+      }
+  }
+  auto [dh_final, dunembed] = einsum_backward<"BLM,MV->BLV">(dlogits, *keep.h_final, p.unembed);
+  g.unembed.local() += dunembed.local();
+  auto ds = scale_summand();
+  auto dx = rms_norm_backward(std::move(dh_final), *keep.x_final, p.final_norm, ds.data());
+  detail::add_scale_grad(g.final_norm, std::move(ds));
+
+  for (int layer = c.layers - 1; layer >= 0; --layer) {
+    const auto& b = p.blocks[std::size_t(layer)];
+    auto& gb = g.blocks[std::size_t(layer)];
+    const auto& bc = keep.blocks[std::size_t(layer)];
+    // x_next = x_mid + ffn(norm2(x_mid)): dx flows to x_mid directly and through the FFN.
+    activation<T, Mesh> dh2 = [&] {
+      if (c.is_moe(layer)) return moe::backward(dx, *bc.h2, *b.moe, *bc.moe_out, bc.moe, c.aux_coef, *gb.moe);
+      auto [dr, dw2] = einsum_backward<"BLH,HM->BLM">(dx, *bc.r, *b.w2);
+      gb.w2->local() += dw2.local();
+      auto [dh, dw1] = einsum_backward<"BLM,MH->BLH">(relu_backward(std::move(dr), *bc.r), *bc.h2, *b.w1);
+      gb.w1->local() += dw1.local();
+      return dh;
+    }();
+    auto ds2 = scale_summand();
+    dx = dx + rms_norm_backward(std::move(dh2), *bc.x_mid, b.norm2, ds2.data());
+    detail::add_scale_grad(gb.norm2, std::move(ds2));
+
+    // x_mid = x + attention(norm1(x)).
+    auto [do_, dwo] = einsum_backward<"BLNK,NKM->BLM">(dx, *bc.o, b.wo);
+    gb.wo.local() += dwo.local();
+    auto [dprobs, dv] = einsum_backward<"BNLT,BTNK->BLNK">(do_, *bc.probs, *bc.v);
+    auto dlog = softmax_backward(std::move(dprobs), *bc.probs);
+    dlog.local() = dlog.local() * (T(1) / std::sqrt(T(b.wq.extent(2))));  // masked entries are already 0
+    auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(dlog, *bc.q, *bc.k);
+    auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK">(dq, *bc.h1, b.wq);
+    auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK">(dk, *bc.h1, b.wk);
+    auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK">(dv, *bc.h1, b.wv);
+    gb.wq.local() += dwq.local();
+    gb.wk.local() += dwk.local();
+    gb.wv.local() += dwv.local();
+    auto dh1 = dhq + dhk + dhv;
+    auto ds1 = scale_summand();
+    dx = dx + rms_norm_backward(std::move(dh1), *bc.x, b.norm1, ds1.data());
+    detail::add_scale_grad(gb.norm1, std::move(ds1));
+  }
+
+  // The embedding: rows of dx added into the looked-up rows, reduced over the batch axes.
+  tensor<T, 2, Mesh, batch_partial<Mesh>> dembed(m, {V, M});
+  for (index_t b = 0; b < Bl; ++b)
+    for (index_t l = 0; l < L; ++l) {
+      T* row = dembed.data() + index_t(tok[b * (L + 1) + l]) * M;
+      const T* d = dx.data() + (b * L + l) * M;
+      for (index_t i = 0; i < M; ++i) row[i] += d[i];
+    }
+  g.embed.local() += reshard<replicate>(std::move(dembed)).local();  // all_reduce over the batch axes
+  return g;
 }
 
 }  // namespace gshard::model

@@ -64,6 +64,8 @@ struct routing {
   std::vector<std::int32_t> slot;
   std::vector<T> weight;           // normalised gate of the choice (combine weight)
   std::vector<T> gates;            // softmax, [G·S·E] (zeros for invalid tokens)
+  std::vector<std::int32_t> wanted;  // the top-1 and top-2 experts before capacity
+                                     // and random routing (-1: none); for backward
 
   std::size_t choice(index_t g, index_t s, int k) const { return std::size_t(2 * (g * tokens + s) + k); }
 };
@@ -111,6 +113,7 @@ gating_stats top2_gating(const T* logits, index_t G, index_t S, index_t E, index
   r.slot.assign(std::size_t(2 * G * S), -1);
   r.weight.assign(std::size_t(2 * G * S), T(0));
   r.gates.assign(std::size_t(G * S * E), T(0));
+  r.wanted.assign(std::size_t(2 * G * S), -1);
   gating_stats st;
   st.expert_load.assign(std::size_t(E), 0);
   st.tokens = G * S;
@@ -144,8 +147,9 @@ gating_stats top2_gating(const T* logits, index_t G, index_t S, index_t E, index
       const T g1 = gates[e1], g2 = e2 >= 0 ? gates[e2] : T(0);
       const T denom = g1 + g2 + T(1e-9);
       const std::size_t c0 = r.choice(g, s, 0);
-      r.expert[c0] = std::int32_t(e1);
+      r.expert[c0] = r.wanted[c0] = std::int32_t(e1);
       r.weight[c0] = g1 / denom;
+      if (e2 >= 0) r.wanted[c0 + 1] = std::int32_t(e2);
       if (e2 >= 0 && g2 > T(0)) {
         r.expert[c0 + 1] = std::int32_t(e2);
         r.weight[c0 + 1] = g2 / denom;

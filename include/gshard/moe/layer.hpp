@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstring>
+#include <optional>
 
 #include "gshard/einsum.hpp"
 #include "gshard/moe/gating.hpp"
@@ -100,6 +101,15 @@ params<T, Mesh> init_params(const Mesh& m, index_t M, index_t H, index_t E, std:
 
 enum class dispatch_mode : std::uint8_t { index, einsum };
 
+// What the backward needs from a forward (moe/backward.hpp).
+template <class T, mesh_type Mesh>
+struct cache {
+  using S = shardings<Mesh>;
+  std::optional<tensor<T, 4, Mesh, typename S::by_expert>> xe;      // dispatched tokens at the experts [E{expert},G{data},C,M]
+  std::optional<tensor<T, 4, Mesh, typename S::by_expert>> h;       // relu(EGCM,EMH->EGCH)          [E{expert},G{data},C,H]
+  std::optional<tensor<T, 4, Mesh, typename S::egcm_by_group>> y;   // expert outputs at the groups  [E,G{data,expert},C,M]
+};
+
 template <class T, mesh_type Mesh>
 struct output {
   tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> y;  // [G,S,M]
@@ -183,7 +193,8 @@ void dense_tensors(const routing<T>& r, T* combine, T* dispatch) {
 // collectives run: the all_to_all into the experts and the one back.
 template <class T, mesh_type Mesh>
 output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_group>& x, const params<T, Mesh>& p,
-                        const gating_config& cfg, std::uint64_t stream, dispatch_mode mode = dispatch_mode::index) {
+                        const gating_config& cfg, std::uint64_t stream, dispatch_mode mode = dispatch_mode::index,
+                        cache<T, Mesh>* keep = nullptr) {
   using S = shardings<Mesh>;
   const Mesh& m = x.mesh();
   const index_t G = x.extent(0), Sg = x.extent(1), M = x.extent(2), E = p.gate.extent(1);
@@ -199,21 +210,27 @@ output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_gr
   out.aux_partial = G > 0 ? out.stats.aux_sum / double(G) : 0.0;
   const index_t C = out.route.capacity;
 
-  if (mode == dispatch_mode::index) {
-    tensor<T, 4, Mesh, typename S::egcm_by_group> xe(m, {E, G, C, M});  // [E,G{data,expert},C,M]
-    detail::dispatch_rows(out.route, x.data(), M, xe.data());
-    const auto xe_experts = reshard<typename S::by_expert>(std::move(xe));  // all_to_all: [E{expert},G{data},C,M]
-    auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));              // [E{expert},G{data},C,H]
-    auto ye = einsum<"EGCH,EHM->EGCM">(h, p.wo);                            // [E{expert},G{data},C,M]
-    const auto y = reshard<typename S::egcm_by_group>(std::move(ye));        // all_to_all: [E,G{data,expert},C,M]
-    detail::combine_rows(out.route, y.data(), M, out.y.data());
-  } else {
-    tensor<T, 4, Mesh, typename S::by_group> combine(m, {G, Sg, E, C}), dispatch(m, {G, Sg, E, C});  // [G{..},S,E,C]
-    detail::dense_tensors(out.route, combine.data(), dispatch.data());
-    const auto xe_experts = einsum<"GSEC,GSM->EGCM", typename S::by_expert>(dispatch, x);  // local, then all_to_all
-    auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));
-    auto ye = einsum<"EGCH,EHM->EGCM">(h, p.wo);
-    out.y = einsum<"GSEC,EGCM->GSM">(combine, reshard<typename S::egcm_by_group>(std::move(ye)));  // all_to_all, then local
+  std::optional<tensor<T, 4, Mesh, typename S::by_group>> combine;
+  auto xe_experts = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
+    if (mode == dispatch_mode::index) {
+      tensor<T, 4, Mesh, typename S::egcm_by_group> xe(m, {E, G, C, M});  // [E,G{data,expert},C,M]
+      detail::dispatch_rows(out.route, x.data(), M, xe.data());
+      return reshard<typename S::by_expert>(std::move(xe));
+    }
+    tensor<T, 4, Mesh, typename S::by_group> dispatch(m, {G, Sg, E, C});  // [G{data,expert},S,E,C]
+    combine.emplace(m, shape<4>{G, Sg, E, C});
+    detail::dense_tensors(out.route, combine->data(), dispatch.data());
+    return einsum<"GSEC,GSM->EGCM", typename S::by_expert>(dispatch, x);  // local, then all_to_all
+  }();
+  auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));      // [E{expert},G{data},C,H]: experts live here
+  auto ye = einsum<"EGCH,EHM->EGCM">(h, p.wo);                    // [E{expert},G{data},C,M]
+  auto y = reshard<typename S::egcm_by_group>(std::move(ye));     // all_to_all: [E,G{data,expert},C,M]
+  if (mode == dispatch_mode::index) detail::combine_rows(out.route, y.data(), M, out.y.data());
+  else out.y = einsum<"GSEC,EGCM->GSM">(*combine, y);             // local
+  if (keep) {
+    keep->xe = std::move(xe_experts);
+    keep->h = std::move(h);
+    keep->y = std::move(y);
   }
   return out;
 }

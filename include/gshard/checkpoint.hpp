@@ -1,0 +1,307 @@
+// gshard/checkpoint.hpp — save and load sharded parameters (and optimizer
+// state) with their global shapes. Rank 0 gathers each tensor and writes one
+// file, atomically (a temporary file, fsync, rename: a crash during a save
+// leaves the previous checkpoint intact). Loading scatters each tensor into
+// the sharding the current program uses, so a checkpoint written at one rank
+// count loads at any other. Every problem is found on rank 0 and raised as
+// gshard::checkpoint_error on every rank, naming the file and what is wrong.
+//
+// Format (native byte order, little-endian on x86-64):
+//   "GSHARDCK" u32 version=1
+//   u64 n_meta, then n_meta × { u32 len, name, f64 value }
+//   u64 n_records, then n_records × {
+//     u32 len, name; u8 element bytes (4 or 8); u32 rank; u64 extents[rank];
+//     u32 len, sharding text when saved; u64 n_bytes; data (global, row-major);
+//     u64 FNV-1a of the data }
+//   "GSHARDEND" u64 FNV-1a of every byte before "GSHARDEND"
+#pragma once
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "gshard/error.hpp"
+#include "gshard/reshard.hpp"
+
+namespace gshard {
+
+class checkpoint_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+inline std::uint64_t fnv1a(const char* p, std::size_t n, std::uint64_t h = 0xcbf29ce484222325ull) {
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ std::uint8_t(p[i])) * 0x100000001b3ull;
+  return h;
+}
+
+struct ckpt_writer {
+  std::string buf;
+  template <class V>
+  void put(const V& v) {
+    buf.append(reinterpret_cast<const char*>(&v), sizeof(V));
+  }
+  void put_string(const std::string& s) {
+    put(std::uint32_t(s.size()));
+    buf += s;
+  }
+};
+
+struct ckpt_record {
+  std::string name, sharding;
+  int elem_bytes = 0;
+  std::vector<index_t> extents;
+  std::size_t offset = 0, bytes = 0;  // data in the file buffer
+};
+
+// Parses and checks the whole file on the root; returns "" or the problem.
+inline std::string parse_checkpoint(const std::string& f, std::map<std::string, double>& meta,
+                                    std::map<std::string, ckpt_record>& records) {
+  std::size_t at = 0;
+  std::string where = "the header";
+  auto need = [&](std::size_t n) {
+    if (at + n > f.size()) throw std::runtime_error("the file ends inside " + where + " (truncated)");
+  };
+  auto get = [&]<class V>(V& v) {
+    need(sizeof(V));
+    std::memcpy(&v, f.data() + at, sizeof(V));
+    at += sizeof(V);
+  };
+  auto get_string = [&](std::string& s) {
+    std::uint32_t n = 0;
+    get(n);
+    need(n);
+    s.assign(f.data() + at, n);
+    at += n;
+  };
+  try {
+    need(8);
+    if (f.compare(0, 8, "GSHARDCK") != 0) return "not a gshard checkpoint (bad magic)";
+    at = 8;
+    std::uint32_t version = 0;
+    get(version);
+    if (version != 1) return "checkpoint version " + std::to_string(version) + " is not supported (this gshard reads 1)";
+    std::uint64_t n_meta = 0;
+    get(n_meta);
+    for (std::uint64_t i = 0; i < n_meta; ++i) {
+      where = "metadata entry " + std::to_string(i);
+      std::string name;
+      double v = 0;
+      get_string(name);
+      get(v);
+      meta[name] = v;
+    }
+    std::uint64_t n_records = 0;
+    where = "the record count";
+    get(n_records);
+    for (std::uint64_t i = 0; i < n_records; ++i) {
+      ckpt_record r;
+      where = "record " + std::to_string(i);
+      get_string(r.name);
+      where = "record '" + r.name + "'";
+      std::uint8_t eb = 0;
+      std::uint32_t rank = 0;
+      get(eb);
+      get(rank);
+      if ((eb != 4 && eb != 8) || rank > std::uint32_t(max_rank)) return "record '" + r.name + "' has a corrupted header";
+      r.elem_bytes = eb;
+      std::uint64_t elements = 1;
+      for (std::uint32_t d = 0; d < rank; ++d) {
+        std::uint64_t e = 0;
+        get(e);
+        r.extents.push_back(index_t(e));
+        elements *= e;
+      }
+      get_string(r.sharding);
+      std::uint64_t bytes = 0;
+      get(bytes);
+      if (bytes != elements * eb) return "record '" + r.name + "' holds " + std::to_string(bytes) + " bytes for its shape";
+      need(bytes);
+      r.offset = at, r.bytes = bytes;
+      at += bytes;
+      std::uint64_t h = 0;
+      get(h);
+      if (h != fnv1a(f.data() + r.offset, r.bytes)) return "record '" + r.name + "': data checksum mismatch (corrupted)";
+      records[r.name] = r;
+    }
+    where = "the trailer";
+    const std::size_t body = at;
+    need(9);
+    if (f.compare(at, 9, "GSHARDEND") != 0) return "the trailer is missing (truncated or corrupted)";
+    at += 9;
+    std::uint64_t h = 0;
+    get(h);
+    if (h != fnv1a(f.data(), body)) return "file checksum mismatch (corrupted)";
+    if (at != f.size()) return "unexpected bytes after the trailer";
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline std::string extents_text(const std::vector<index_t>& e) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < e.size(); ++d) {
+    if (d) s += ',';
+    s += std::to_string(e[d]);
+  }
+  return s + "]";
+}
+
+// Rank 0's verdict, raised on every rank.
+inline void agree_or_throw(const std::string& problem_on_root, const std::string& path, MPI_Comm comm) {
+  int n = int(problem_on_root.size());
+  MPI_Bcast(&n, 1, MPI_INT, 0, comm);
+  std::string msg(std::size_t(n), '\0');
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  if (rank == 0) msg = problem_on_root;
+  MPI_Bcast(msg.data(), n, MPI_CHAR, 0, comm);
+  if (n) throw checkpoint_error("gshard::checkpoint: " + path + ": " + msg);
+}
+
+}  // namespace detail
+
+// A named set of tensors to save or load: the tensors `for_each_param` visits
+// in *p, under names "<prefix><name>".
+template <class P>
+struct checkpoint_part {
+  std::string prefix;
+  P* p;
+};
+
+template <class P, mesh_type Mesh>
+void save_checkpoint(const std::string& path, const Mesh& m, const std::vector<checkpoint_part<P>>& parts,
+                     const std::map<std::string, double>& meta = {}) {
+  const bool root = m.rank() == 0;
+  detail::ckpt_writer w;
+  std::uint64_t n_records = 0;
+  for (const auto& part : parts) for_each_param([&](const std::string&, auto&) { ++n_records; }, *part.p);
+  if (root) {
+    w.buf = "GSHARDCK";
+    w.put(std::uint32_t(1));
+    w.put(std::uint64_t(meta.size()));
+    for (const auto& [k, v] : meta) {
+      w.put_string(k);
+      w.put(v);
+    }
+    w.put(n_records);
+  }
+  for (const auto& part : parts)
+    for_each_param(
+        [&](const std::string& name, auto& t) {
+          using X = std::remove_cvref_t<decltype(t)>;
+          const auto global = gather_to_root(t);
+          if (!root) return;
+          w.put_string(part.prefix + name);
+          w.put(std::uint8_t(sizeof(typename X::value_type)));
+          w.put(std::uint32_t(X::rank));
+          for (index_t e : t.extents()) w.put(std::uint64_t(e));
+          w.put_string(std::string(X::sharding_type::text));
+          const std::size_t bytes = std::size_t(global.size()) * sizeof(typename X::value_type);
+          w.put(std::uint64_t(bytes));
+          w.buf.append(reinterpret_cast<const char*>(global.data()), bytes);
+          w.put(detail::fnv1a(reinterpret_cast<const char*>(global.data()), bytes));
+        },
+        *part.p);
+  std::string problem;
+  if (root) {
+    const std::uint64_t h = detail::fnv1a(w.buf.data(), w.buf.size());
+    w.buf += "GSHARDEND";
+    w.put(h);
+    const std::string tmp = path + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) problem = "cannot open " + tmp + " for writing";
+    else {
+      const bool ok = std::fwrite(w.buf.data(), 1, w.buf.size(), f) == w.buf.size() && std::fflush(f) == 0 &&
+                      ::fsync(fileno(f)) == 0;
+      if (std::fclose(f) != 0 || !ok) problem = "writing " + tmp + " failed";
+      else if (std::rename(tmp.c_str(), path.c_str()) != 0) problem = "renaming " + tmp + " failed";
+    }
+  }
+  detail::agree_or_throw(problem, path, m.comm());
+}
+
+// Loads into `parts` (which must have the saved names, element types and
+// global shapes; their shardings may differ from the saved ones) and returns
+// the metadata.
+template <class P, mesh_type Mesh>
+std::map<std::string, double> load_checkpoint(const std::string& path, const Mesh& m,
+                                              const std::vector<checkpoint_part<P>>& parts) {
+  const bool root = m.rank() == 0;
+  std::string file, problem;
+  std::map<std::string, double> meta;
+  std::map<std::string, detail::ckpt_record> records;
+  if (root) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) problem = "cannot open the file";
+    else {
+      file.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      problem = detail::parse_checkpoint(file, meta, records);
+    }
+    // Every tensor the program expects, with its type and shape.
+    for (const auto& part : parts)
+      for_each_param(
+          [&](const std::string& name, auto& t) {
+            using X = std::remove_cvref_t<decltype(t)>;
+            if (!problem.empty()) return;
+            const auto it = records.find(part.prefix + name);
+            if (it == records.end()) {
+              problem = "no record '" + part.prefix + name + "'";
+              return;
+            }
+            const auto& r = it->second;
+            const std::vector<index_t> want(t.extents().begin(), t.extents().end());
+            if (r.elem_bytes != int(sizeof(typename X::value_type)) || r.extents != want)
+              problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
+                        detail::extents_text(r.extents) + " but the program has " + t.notation();
+          },
+          *part.p);
+  }
+  detail::agree_or_throw(problem, path, m.comm());
+  std::vector<double> meta_values;
+  int n_meta = int(meta.size());
+  MPI_Bcast(&n_meta, 1, MPI_INT, 0, m.comm());
+  std::string keys;
+  if (root)
+    for (const auto& [k, v] : meta) {
+      keys += k + '\n';
+      meta_values.push_back(v);
+    }
+  int klen = int(keys.size());
+  MPI_Bcast(&klen, 1, MPI_INT, 0, m.comm());
+  keys.resize(std::size_t(klen));
+  meta_values.resize(std::size_t(n_meta));
+  MPI_Bcast(keys.data(), klen, MPI_CHAR, 0, m.comm());
+  MPI_Bcast(meta_values.data(), n_meta, MPI_DOUBLE, 0, m.comm());
+  std::map<std::string, double> out;
+  for (std::size_t i = 0, pos = 0; i < meta_values.size(); ++i) {
+    const std::size_t eol = keys.find('\n', pos);
+    out[keys.substr(pos, eol - pos)] = meta_values[i];
+    pos = eol + 1;
+  }
+  for (const auto& part : parts)
+    for_each_param(
+        [&](const std::string& name, auto& t) {
+          using X = std::remove_cvref_t<decltype(t)>;
+          using T = typename X::value_type;
+          local_tensor<T, X::rank> global;
+          if (root) {
+            const auto& r = records.at(part.prefix + name);
+            global = local_tensor<T, X::rank>(t.extents());
+            std::memcpy(global.data(), file.data() + r.offset, r.bytes);
+          }
+          t = scatter<typename X::sharding_type>(t.mesh(), global);  // into this program's sharding
+        },
+        *part.p);
+  return out;
+}
+
+}  // namespace gshard
