@@ -295,6 +295,28 @@ loss reduce_loss(const forward_stats& s, const config& c, const Mesh& m) {
   return {ce, v[2], ce + c.aux_coef * v[2]};
 }
 
+// The attention's backward: dh for the forward attention(h, b, keep), adding
+// the weights' gradients into `g`. Every einsum's gradient is the transposed
+// einsum; the weights' come out replicated (an all_reduce each).
+template <class T, mesh_type Mesh>
+activation<T, Mesh> attention_backward(const activation<T, Mesh>& dout, const activation<T, Mesh>& h,
+                                       const block_params<T, Mesh>& b, const block_cache<T, Mesh>& keep,
+                                       block_params<T, Mesh>& g) {
+  auto [do_, dwo] = einsum_backward<"BLNK,NKM->BLM">(dout, *keep.o, b.wo);
+  g.wo.local() += dwo.local();
+  auto [dprobs, dv] = einsum_backward<"BNLT,BTNK->BLNK">(do_, *keep.probs, *keep.v);
+  auto dlog = softmax_backward(std::move(dprobs), *keep.probs);  // masked entries: probs = 0, so 0
+  dlog.local() = dlog.local() * (T(1) / std::sqrt(T(b.wq.extent(2))));
+  auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(dlog, *keep.q, *keep.k);
+  auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK">(dq, h, b.wq);
+  auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK">(dk, h, b.wk);
+  auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK">(dv, h, b.wv);
+  g.wq.local() += dwq.local();
+  g.wk.local() += dwk.local();
+  g.wv.local() += dwv.local();
+  return dhq + dhk + dhv;
+}
+
 namespace detail {
 // A norm scale's gradient: this rank's summand, reduced over the batch axes.
 template <class T, mesh_type Mesh>
@@ -355,19 +377,7 @@ params<T, Mesh> backward(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>&
     detail::add_scale_grad(gb.norm2, std::move(ds2));
 
     // x_mid = x + attention(norm1(x)).
-    auto [do_, dwo] = einsum_backward<"BLNK,NKM->BLM">(dx, *bc.o, b.wo);
-    gb.wo.local() += dwo.local();
-    auto [dprobs, dv] = einsum_backward<"BNLT,BTNK->BLNK">(do_, *bc.probs, *bc.v);
-    auto dlog = softmax_backward(std::move(dprobs), *bc.probs);
-    dlog.local() = dlog.local() * (T(1) / std::sqrt(T(b.wq.extent(2))));  // masked entries are already 0
-    auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(dlog, *bc.q, *bc.k);
-    auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK">(dq, *bc.h1, b.wq);
-    auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK">(dk, *bc.h1, b.wk);
-    auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK">(dv, *bc.h1, b.wv);
-    gb.wq.local() += dwq.local();
-    gb.wk.local() += dwk.local();
-    gb.wv.local() += dwv.local();
-    auto dh1 = dhq + dhk + dhv;
+    auto dh1 = attention_backward(dx, *bc.h1, b, bc, gb);
     auto ds1 = scale_summand();
     dx = dx + rms_norm_backward(std::move(dh1), *bc.x, b.norm1, ds1.data());
     detail::add_scale_grad(gb.norm1, std::move(ds1));
