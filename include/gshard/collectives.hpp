@@ -21,6 +21,22 @@
 namespace gshard {
 
 namespace detail {
+// Counts one collective, with the wall time of its MPI call(s) on this rank.
+class timed_collective {
+ public:
+  timed_collective(collective kind, std::string axes, std::size_t bytes)
+      : kind_(kind), axes_(std::move(axes)), bytes_(bytes), t0_(MPI_Wtime()) {}
+  timed_collective(const timed_collective&) = delete;
+  timed_collective& operator=(const timed_collective&) = delete;
+  ~timed_collective() { count_collective(kind_, axes_, bytes_, MPI_Wtime() - t0_); }
+
+ private:
+  collective kind_;
+  std::string axes_;
+  std::size_t bytes_;
+  double t0_;
+};
+
 inline void require_size(bool ok, const char* op, const axis_group& g, std::size_t send, std::size_t recv) {
   if (!ok)
     throw shape_error(std::string("gshard::") + op + ": buffers of " + std::to_string(send) + " and " +
@@ -32,7 +48,7 @@ inline void require_size(bool ok, const char* op, const axis_group& g, std::size
 // x |-> sum over the group of x, in place.
 template <class T>
 void all_reduce(const detail::axis_group& g, std::span<T> data) {
-  count_collective(collective::all_reduce, g.label, data.size_bytes());
+  const detail::timed_collective timed(collective::all_reduce, g.label, data.size_bytes());
   mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
                            g.comm),
              "MPI_Allreduce");
@@ -42,7 +58,7 @@ void all_reduce(const detail::axis_group& g, std::span<T> data) {
 template <class T>
 void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size(), "all_reduce", g, send.size(), recv.size());
-  count_collective(collective::all_reduce, g.label, send.size_bytes());
+  const detail::timed_collective timed(collective::all_reduce, g.label, send.size_bytes());
   mpi::check(MPI_Allreduce(send.data(), recv.data(), mpi::count(send.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
                            g.comm),
              "MPI_Allreduce");
@@ -52,7 +68,7 @@ void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<
 template <class T>
 void all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(recv.size() == send.size() * std::size_t(g.size), "all_gather", g, send.size(), recv.size());
-  count_collective(collective::all_gather, g.label, send.size_bytes());
+  const detail::timed_collective timed(collective::all_gather, g.label, send.size_bytes());
   const int n = mpi::count(send.size(), "all_gather");
   mpi::check(MPI_Allgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Allgather");
 }
@@ -96,7 +112,7 @@ void ring_reduce_scatter(const axis_group& g, const T* send, T* recv, std::size_
 template <class T>
 void reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
-  count_collective(collective::reduce_scatter, g.label, send.size_bytes());
+  const detail::timed_collective timed(collective::reduce_scatter, g.label, send.size_bytes());
   if (!detail::reduce_scatter_uses_mpi()) return detail::ring_reduce_scatter<T>(g, send.data(), recv.data(), recv.size());
   mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
                                       mpi::datatype<T>(), MPI_SUM, g.comm),
@@ -108,7 +124,7 @@ template <class T>
 void all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() && send.size() % std::size_t(g.size) == 0, "all_to_all", g, send.size(),
                        recv.size());
-  count_collective(collective::all_to_all, g.label, send.size_bytes());
+  const detail::timed_collective timed(collective::all_to_all, g.label, send.size_bytes());
   const int n = mpi::count(send.size() / std::size_t(g.size), "all_to_all");
   mpi::check(MPI_Alltoall(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Alltoall");
 }
@@ -116,7 +132,7 @@ void all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<
 // data |-> data of group rank `root`.
 template <class T>
 void broadcast(const detail::axis_group& g, std::span<T> data, int root) {
-  count_collective(collective::broadcast, g.label, data.size_bytes());
+  const detail::timed_collective timed(collective::broadcast, g.label, data.size_bytes());
   mpi::check(MPI_Bcast(data.data(), mpi::count(data.size(), "broadcast"), mpi::datatype<T>(), root, g.comm), "MPI_Bcast");
 }
 
@@ -124,7 +140,7 @@ void broadcast(const detail::axis_group& g, std::span<T> data, int root) {
 // receives `recv` from group rank `source` (the inverse of someone's dest).
 template <class T>
 void permute(const detail::axis_group& g, std::span<const T> send, int dest, std::span<T> recv, int source) {
-  count_collective(collective::permute, g.label, send.size_bytes());
+  const detail::timed_collective timed(collective::permute, g.label, send.size_bytes());
   mpi::check(MPI_Sendrecv(send.data(), mpi::count(send.size(), "permute"), mpi::datatype<T>(), dest, 0x6773, recv.data(),
                           mpi::count(recv.size(), "permute"), mpi::datatype<T>(), source, 0x6773, g.comm,
                           MPI_STATUS_IGNORE),

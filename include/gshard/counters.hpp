@@ -38,7 +38,11 @@ struct collective_event {
   std::string axes;
   std::size_t bytes;
 
-  friend bool operator==(const collective_event&, const collective_event&) = default;
+  // What ran, not how long it took: events compare by kind, axes and bytes.
+  friend bool operator==(const collective_event& a, const collective_event& b) {
+    return a.kind == b.kind && a.axes == b.axes && a.bytes == b.bytes;
+  }
+  double seconds = 0;  // wall time of the MPI call(s) on this rank
 };
 
 inline std::string to_string(const collective_event& e) {
@@ -50,6 +54,7 @@ struct collective_total {
   std::string axes;
   std::size_t calls = 0;
   std::size_t bytes = 0;
+  double seconds = 0;
 };
 
 namespace detail {
@@ -65,18 +70,27 @@ inline counter_state& counters() {
 }  // namespace detail
 
 // Called by the collectives layer once per collective it issues.
-inline void count_collective(collective kind, std::string_view axes, std::size_t bytes) {
+inline void count_collective(collective kind, std::string_view axes, std::size_t bytes, double seconds = 0) {
   auto& s = detail::counters();
   bool found = false;
   for (auto& t : s.totals)
     if (t.kind == kind && t.axes == axes) {
       ++t.calls;
       t.bytes += bytes;
+      t.seconds += seconds;
       found = true;
       break;
     }
-  if (!found) s.totals.push_back({kind, std::string(axes), 1, bytes});
-  if (s.recorders > 0) s.log.push_back({kind, std::string(axes), bytes});
+  if (!found) s.totals.push_back({kind, std::string(axes), 1, bytes, seconds});
+  if (s.recorders > 0) s.log.push_back({kind, std::string(axes), bytes, seconds});
+}
+
+// Seconds spent in collectives of one kind since the start (every axis set).
+inline double collective_seconds(collective kind) {
+  double t = 0;
+  for (const auto& c : detail::counters().totals)
+    if (c.kind == kind) t += c.seconds;
+  return t;
 }
 
 // Totals since the start of the program, per (kind, axes).
