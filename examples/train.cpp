@@ -3,7 +3,8 @@
 // (/usr/share/common-licenses), a small model, 1500 steps (2 minutes on
 // 2 cores); 10% of the text is held out for evaluation.
 //   scripts/mpirun -np 2 build/examples/train [text file] [--steps N] [--seed S]
-//       [--save FILE] [--save-every N] [--resume FILE] [--log-every N]
+//       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
+//       [--log-every N] [--batch B] [--seq L]
 // Prints a progress line every few steps, then the held-out loss and bits per
 // byte, and a sampled continuation of a prompt.
 #include <gshard/gshard.hpp>
@@ -29,6 +30,7 @@ namespace {
 struct options {
   std::string text_path;  // empty: /usr/share/common-licenses/*
   int steps = 1500, log_every = 100, save_every = 0, eval_batches = 8;
+  int stop_after = 0;  // stop (and save) after this many steps, on the schedule of `steps`
   std::uint64_t seed = 1;
   std::string save, resume;
   index_t batch = 16, seq = 128;
@@ -46,6 +48,7 @@ options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = std::stoull(next());
     else if (a == "--save") o.save = next();
     else if (a == "--save-every") o.save_every = std::stoi(next());
+    else if (a == "--stop-after") o.stop_after = std::stoi(next());
     else if (a == "--resume") o.resume = next();
     else if (a == "--log-every") o.log_every = std::max(1, std::stoi(next()));
     else if (a == "--batch") o.batch = std::stol(next());
@@ -138,7 +141,8 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   double t_window = 0, tokens_window = 0;
-  for (int step = start; step < o.steps; ++step) {
+  const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
+  for (int step = start; step < end; ++step) {
     const auto tok = distribute<model::batch_split<Mesh>>(
         m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
     MPI_Barrier(m.comm());
@@ -159,7 +163,11 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     }
     if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
   }
-  if (!o.save.empty()) save(o.steps);
+  if (!o.save.empty()) save(end);
+  if (end < o.steps) {
+    if (root) std::printf("stopped after step %d of %d\n", end, o.steps);
+    return 0;
+  }
   const auto held_out = model::evaluate(m, p, c, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
   const std::string continuation = sample(m, p, c, o.seq, "The licensee ", 160, o.seed);
   if (root) {
