@@ -4,7 +4,7 @@
 // 2 cores); 10% of the text is held out for evaluation.
 //   scripts/mpirun -np 2 build/examples/train [text file] [--steps N] [--seed S]
 //       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
-//       [--log-every N] [--batch B] [--seq L]
+//       [--log-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
 // Prints a progress line every few steps, then the held-out loss and bits per
 // byte, and a sampled continuation of a prompt.
 #include <gshard/gshard.hpp>
@@ -31,6 +31,8 @@ struct options {
   std::string text_path;  // empty: /usr/share/common-licenses/*
   int steps = 1500, log_every = 100, save_every = 0, eval_batches = 8;
   int stop_after = 0;  // stop (and save) after this many steps, on the schedule of `steps`
+  std::string trace;   // write a timeline of step `trace_step` here
+  int trace_step = 10;
   std::uint64_t seed = 1;
   std::string save, resume;
   index_t batch = 16, seq = 128;
@@ -49,6 +51,8 @@ options parse(int argc, char** argv) {
     else if (a == "--save") o.save = next();
     else if (a == "--save-every") o.save_every = std::stoi(next());
     else if (a == "--stop-after") o.stop_after = std::stoi(next());
+    else if (a == "--trace") o.trace = next();
+    else if (a == "--trace-step") o.trace_step = std::stoi(next());
     else if (a == "--resume") o.resume = next();
     else if (a == "--log-every") o.log_every = std::max(1, std::stoi(next()));
     else if (a == "--batch") o.batch = std::stol(next());
@@ -145,10 +149,16 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   for (int step = start; step < end; ++step) {
     const auto tok = distribute<model::batch_split<Mesh>>(
         m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
+    const bool tracing = !o.trace.empty() && step == o.trace_step;
+    if (tracing) trace::start(o.trace, m.comm());
     MPI_Barrier(m.comm());
     const double t0 = MPI_Wtime();
     const auto r = model::train_step(tok, p, opt, c, std::uint64_t(step));
     t_window += MPI_Wtime() - t0;
+    if (tracing) {
+      const std::size_t spans = trace::stop(m.comm());
+      if (root) std::printf("wrote %zu spans of step %d to %s\n", spans, step, o.trace.c_str());
+    }
     tokens_window += double(o.batch * o.seq);
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
       double dropped = 0, spread = 0;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,25 +17,48 @@
 #include "gshard/detail/options.hpp"
 #include "gshard/error.hpp"
 #include "gshard/mesh.hpp"
+#include "gshard/debug.hpp"
 #include "gshard/mpi.hpp"
+#include "gshard/trace.hpp"
 
 namespace gshard {
 
 namespace detail {
-// Counts one collective, with the wall time of its MPI call(s) on this rank.
+// Counts one collective, with the wall time of its MPI call(s) on this rank;
+// traces it; and, when asked, lets the watchdog watch it and checks it
+// against the other ranks first (debug.hpp).
 class timed_collective {
  public:
+  // A collective over a mesh group: `type` and `count` describe its input.
+  timed_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
+      : kind_(kind), axes_(g.label), bytes_(bytes) {
+    const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
+    if (options().watchdog_seconds > 0) {
+      debug::start_watchdog();  // once per process
+      watch_.emplace(kind, axes_, bytes, seq);
+    }
+    if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, seq, kind, axes_, type, count);
+    t0_ = MPI_Wtime();
+  }
+  // A collective over a whole mesh's communicator (gather, scatter): counted and traced.
   timed_collective(collective kind, std::string axes, std::size_t bytes)
       : kind_(kind), axes_(std::move(axes)), bytes_(bytes), t0_(MPI_Wtime()) {}
   timed_collective(const timed_collective&) = delete;
   timed_collective& operator=(const timed_collective&) = delete;
-  ~timed_collective() { count_collective(kind_, axes_, bytes_, MPI_Wtime() - t0_); }
+  ~timed_collective() {
+    const double t1 = MPI_Wtime();
+    count_collective(kind_, axes_, bytes_, t1 - t0_);
+    if (trace::enabled())
+      trace::add(name_of(kind_), "collective", t0_ + trace::detail::st().offset, t1 + trace::detail::st().offset,
+                 "\"axes\":\"" + axes_ + "\",\"bytes\":" + std::to_string(bytes_));
+  }
 
  private:
   collective kind_;
   std::string axes_;
   std::size_t bytes_;
-  double t0_;
+  double t0_ = 0;
+  std::optional<debug::watch> watch_;
 };
 
 inline void require_size(bool ok, const char* op, const axis_group& g, std::size_t send, std::size_t recv) {
@@ -48,7 +72,8 @@ inline void require_size(bool ok, const char* op, const axis_group& g, std::size
 // x |-> sum over the group of x, in place.
 template <class T>
 void all_reduce(const detail::axis_group& g, std::span<T> data) {
-  const detail::timed_collective timed(collective::all_reduce, g.label, data.size_bytes());
+  const detail::timed_collective timed(
+      collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()));
   mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
                            g.comm),
              "MPI_Allreduce");
@@ -58,7 +83,8 @@ void all_reduce(const detail::axis_group& g, std::span<T> data) {
 template <class T>
 void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size(), "all_reduce", g, send.size(), recv.size());
-  const detail::timed_collective timed(collective::all_reduce, g.label, send.size_bytes());
+  const detail::timed_collective timed(
+      collective::all_reduce, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
   mpi::check(MPI_Allreduce(send.data(), recv.data(), mpi::count(send.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
                            g.comm),
              "MPI_Allreduce");
@@ -68,7 +94,8 @@ void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<
 template <class T>
 void all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(recv.size() == send.size() * std::size_t(g.size), "all_gather", g, send.size(), recv.size());
-  const detail::timed_collective timed(collective::all_gather, g.label, send.size_bytes());
+  const detail::timed_collective timed(
+      collective::all_gather, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
   const int n = mpi::count(send.size(), "all_gather");
   mpi::check(MPI_Allgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Allgather");
 }
@@ -112,7 +139,8 @@ void ring_reduce_scatter(const axis_group& g, const T* send, T* recv, std::size_
 template <class T>
 void reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
-  const detail::timed_collective timed(collective::reduce_scatter, g.label, send.size_bytes());
+  const detail::timed_collective timed(
+      collective::reduce_scatter, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
   if (!detail::reduce_scatter_uses_mpi()) return detail::ring_reduce_scatter<T>(g, send.data(), recv.data(), recv.size());
   mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
                                       mpi::datatype<T>(), MPI_SUM, g.comm),
@@ -124,7 +152,8 @@ template <class T>
 void all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() && send.size() % std::size_t(g.size) == 0, "all_to_all", g, send.size(),
                        recv.size());
-  const detail::timed_collective timed(collective::all_to_all, g.label, send.size_bytes());
+  const detail::timed_collective timed(
+      collective::all_to_all, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
   const int n = mpi::count(send.size() / std::size_t(g.size), "all_to_all");
   mpi::check(MPI_Alltoall(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm), "MPI_Alltoall");
 }
@@ -132,7 +161,8 @@ void all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<
 // data |-> data of group rank `root`.
 template <class T>
 void broadcast(const detail::axis_group& g, std::span<T> data, int root) {
-  const detail::timed_collective timed(collective::broadcast, g.label, data.size_bytes());
+  const detail::timed_collective timed(
+      collective::broadcast, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()));
   mpi::check(MPI_Bcast(data.data(), mpi::count(data.size(), "broadcast"), mpi::datatype<T>(), root, g.comm), "MPI_Bcast");
 }
 
@@ -140,7 +170,8 @@ void broadcast(const detail::axis_group& g, std::span<T> data, int root) {
 // receives `recv` from group rank `source` (the inverse of someone's dest).
 template <class T>
 void permute(const detail::axis_group& g, std::span<const T> send, int dest, std::span<T> recv, int source) {
-  const detail::timed_collective timed(collective::permute, g.label, send.size_bytes());
+  const detail::timed_collective timed(
+      collective::permute, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
   mpi::check(MPI_Sendrecv(send.data(), mpi::count(send.size(), "permute"), mpi::datatype<T>(), dest, 0x6773, recv.data(),
                           mpi::count(recv.size(), "permute"), mpi::datatype<T>(), source, 0x6773, g.comm,
                           MPI_STATUS_IGNORE),

@@ -233,7 +233,22 @@ local_tensor<T, RO> execute_einsum(const mesh_base& m, const einsum_program& p, 
     eb = local_extents<RB>(p.sharding.in[1], gb, m);
   }
   local_tensor<T, RO> out(local_extents<RO>(p.sharding.out, out_global, m));
+  const double t0 = trace::enabled() ? trace::now() : 0.0;
   local_einsum<T>(s, pa, ea.data(), pb, eb.data(), out.data(), out.dimensions().data());
+  if (trace::enabled()) {  // the span: spec and local FLOPs (2 × the product of every label's local extent)
+    double flops = s.nin == 2 ? 2.0 : 1.0;
+    bool seen[128] = {};
+    for (int op = 0; op < s.nin; ++op)
+      for (int d = 0; d < s.in_rank[op]; ++d)
+        if (!seen[int(s.in[op][d])]) {
+          seen[int(s.in[op][d])] = true;
+          flops *= double(op == 0 ? ea[std::size_t(d)] : eb[std::size_t(d)]);
+        }
+    std::string spec(s.term(0));
+    if (s.nin == 2) spec += "," + std::string(s.term(1));
+    spec += "->" + std::string(s.out_term());
+    trace::add(spec, "einsum", t0, trace::now(), "\"flops\":" + std::to_string(flops));
+  }
   if (p.finish.n == 0) return out;
   return execute_reshard<T, RO>(m, p.finish, std::move(out), out_global);
 }

@@ -40,7 +40,9 @@ struct axis_group {
   int size = 1;
   int rank = 0;
   std::uint32_t mask = 0;
-  std::string label;  // "data", or "data,expert"
+  std::string label;                   // "data", or "data,expert"
+  MPI_Comm mesh_comm = MPI_COMM_NULL;  // every rank of the mesh (the checked mode compares over it)
+  std::uint64_t* sequence = nullptr;   // the mesh's count of collectives, for the checked mode
 };
 
 // Everything about a bound mesh that does not depend on its type.
@@ -148,6 +150,8 @@ class mesh_base {
       MPI_Comm_rank(g.comm, &g.rank);
       g.mask = mask;
       g.label = label(mask);
+      g.mesh_comm = comm_;
+      g.sequence = &sequence_;
     }
   }
 
@@ -194,6 +198,7 @@ class mesh_base {
   int nranks_ = 1;
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::vector<axis_group> groups_;
+  std::uint64_t sequence_ = 0;
 };
 
 template <class... Axes>

@@ -24,6 +24,7 @@
 
 #include "gshard/detail/options.hpp"
 #include "gshard/error.hpp"
+#include "gshard/trace.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
 extern "C" void openblas_set_num_threads(int);
@@ -121,10 +122,20 @@ class environment {
 #endif
     // Every rank takes rank 0's run-time options (detail/options.hpp).
     gshard::detail::run_options& o = gshard::detail::options();
-    int v[2] = {o.reduce_scatter_mpi, o.gemm};
-    MPI_Bcast(v, 2, MPI_INT, 0, MPI_COMM_WORLD);
-    o.reduce_scatter_mpi = v[0];
-    o.gemm = v[1];
+    double v[4] = {double(o.reduce_scatter_mpi), double(o.gemm), double(o.debug), o.watchdog_seconds};
+    MPI_Bcast(v, 4, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    o.reduce_scatter_mpi = int(v[0]);
+    o.gemm = int(v[1]);
+    o.debug = int(v[2]);
+    o.watchdog_seconds = v[3];
+    // GSHARD_TRACE=<file>: a timeline of the whole run (rank 0's setting).
+    const char* trace_env = std::getenv("GSHARD_TRACE");
+    std::string trace_path = trace_env ? trace_env : "";
+    int tlen = int(trace_path.size());
+    MPI_Bcast(&tlen, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    trace_path.resize(std::size_t(tlen));
+    MPI_Bcast(trace_path.data(), tlen, MPI_CHAR, 0, MPI_COMM_WORLD);
+    if (!trace_path.empty()) trace::start(trace_path);
 #if defined(GSHARD_USE_OPENBLAS)
     // One BLAS thread per rank unless the user asked otherwise.
     if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);
@@ -139,7 +150,9 @@ class environment {
     if (std::uncaught_exceptions() > 0) abort_job("exception escaped while gshard::mpi::environment was live");
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
+    if (finalized) return;
+    if (trace::enabled()) trace::stop();  // GSHARD_TRACE: written at the end of the run
+    MPI_Finalize();
   }
 
   int rank() const { return world_rank(); }

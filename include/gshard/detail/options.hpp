@@ -5,6 +5,8 @@
 // and broadcasts them. Without the environment each process reads its own.
 //   GSHARD_REDUCE_SCATTER=mpi      MPI_Reduce_scatter_block instead of the ring
 //   GSHARD_GEMM=eigen|openblas     the local GEMM backend (default: the faster, see gemm.hpp)
+//   GSHARD_DEBUG=1                 compare a fingerprint across ranks before every collective (debug.hpp)
+//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG)
 #pragma once
 
 #include <cstdlib>
@@ -21,6 +23,8 @@ enum class gemm_kind : int { eigen = 1, openblas = 2 };
 struct run_options {
   int reduce_scatter_mpi = 0;  // 1: MPI_Reduce_scatter_block
   int gemm = 0;                // a gemm_kind
+  int debug = 0;               // 1: the checked mode
+  double watchdog_seconds = 0;  // 0: no watchdog
 };
 
 // OpenBLAS unless its active kernel lacks AVX-512 while this build has it
@@ -47,6 +51,9 @@ inline run_options options_from_env() {
   const char* rs = std::getenv("GSHARD_REDUCE_SCATTER");
   o.reduce_scatter_mpi = rs && std::string_view(rs) == "mpi";
   o.gemm = int(default_gemm());
+  if (const char* d = std::getenv("GSHARD_DEBUG")) o.debug = std::string_view(d) != "0" && std::string_view(d) != "";
+  if (o.debug) o.watchdog_seconds = 300;
+  if (const char* w = std::getenv("GSHARD_WATCHDOG")) o.watchdog_seconds = std::atof(w);
   if (const char* g = std::getenv("GSHARD_GEMM")) {
     if (std::string_view(g) == "eigen") o.gemm = int(gemm_kind::eigen);
 #if defined(GSHARD_USE_OPENBLAS)

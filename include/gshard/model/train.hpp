@@ -41,12 +41,22 @@ template <class T, mesh_type Mesh>
 step_result<T, Mesh> train_step(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, params<T, Mesh>& p,
                                 adam<params<T, Mesh>>& opt, const config& c, std::uint64_t step) {
   const Mesh& m = tokens.mesh();
+  trace::span step_span("train step " + std::to_string(step), "step");
   model_cache<T, Mesh> keep;
-  const auto fwd = forward(tokens, p, c, step, moe::dispatch_mode::index, &keep);
+  const auto fwd = [&] {
+    trace::span s("forward", "model");
+    return forward(tokens, p, c, step, moe::dispatch_mode::index, &keep);
+  }();
   auto g = backward(tokens, p, c, keep);
   step_result<T, Mesh> r;
   r.value = reduce_loss(fwd.second, c, m);
-  std::tie(r.grad_norm, r.lr) = opt.update(p, g, m);
+  if (!std::isfinite(r.value.total))  // the same on every rank: the loss is reduced
+    throw error("gshard::model::train_step: the loss at step " + std::to_string(step) + " is " +
+                std::to_string(r.value.total) + " (NaN or Inf in the inputs, the parameters or the gradients)");
+  {
+    trace::span s("optimizer", "model");
+    std::tie(r.grad_norm, r.lr) = opt.update(p, g, m);
+  }
   for (const auto& s : fwd.second.moe) r.moe.push_back(moe::reduce(s, m));
   return r;
 }

@@ -245,10 +245,16 @@ std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
   for (int layer = 0; layer < c.layers; ++layer) {
     const auto& b = p.blocks[std::size_t(layer)];
     block_cache<T, Mesh>* bc = keep ? &keep->blocks[std::size_t(layer)] : nullptr;
+    const std::string tag = "block " + std::to_string(layer);
+    trace::span block_span(tag, "model");
     auto h1 = rms_norm(x, b.norm1);
-    auto x_mid = x + attention(h1, b, bc);
+    auto x_mid = [&] {
+      trace::span s(tag + " attention", "model");
+      return x + attention(h1, b, bc);
+    }();
     auto h2 = rms_norm(x_mid, b.norm2);
     activation<T, Mesh> ffn = [&] {
+      trace::span s(tag + (c.is_moe(layer) ? " MoE" : " FFN"), "model");
       if (!c.is_moe(layer)) return dense_ffn(h2, b, bc);
       auto r = moe::forward(h2, *b.moe, c.gating, (step << 8) | std::uint64_t(layer), mode, bc ? &bc->moe : nullptr);
       st.aux_partial += r.aux_partial;
@@ -334,6 +340,7 @@ params<T, Mesh> backward(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>&
   const index_t B = tokens.extent(0), L = tokens.extent(1) - 1, M = c.model, V = c.vocab;
   const index_t Bl = tokens.local_extents()[0];
   const std::int32_t* tok = tokens.data();
+  trace::span backward_span("backward", "model");
   params<T, Mesh> g = zeros_like(p);
   auto scale_summand = [&] { return tensor<T, 1, Mesh, batch_partial<Mesh>>(m, {M}); };
 

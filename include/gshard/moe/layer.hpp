@@ -206,7 +206,10 @@ output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_gr
 
   const auto logits = einsum<"GSM,ME->GSE">(x, p.gate);  // [G{data,expert},S,E], local
   const index_t Gl = logits.local_extents()[0];
-  out.stats = top2_gating<T>(logits.data(), Gl, Sg, E, x.offsets()[0], stream, cfg, out.route);
+  {
+    trace::span s("top-2 gating", "moe");
+    out.stats = top2_gating<T>(logits.data(), Gl, Sg, E, x.offsets()[0], stream, cfg, out.route);
+  }
   out.aux_partial = G > 0 ? out.stats.aux_sum / double(G) : 0.0;
   const index_t C = out.route.capacity;
 
@@ -214,7 +217,10 @@ output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_gr
   auto xe_experts = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
     if (mode == dispatch_mode::index) {
       tensor<T, 4, Mesh, typename S::egcm_by_group> xe(m, {E, G, C, M});  // [E,G{data,expert},C,M]
-      detail::dispatch_rows(out.route, x.data(), M, xe.data());
+      {
+        trace::span s("dispatch", "moe");
+        detail::dispatch_rows(out.route, x.data(), M, xe.data());
+      }
       return reshard<typename S::by_expert>(std::move(xe));
     }
     tensor<T, 4, Mesh, typename S::by_group> dispatch(m, {G, Sg, E, C});  // [G{data,expert},S,E,C]
@@ -225,7 +231,10 @@ output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_gr
   auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));      // [E{expert},G{data},C,H]: experts live here
   auto ye = einsum<"EGCH,EHM->EGCM">(h, p.wo);                    // [E{expert},G{data},C,M]
   auto y = reshard<typename S::egcm_by_group>(std::move(ye));     // all_to_all: [E,G{data,expert},C,M]
-  if (mode == dispatch_mode::index) detail::combine_rows(out.route, y.data(), M, out.y.data());
+  if (mode == dispatch_mode::index) {
+    trace::span s("combine", "moe");
+    detail::combine_rows(out.route, y.data(), M, out.y.data());
+  }
   else out.y = einsum<"GSEC,EGCM->GSM">(*combine, y);             // local
   if (keep) {
     keep->xe = std::move(xe_experts);

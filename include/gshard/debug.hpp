@@ -1,0 +1,183 @@
+// gshard/debug.hpp — the checked mode and the watchdog.
+// GSHARD_DEBUG=1: before every collective, the ranks of the mesh compare a
+// fingerprint of what they are about to run (kind, axes, element type,
+// element count, the mesh's sequence number); a difference ends the job with
+// a message naming the field and which ranks hold which value, instead of a
+// hang or silently mixed data. GSHARD_WATCHDOG=<seconds> (default 300 in the
+// checked mode, off otherwise): a collective (or its check) that has not
+// finished in that time is reported with rank, sequence number and call, and
+// the job ends. Both settings are rank 0's (detail/options.hpp).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gshard/counters.hpp"
+#include "gshard/detail/options.hpp"
+#include "gshard/mpi.hpp"
+
+namespace gshard::debug {
+
+template <class T>
+constexpr int type_code() {
+  if constexpr (std::is_same_v<T, float>) return 1;
+  else if constexpr (std::is_same_v<T, double>) return 2;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return 3;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return 4;
+  else return 5 + int(sizeof(T));
+}
+inline const char* type_name(std::int64_t code) {
+  switch (code) {
+    case 1: return "f32";
+    case 2: return "f64";
+    case 3: return "i32";
+    case 4: return "i64";
+    default: return "other";
+  }
+}
+
+namespace detail {
+
+// What the watchdog watches: the collective in progress on this rank.
+struct watch_state {
+  std::atomic<bool> busy{false};
+  std::atomic<double> since{0};
+  std::atomic<std::uint64_t> seq{0};
+  std::atomic<int> kind{0};
+  std::atomic<std::size_t> bytes{0};
+  char axes[64] = {};
+};
+inline watch_state& watched() {
+  static watch_state w;
+  return w;
+}
+inline double wall() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+class watchdog {
+ public:
+  explicit watchdog(double seconds) : limit_(seconds), thread_([this] { run(); }) {}
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+  ~watchdog() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    while (!stop_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto& w = watched();
+      if (!w.busy) continue;
+      const double stuck = wall() - w.since;
+      if (stuck < limit_) continue;
+      std::fprintf(stderr,
+                   "gshard watchdog: rank %d: collective #%llu %s over {%s} (%zu B) has not finished after %.1f s: the "
+                   "ranks disagree on what runs next, or a rank is gone; aborting the job\n",
+                   mpi::world_rank(), static_cast<unsigned long long>(w.seq.load()),
+                   std::string(name_of(collective(w.kind.load()))).c_str(), w.axes, w.bytes.load(), stuck);
+      std::fflush(stderr);
+      std::_Exit(124);  // mpirun ends the other ranks; MPI itself is busy in the stuck call
+    }
+  }
+  double limit_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+inline std::unique_ptr<watchdog>& the_watchdog() {
+  static std::unique_ptr<watchdog> w;
+  return w;
+}
+
+}  // namespace detail
+
+inline bool checked() { return gshard::detail::options().debug != 0; }
+
+// Starts the watchdog if the options ask for one (mpi::environment does).
+inline void start_watchdog() {
+  const double s = gshard::detail::options().watchdog_seconds;
+  if (s > 0 && !detail::the_watchdog()) detail::the_watchdog() = std::make_unique<detail::watchdog>(s);
+}
+inline void stop_watchdog() { detail::the_watchdog().reset(); }
+
+// Marks this rank as inside a collective until the object dies.
+class watch {
+ public:
+  watch(collective kind, const std::string& axes, std::size_t bytes, std::uint64_t seq) {
+    auto& w = detail::watched();
+    w.kind = int(kind);
+    w.bytes = bytes;
+    w.seq = seq;
+    std::snprintf(w.axes, sizeof w.axes, "%s", axes.c_str());
+    w.since = detail::wall();
+    w.busy = true;
+  }
+  watch(const watch&) = delete;
+  watch& operator=(const watch&) = delete;
+  ~watch() { detail::watched().busy = false; }
+};
+
+// The checked mode's comparison, over every rank of the mesh (in SPMD they
+// all reach the same collective). Fields: sequence number, kind, axes,
+// element type, element count (-1: may differ, as for gather and scatter).
+inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const std::string& axes, int type,
+                  std::int64_t count) {
+  std::uint64_t axes_hash = 0xcbf29ce484222325ull;
+  for (char c : axes) axes_hash = (axes_hash ^ std::uint8_t(c)) * 0x100000001b3ull;
+  const std::int64_t mine[5] = {std::int64_t(seq), std::int64_t(kind), std::int64_t(axes_hash), type, count};
+  int n = 0, me = 0;
+  MPI_Comm_size(mesh_comm, &n);
+  MPI_Comm_rank(mesh_comm, &me);
+  std::vector<std::int64_t> all(std::size_t(5 * n));
+  MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, mesh_comm);
+  // The axes names travel too, for the message (only when they differ).
+  static const char* field_names[5] = {"sequence number", "kind", "axes", "element type", "element count"};
+  for (int f = 0; f < 5; ++f) {
+    bool differ = false;
+    for (int r = 1; r < n; ++r) differ = differ || all[std::size_t(5 * r + f)] != all[std::size_t(f)];
+    if (!differ) continue;
+    std::vector<char> names;
+    if (f == 2) {  // gather every rank's axes text
+      char buf[64] = {};
+      std::snprintf(buf, sizeof buf, "%s", axes.c_str());
+      names.resize(std::size_t(64 * n));
+      MPI_Allgather(buf, 64, MPI_CHAR, names.data(), 64, MPI_CHAR, mesh_comm);
+    }
+    auto show = [&](int r) -> std::string {
+      const std::int64_t v = all[std::size_t(5 * r + f)];
+      switch (f) {
+        case 1: return std::string(name_of(collective(v)));
+        case 2: return "{" + std::string(names.data() + 64 * r) + "}";
+        case 3: return type_name(v);
+        default: return std::to_string(v);
+      }
+    };
+    std::string msg = "gshard debug: collective #" + std::to_string(seq) + " differs across ranks in its " + field_names[f] + ":";
+    std::vector<bool> done(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      if (done[std::size_t(r)]) continue;
+      std::string ranks;
+      for (int q = r; q < n; ++q)
+        if (!done[std::size_t(q)] && all[std::size_t(5 * q + f)] == all[std::size_t(5 * r + f)]) {
+          done[std::size_t(q)] = true;
+          if (!ranks.empty()) ranks += ',';
+          ranks += std::to_string(q);
+        }
+      msg += " " + show(r) + " on rank" + (ranks.find(',') != std::string::npos ? "s " : " ") + ranks + ";";
+    }
+    msg.back() = '.';
+    if (me == 0) mpi::abort_job(msg.c_str());
+    MPI_Barrier(mesh_comm);  // rank 0 aborts the job; the others wait for it
+    std::_Exit(1);
+  }
+}
+
+}  // namespace gshard::debug

@@ -1,0 +1,88 @@
+// Faults that must end the whole job promptly with a clear message and a
+// non-zero exit, never hang. test/meson.build runs each mode under
+// test/expect_abort.py with the text it must print.
+//   throw         one rank throws while the others already wait in a collective
+//   bad_shard     one rank builds a tensor from a local shard of the wrong extents
+//   debug_kind    (GSHARD_DEBUG=1) one rank all_gathers where the others all_reduce
+//   debug_axes    (GSHARD_DEBUG=1) one rank reduces over another axis
+//   debug_type    (GSHARD_DEBUG=1) one rank reduces floats, the others doubles
+//   debug_count   (GSHARD_DEBUG=1) one rank reduces one element more
+//   debug_extra   (GSHARD_DEBUG=1) one rank runs a collective the others do not
+//   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
+//   train_throw   one rank throws between the forward and the backward of a step
+//   train_kill    one rank is killed by SIGKILL in the middle of a step
+//   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
+#include <gshard/gshard.hpp>
+#include <gshard/model/train.hpp>
+
+#include <csignal>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+using namespace gshard;
+using grid = mesh<axis<"data">, axis<"expert">>;
+
+namespace {
+
+void train(const grid& m, std::string_view mode) {
+  const int victim = m.nranks() - 1;
+  model::config c;
+  c.model = 16, c.heads = 2, c.head_dim = 8, c.hidden = 32, c.experts = 2 * m.nranks(), c.layers = 2;
+  auto p = model::init<float>(m, c, 1);
+  adam<model::params<float, grid>> opt({}, model::zeros_like(p));
+  local_tensor<std::int32_t, 2> tok(2 * m.nranks(), 17);
+  for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
+  const auto tokens = distribute<model::batch_split<grid>>(m, tok);
+  for (int step = 0; step < 3; ++step) {
+    if (step == 1 && mode == "train_nan" && m.rank() == victim) p.final_norm.data()[0] = std::numeric_limits<float>::quiet_NaN();
+    if (step == 1 && (mode == "train_throw" || mode == "train_kill")) {
+      model::model_cache<float, grid> keep;
+      model::forward(tokens, p, c, std::uint64_t(step), moe::dispatch_mode::index, &keep);
+      if (m.rank() == victim) {
+        if (mode == "train_kill") std::raise(SIGKILL);
+        throw error("gshard::test: deliberate failure between the forward and the backward");
+      }
+      model::backward(tokens, p, c, keep);  // the others wait in the backward's collectives
+    }
+    model::train_step(tokens, p, opt, c, std::uint64_t(step));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mpi::environment env(argc, argv);
+  const std::string_view mode = argc > 1 ? argv[1] : "throw";
+  const int P = env.size();
+  grid m(MPI_COMM_WORLD, {1, P});
+  const int victim = P - 1;
+  const bool odd = m.rank() == victim;
+  std::vector<double> v(4, 1.0);
+  std::vector<float> f(4, 1.0f);
+  std::vector<double> wide(4 * std::size_t(P));
+  all_reduce<double>(m.group<"expert">(), v);
+
+  if (mode == "throw" && odd) throw shape_error("gshard::test: deliberate failure on the last rank");
+  if (mode == "bad_shard") {
+    using rows = sharding<split<0, "expert">>;
+    tensor<double, 2, grid, rows> t(m, {2 * P, 4}, local_tensor<double, 2>(odd ? 3 : 2, 4));
+  }
+  if (mode == "debug_kind") {
+    if (odd) all_gather<double>(m.group<"expert">(), v, wide);
+    else all_reduce<double>(m.group<"expert">(), v);
+  }
+  if (mode == "debug_axes") all_reduce<double>(odd ? m.group<"data">() : m.group<"expert">(), v);
+  if (mode == "debug_type") {
+    if (odd) all_reduce<float>(m.group<"expert">(), f);
+    else all_reduce<double>(m.group<"expert">(), v);
+  }
+  if (mode == "debug_count") all_reduce<double>(m.group<"expert">(), std::span<double>(v.data(), odd ? 4 : 3));
+  if (mode == "debug_extra" && odd) broadcast<double>(m.group<"expert">(), v, 0);
+  if (mode == "watchdog" && odd) std::this_thread::sleep_for(std::chrono::seconds(60));
+  if (mode.starts_with("train")) train(m, mode);
+
+  all_reduce<double>(m.group<"expert">(), v);  // the others wait here
+  all_reduce<double>(m.group<"expert">(), v);
+  return 0;
+}
