@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Adds up the test cases of meson test runs (one testlog.json per build): every test prints
 "gshard-test-summary: passed=N failed=M"; a test that died before printing
-it counts as one failed case. Ends with "N passed, N failed"."""
+it counts as one failed case; a skipped test (exit 77) is listed with its
+reason and counted as neither. Ends with "N passed, N failed"."""
 import json
 import re
 import sys
 
 LINE = re.compile(r"gshard-test-summary: passed=(\d+) failed=(\d+)")
+SKIP = re.compile(r'gshard-test-summary: skipped reason="([^"]*)"')
 
 
 def main(paths: list) -> int:
@@ -16,6 +18,10 @@ def main(paths: list) -> int:
         with open(path) as f:
             for raw in f:
                 t = json.loads(raw)
+                if t["result"] == "SKIP":  # the test said why it cannot run here
+                    reason = SKIP.search(t.get("stdout") or "")
+                    print(f"  {build:<11} {t['name']:<45} SKIP     {reason.group(1) if reason else ''}")
+                    continue
                 found = LINE.findall(t.get("stdout") or "")
                 p = sum(int(a) for a, _ in found)
                 q = sum(int(b) for _, b in found)
