@@ -23,13 +23,8 @@ using flat = mesh<axis<"x">>;
 
 namespace {
 
-const flat& world_mesh() {
-  static flat m(MPI_COMM_WORLD);
-  return m;
-}
-
 void bench(benchmark::State& state, collective kind) {
-  const flat& m = world_mesh();
+  const flat& m = gshard::bench::world_mesh<flat>();
   const auto& g = m.group<"x">();
   const int P = g.size;
   const std::size_t n = std::size_t(state.range(0)) / sizeof(float);  // elements per rank

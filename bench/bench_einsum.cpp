@@ -17,11 +17,6 @@ using flat = mesh<axis<"x">>;
 
 namespace {
 
-const flat& world_mesh() {
-  static flat m(MPI_COMM_WORLD);
-  return m;
-}
-
 // A GEMM-shaped einsum: labels and extents, and the GEMM it amounts to.
 struct gemm_case {
   const char* name;
@@ -30,7 +25,7 @@ struct gemm_case {
 
 template <fixed_string Spec, class T, int RA, int RB>
 void local(benchmark::State& state, shape<RA> ea, shape<RB> eb, gemm_case g) {
-  const flat& mesh = world_mesh();
+  const flat& mesh = gshard::bench::world_mesh<flat>();
   local_tensor<T, RA> a(ea);
   local_tensor<T, RB> b(eb);
   a.setRandom();
@@ -56,7 +51,7 @@ void local(benchmark::State& state, shape<RA> ea, shape<RB> eb, gemm_case g) {
 // ij,jk->ik with j split over every rank: the partial product is summed by an
 // all_reduce into a replicated output, or by a reduce_scatter into rows.
 void matmul_split(benchmark::State& state) {
-  const flat& mesh = world_mesh();
+  const flat& mesh = gshard::bench::world_mesh<flat>();
   const index_t n = state.range(0);
   using cols = sharding<split<1, "x">>;
   using rows = sharding<split<0, "x">>;
@@ -94,11 +89,7 @@ const int registered = [] {
   reg("local/BNLT,BTNK->BLNK/f32", [](benchmark::State& s) { local<"BNLT,BTNK->BLNK", float, 4, 4>(s, {1, 2, 512, 512}, {1, 512, 2, 256}, {"", 2, 512, 256, 512}); });
   reg("local/BLNK,NKM->BLM/f32", [](benchmark::State& s) { local<"BLNK,NKM->BLM", float, 4, 3>(s, {2, 256, 4, 64}, {4, 64, 512}, {"", 1, 512, 512, 256}); });
   benchmark::RegisterBenchmark("matmul_split", matmul_split)->Arg(1024)->UseManualTime()->Unit(benchmark::kMillisecond);
-  std::string backend = detail::gemm_backend();
-#if defined(GSHARD_USE_OPENBLAS)
-  backend += std::string(" (OpenBLAS kernel: ") + openblas_get_corename() + ")";
-#endif
-  benchmark::AddCustomContext("gemm", backend);
+  gshard::bench::add_gemm_context();
   return 0;
 }();
 

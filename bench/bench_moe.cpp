@@ -21,17 +21,12 @@ namespace {
 
 constexpr double peak_gflops_per_core = 224.0;  // fp32 AVX-512 FMA, measured for this machine
 
-const grid& world_mesh() {
-  static grid m(MPI_COMM_WORLD);
-  return m;
-}
-
 struct moe_setup {
   index_t tokens_per_rank = 4096, S = 1024, M = 512, H = 2048, E = 8;
 };
 
 void layer(benchmark::State& state) {
-  const grid& m = world_mesh();
+  const grid& m = gshard::bench::world_mesh<grid>();
   const moe_setup cfgs;
   const index_t P = m.nranks(), G = cfgs.tokens_per_rank / cfgs.S * P, S = cfgs.S, M = cfgs.M, H = cfgs.H, E = cfgs.E;
   moe::gating_config gc;  // capacity factor 2, random second expert
@@ -61,7 +56,7 @@ void layer(benchmark::State& state) {
 }
 
 void block(benchmark::State& state) {
-  const grid& m = world_mesh();
+  const grid& m = gshard::bench::world_mesh<grid>();
   model::config c;
   c.model = 512, c.heads = 8, c.head_dim = 64, c.hidden = 2048, c.experts = 8, c.layers = 2;
   const index_t P = m.nranks(), L = 512, B = 4 * P;  // 2048 tokens per rank
@@ -115,11 +110,7 @@ const int registered = [] {
   for (bool e : {true, false})
     benchmark::RegisterBenchmark(e ? "dispatch/einsum" : "dispatch/index", dispatch, e)
         ->Arg(256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
-  std::string backend = detail::gemm_backend();
-#if defined(GSHARD_USE_OPENBLAS)
-  backend += std::string(" (OpenBLAS kernel: ") + openblas_get_corename() + ")";
-#endif
-  benchmark::AddCustomContext("gemm", backend);
+  gshard::bench::add_gemm_context();
   return 0;
 }();
 

@@ -22,17 +22,6 @@ namespace {
 
 constexpr double peak_gflops_per_core = 224.0;
 
-const grid& world_mesh() {
-  static grid m(MPI_COMM_WORLD);
-  return m;
-}
-
-double slowest_value(double local) {
-  double v = 0;
-  MPI_Allreduce(&local, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return v;
-}
-
 long minor_faults() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -40,7 +29,7 @@ long minor_faults() {
 }
 
 void step(benchmark::State& state) {
-  const grid& m = world_mesh();
+  const grid& m = gshard::bench::world_mesh<grid>();
   model::config c;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
   const index_t B = 16, L = 128;
@@ -57,9 +46,9 @@ void step(benchmark::State& state) {
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = MPI_Wtime();
     model::train_step(tokens, p, opt, c, s++);
-    const double t = slowest_value(MPI_Wtime() - t0);
-    a2a += slowest_value(collective_seconds(collective::all_to_all) - a0);
-    ar += slowest_value(collective_seconds(collective::all_reduce) - r0);
+    const double t = gshard::bench::max_over_ranks(MPI_Wtime() - t0);
+    a2a += gshard::bench::max_over_ranks(collective_seconds(collective::all_to_all) - a0);
+    ar += gshard::bench::max_over_ranks(collective_seconds(collective::all_reduce) - r0);
     total += t;
     state.SetIterationTime(t);
   }
@@ -72,7 +61,7 @@ void step(benchmark::State& state) {
 }
 
 void moe_layer(benchmark::State& state) {
-  const grid& m = world_mesh();
+  const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
   moe::gating_config gc;
   auto p = moe::init_params<float>(m, M, H, E, 1);
@@ -90,7 +79,7 @@ void moe_layer(benchmark::State& state) {
   fwd_bwd();  // steady state: the heap holds every buffer size once
   const long f0 = minor_faults();
   const auto c = gshard::bench::compare(state, {fwd_bwd}, 0);
-  const double faults = slowest_value(double(minor_faults() - f0)) / double(state.iterations());
+  const double faults = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
   const index_t C = moe::capacity(S, E, gc);
   const double expert_flop = 3.0 * 4.0 * double(E / P * G * C * M * H);  // forward 2 GEMMs, backward 4
   state.counters["expert_gflops"] = expert_flop / c.median_time[0] * 1e-9;
@@ -101,11 +90,7 @@ void moe_layer(benchmark::State& state) {
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
-  std::string backend = detail::gemm_backend();
-#if defined(GSHARD_USE_OPENBLAS)
-  backend += std::string(" (OpenBLAS kernel: ") + openblas_get_corename() + ")";
-#endif
-  benchmark::AddCustomContext("gemm", backend);
+  gshard::bench::add_gemm_context();
   return 0;
 }();
 

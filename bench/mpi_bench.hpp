@@ -8,25 +8,29 @@
 
 #include <algorithm>
 #include <functional>
+#include <string>
 #include <string_view>
 #include <vector>
 
+#include <gshard/detail/gemm.hpp>
 #include <gshard/mpi.hpp>
 
 namespace gshard::bench {
 
-// Times f() as the slowest rank saw it.
-template <class F>
-void run_timed(benchmark::State& state, F&& f, MPI_Comm comm = MPI_COMM_WORLD) {
-  for (auto _ : state) {
-    MPI_Barrier(comm);
-    const double t0 = MPI_Wtime();
-    f();
-    const double local = MPI_Wtime() - t0;
-    double slowest = 0;
-    MPI_Allreduce(&local, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
-    state.SetIterationTime(slowest);
-  }
+// The mesh a benchmark program runs on, bound to MPI_COMM_WORLD once.
+template <class Mesh>
+const Mesh& world_mesh() {
+  static const Mesh m(MPI_COMM_WORLD);
+  return m;
+}
+
+// Names the GEMM backend that ran (and OpenBLAS's kernel) in the context lines.
+inline void add_gemm_context() {
+  std::string backend = gshard::detail::gemm_backend();
+#if defined(GSHARD_USE_OPENBLAS)
+  backend += std::string(" (OpenBLAS kernel: ") + openblas_get_corename() + ")";
+#endif
+  benchmark::AddCustomContext("gemm", backend);
 }
 
 // Runs `forms` back to back in every iteration, in rotating order (the first
@@ -44,14 +48,18 @@ inline double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+inline double max_over_ranks(double v, MPI_Comm comm = MPI_COMM_WORLD) {
+  double m = 0;
+  MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return m;
+}
+
+// The time of f() on the slowest rank, started together after a barrier.
 inline double slowest(const std::function<void()>& f, MPI_Comm comm = MPI_COMM_WORLD) {
   MPI_Barrier(comm);
   const double t0 = MPI_Wtime();
   f();
-  const double local = MPI_Wtime() - t0;
-  double max = 0;
-  MPI_Allreduce(&local, &max, 1, MPI_DOUBLE, MPI_MAX, comm);
-  return max;
+  return max_over_ranks(MPI_Wtime() - t0, comm);
 }
 
 inline comparison compare(benchmark::State& state, const std::vector<std::function<void()>>& forms, std::size_t timed) {

@@ -13,12 +13,10 @@
 #include <iterator>
 #include <string>
 
+
+#include "meshes.hpp"
 using namespace gshard;
 
-using m1 = mesh<axis<"data", 1>, axis<"expert", 1>>;
-using m2 = mesh<axis<"data", 1>, axis<"expert", 2>>;
-using m4 = mesh<axis<"data", 2>, axis<"expert", 2>>;
-using m8 = mesh<axis<"data", 2>, axis<"expert", 4>>;
 
 namespace {
 
@@ -106,5 +104,5 @@ int main(int argc, char** argv) {
   const int forwards = argc > 2 ? std::atoi(argv[2]) : 3;
   const std::string text = read_text(path);
   if (text.size() < 1024) throw error("gshard example: " + path + " holds fewer than 1024 bytes");
-  return with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [&](const auto& m) { return run(m, text, forwards); });
+  return examples::on_fitting_mesh([&](const auto& m) { return run(m, text, forwards); });
 }

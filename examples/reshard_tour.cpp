@@ -8,13 +8,11 @@
 #include <cstdio>
 #include <iostream>
 
+
+#include "meshes.hpp"
 using namespace gshard;
 
 // One binary, four meshes: the first whose size equals the world runs.
-using m1 = mesh<axis<"data", 1>, axis<"expert", 1>>;
-using m2 = mesh<axis<"data", 1>, axis<"expert", 2>>;
-using m4 = mesh<axis<"data", 2>, axis<"expert", 2>>;
-using m8 = mesh<axis<"data", 2>, axis<"expert", 4>>;
 
 using by_group = sharding<split<0, "data", "expert">>;           // [G{data,expert},S,M]
 using by_group_model = sharding<split<0, "data">, split<2, "expert">>;  // [G{data},S,M{expert}]
@@ -61,5 +59,5 @@ int tour(const Mesh& m) {
 
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
-  return with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [](const auto& m) { return tour(m); });
+  return examples::on_fitting_mesh([](const auto& m) { return tour(m); });
 }

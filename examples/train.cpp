@@ -18,12 +18,10 @@
 #include <iterator>
 #include <string>
 
+
+#include "meshes.hpp"
 using namespace gshard;
 
-using m1 = mesh<axis<"data", 1>, axis<"expert", 1>>;
-using m2 = mesh<axis<"data", 1>, axis<"expert", 2>>;
-using m4 = mesh<axis<"data", 2>, axis<"expert", 2>>;
-using m8 = mesh<axis<"data", 2>, axis<"expert", 4>>;
 
 namespace {
 
@@ -196,5 +194,5 @@ int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   const std::string text = load_text(o.text_path);
   if (text.size() < 4096) throw error("gshard train: the text has " + std::to_string(text.size()) + " bytes; give at least 4096");
-  return with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [&](const auto& m) { return train(m, o, text); });
+  return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, text); });
 }

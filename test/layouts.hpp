@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -87,6 +89,32 @@ local_tensor<T, R> shard_of(const local_tensor<T, R>& g, const rlayout& l, const
     const T noise = T((i * 7 + 3) % 11) / T(16);
     out.data()[i] = c < parts - 1 ? T(c + 1) * noise : out.data()[i] - noise * T(parts * (parts - 1) / 2);
   }
+  return out;
+}
+
+// The meshes a test runs on at this world size P, bound to MPI_COMM_WORLD:
+// (P) always; (1,P) and (P,1) when `size_one_axes`; (2,2) at 4 ranks; (2,4)
+// at 8, and (4,2) too when `both_orders`.
+struct mesh_case {
+  std::string name;
+  std::unique_ptr<detail::mesh_base> mesh;
+};
+inline std::vector<mesh_case> meshes_for_world(bool size_one_axes, bool both_orders) {
+  using dyn1 = mesh<axis<"x">>;
+  using dyn2 = mesh<axis<"x">, axis<"y">>;
+  int P = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &P);
+  const std::string p = std::to_string(P);
+  auto two = [](index_t a, index_t b) { return std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{a, b}); };
+  std::vector<mesh_case> out;
+  out.push_back({"(" + p + ")", std::make_unique<dyn1>(MPI_COMM_WORLD)});
+  if (size_one_axes) {
+    out.push_back({"(1," + p + ")", two(1, P)});
+    out.push_back({"(" + p + ",1)", two(P, 1)});
+  }
+  if (P == 4) out.push_back({"(2,2)", two(2, 2)});
+  if (P == 8) out.push_back({"(2,4)", two(2, 4)});
+  if (P == 8 && both_orders) out.push_back({"(4,2)", two(4, 2)});
   return out;
 }
 

@@ -209,22 +209,9 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
     }
 }
 
-struct mesh_case {
-  std::string name;
-  std::unique_ptr<detail::mesh_base> mesh;
-};
-std::vector<mesh_case> meshes_for_world() {
-  const int P = world_size();
-  std::vector<mesh_case> out;
-  out.push_back({"(" + std::to_string(P) + ")", std::make_unique<dyn1>(MPI_COMM_WORLD)});
-  if (P == 4) out.push_back({"(2,2)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 2})});
-  if (P == 8) out.push_back({"(2,4)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 4})});
-  return out;
-}
-
 template <fixed_string... Specs>
 void run_specs(const char* group) {
-  const auto meshes = meshes_for_world();
+  const auto meshes = gshard::testing::meshes_for_world(false, false);
   std::size_t ran = 0;
   for (const auto& mc : meshes) {
     tally td, tf;
@@ -257,7 +244,7 @@ TEST_CASE("einsum: the attention and dense FFN einsums, every sharding", "[einsu
 }
 
 TEST_CASE("einsum: zero-size labels give zeros or empty results", "[einsum]") {
-  const auto meshes = meshes_for_world();
+  const auto meshes = gshard::testing::meshes_for_world(false, false);
   tally t;
   all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'j');  // contraction over nothing: zeros
   all_shardings<"ij,jk->ik", double>(*meshes[0].mesh, t, true, 'i');  // an empty output

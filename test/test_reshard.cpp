@@ -51,25 +51,6 @@ std::optional<std::vector<collective>> table(const axis_state& from, const axis_
   return std::nullopt;
 }
 
-struct mesh_case {
-  std::string name;
-  std::unique_ptr<detail::mesh_base> mesh;
-};
-
-std::vector<mesh_case> meshes_for_world() {
-  const int P = world_size();
-  std::vector<mesh_case> out;
-  out.push_back({"(" + std::to_string(P) + ")", std::make_unique<dyn1>(MPI_COMM_WORLD)});
-  out.push_back({"(1," + std::to_string(P) + ")", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{1, P})});
-  out.push_back({"(" + std::to_string(P) + ",1)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{P, 1})});
-  if (P == 4) out.push_back({"(2,2)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 2})});
-  if (P == 8) {
-    out.push_back({"(2,4)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{2, 4})});
-    out.push_back({"(4,2)", std::make_unique<dyn2>(MPI_COMM_WORLD, std::array<index_t, 2>{4, 2})});
-  }
-  return out;
-}
-
 struct tally {
   int pairs = 0, table_checked = 0, permutes = 0;
   std::string first_failure;
@@ -173,7 +154,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
 }  // namespace
 
 TEST_CASE("every reshard pair of rank-1..3 tensors on every mesh matches the global tensor", "[reshard][exhaustive]") {
-  const auto meshes = meshes_for_world();
+  const auto meshes = gshard::testing::meshes_for_world(true, true);
   const int P = world_size();
   const std::size_t expected_meshes = 3 + (P == 4 ? 1 : 0) + (P == 8 ? 2 : 0);
   int ran = 0;

@@ -155,12 +155,20 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
       const std::int64_t v = all[std::size_t(5 * r + f)];
       switch (f) {
         case 1: return std::string(name_of(collective(v)));
-        case 2: return "{" + std::string(names.data() + 64 * r) + "}";
+        case 2: {
+          std::string text = "{";
+          text += names.data() + 64 * r;
+          return text + "}";
+        }
         case 3: return type_name(v);
         default: return std::to_string(v);
       }
     };
-    std::string msg = "gshard debug: collective #" + std::to_string(seq) + " differs across ranks in its " + field_names[f] + ":";
+    std::string msg = "gshard debug: collective #";
+    msg += std::to_string(seq);
+    msg += " differs across ranks in its ";
+    msg += field_names[f];
+    msg += ':';
     std::vector<bool> done(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
       if (done[std::size_t(r)]) continue;
@@ -171,7 +179,11 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
           if (!ranks.empty()) ranks += ',';
           ranks += std::to_string(q);
         }
-      msg += " " + show(r) + " on rank" + (ranks.find(',') != std::string::npos ? "s " : " ") + ranks + ";";
+      msg += ' ';
+      msg += show(r);
+      msg += ranks.find(',') != std::string::npos ? " on ranks " : " on rank ";
+      msg += ranks;
+      msg += ';';
     }
     msg.back() = '.';
     if (me == 0) mpi::abort_job(msg.c_str());
