@@ -11,6 +11,7 @@
 #include <gshard/model/train.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -79,19 +80,21 @@ std::string load_text(const std::string& path) {
       text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     }
     if (files.empty()) problem = "no text: give a file, or install base-files (/usr/share/common-licenses)";
+    if (text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
+      problem = "the text has " + std::to_string(text.size()) + " bytes; this example reads at most 2 GiB";
   }
   unsigned long long n[2] = {text.size(), problem.size()};
-  MPI_Bcast(n, 2, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  mpi::check(MPI_Bcast(n, 2, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD), "MPI_Bcast");
   problem.resize(n[1]);
-  MPI_Bcast(problem.data(), int(n[1]), MPI_CHAR, 0, MPI_COMM_WORLD);
+  mpi::check(MPI_Bcast(problem.data(), int(n[1]), MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
   if (!problem.empty()) throw error("gshard train: " + problem);
   text.resize(n[0]);
-  MPI_Bcast(text.data(), int(n[0]), MPI_CHAR, 0, MPI_COMM_WORLD);
+  mpi::check(MPI_Bcast(text.data(), int(n[0]), MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
   return text;
 }
 
-// Samples `n` bytes after `prompt`; every rank holds the same context and
-// draws the same byte (the batch is one copy of the context per rank).
+// Samples `n` bytes after `prompt`. The batch holds one copy of the context
+// per rank; rank 0's copy decides each byte, which every rank then adopts.
 template <class Mesh>
 std::string sample(const Mesh& m, const model::params<float, Mesh>& p, const model::config& c, index_t L,
                    std::string prompt, int n, std::uint64_t seed) {
@@ -112,6 +115,7 @@ std::string sample(const Mesh& m, const model::params<float, Mesh>& p, const mod
     double u = moe::uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
     int pick = 0;
     while (pick + 1 < c.vocab && (u -= w[std::size_t(pick)]) > 0) ++pick;
+    mpi::check(MPI_Bcast(&pick, 1, MPI_INT, 0, m.comm()), "MPI_Bcast");
     prompt += char(pick);
   }
   return prompt;
@@ -138,16 +142,24 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (MoE: E=%ld, H=%ld), batch %ld x %ld bytes\n",
                 split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, long(c.experts), long(c.hidden),
                 long(o.batch), long(o.seq));
+  const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
+  if (start >= end) {  // nothing left: do not relabel the checkpoint with another step
+    if (root) std::printf("the checkpoint is at step %d; nothing to train up to step %d\n", start, end);
+    return 0;
+  }
+  if (!o.trace.empty() && trace::enabled()) {
+    if (root) std::printf("GSHARD_TRACE is tracing the whole run; --trace is ignored\n");
+  }
+  const bool trace_one_step = !o.trace.empty() && !trace::enabled();
   auto save = [&](int step) {
     save_checkpoint(o.save, m, model::checkpoint_parts(p, opt), {{"step", double(step)}});
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   double t_window = 0, tokens_window = 0;
-  const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   for (int step = start; step < end; ++step) {
     const auto tok = distribute<model::batch_split<Mesh>>(
         m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
-    const bool tracing = !o.trace.empty() && step == o.trace_step;
+    const bool tracing = trace_one_step && step == o.trace_step;
     if (tracing) trace::start(o.trace, m.comm());
     MPI_Barrier(m.comm());
     const double t0 = MPI_Wtime();

@@ -12,6 +12,7 @@
 //   train_throw   one rank throws between the forward and the backward of a step
 //   train_kill    one rank is killed by SIGKILL in the middle of a step
 //   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
+//   bad_target    one rank's batch has a target byte outside the vocabulary
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
@@ -34,6 +35,9 @@ void train(const grid& m, std::string_view mode) {
   local_tensor<std::int32_t, 2> tok(2 * m.nranks(), 17);
   for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
   const auto tokens = distribute<model::batch_split<grid>>(m, tok);
+  if (mode == "bad_target" && m.rank() == victim) tok(tok.dimension(0) - 1, 16) = 300;  // a target, not an input
+  const auto bad = distribute<model::batch_split<grid>>(m, tok);
+  if (mode == "bad_target") model::train_step(bad, p, opt, c, 0);
   for (int step = 0; step < 3; ++step) {
     if (step == 1 && mode == "train_nan" && m.rank() == victim) p.final_norm.data()[0] = std::numeric_limits<float>::quiet_NaN();
     if (step == 1 && (mode == "train_throw" || mode == "train_kill")) {
@@ -80,7 +84,7 @@ int main(int argc, char** argv) {
   if (mode == "debug_count") all_reduce<double>(m.group<"expert">(), std::span<double>(v.data(), odd ? 4 : 3));
   if (mode == "debug_extra" && odd) broadcast<double>(m.group<"expert">(), v, 0);
   if (mode == "watchdog" && odd) std::this_thread::sleep_for(std::chrono::seconds(60));
-  if (mode.starts_with("train")) train(m, mode);
+  if (mode.starts_with("train") || mode == "bad_target") train(m, mode);
 
   all_reduce<double>(m.group<"expert">(), v);  // the others wait here
   all_reduce<double>(m.group<"expert">(), v);

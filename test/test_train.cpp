@@ -338,6 +338,24 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
   GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(alien, m, parts), checkpoint_error,
                              "gshard::checkpoint: " + alien + ": not a gshard checkpoint");
   GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir + "/missing.ckpt", m, parts), checkpoint_error, "cannot open the file");
+  // A header whose shape overflows (extent 2^62 - 1, bytes 2^64 - 4): refused, not read past the end.
+  const auto forged = damaged("forged.ckpt", [](const std::string& f) {
+    std::ofstream out(f, std::ios::binary | std::ios::trunc);
+    auto put = [&](const auto& v) { out.write(reinterpret_cast<const char*>(&v), sizeof v); };
+    out << "GSHARDCK";
+    put(std::uint32_t(1));
+    put(std::uint64_t(0));  // no metadata
+    put(std::uint64_t(1));  // one record
+    put(std::uint32_t(1));
+    out << 'x';
+    put(std::uint8_t(4));
+    put(std::uint32_t(1));
+    put(std::uint64_t(0x3FFFFFFFFFFFFFFFull));
+    put(std::uint32_t(0));
+    put(std::uint64_t(0xFFFFFFFFFFFFFFFCull));
+    out << std::string(16, '\0');
+  });
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(forged, m, parts), checkpoint_error, "record 'x' has a corrupted shape");
   {  // a model of another shape
     auto other = c;
     other.model = 16;

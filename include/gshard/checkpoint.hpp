@@ -66,8 +66,8 @@ inline std::string parse_checkpoint(const std::string& f, std::map<std::string, 
                                     std::map<std::string, ckpt_record>& records) {
   std::size_t at = 0;
   std::string where = "the header";
-  auto need = [&](std::size_t n) {
-    if (at + n > f.size()) throw std::runtime_error("the file ends inside " + where + " (truncated)");
+  auto need = [&](std::size_t n) {  // at <= f.size() always; no overflow
+    if (n > f.size() - at) throw std::runtime_error("the file ends inside " + where + " (truncated)");
   };
   auto get = [&]<class V>(V& v) {
     need(sizeof(V));
@@ -116,6 +116,8 @@ inline std::string parse_checkpoint(const std::string& f, std::map<std::string, 
       for (std::uint32_t d = 0; d < rank; ++d) {
         std::uint64_t e = 0;
         get(e);
+        // No extent or product may exceed what a file can hold: checked before multiplying.
+        if (e > f.size() || (e != 0 && elements > f.size() / e)) return "record '" + r.name + "' has a corrupted shape";
         r.extents.push_back(index_t(e));
         elements *= e;
       }

@@ -29,7 +29,8 @@ namespace detail {
 // against the other ranks first (debug.hpp).
 class timed_collective {
  public:
-  // A collective over a mesh group: `type` and `count` describe its input.
+  // A collective over a mesh group: `type` and `count` describe its input
+  // (count -1: it may differ across ranks, as for gather and scatter).
   timed_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
       : kind_(kind), axes_(g.label), bytes_(bytes) {
     const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
@@ -40,9 +41,6 @@ class timed_collective {
     if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, seq, kind, axes_, type, count);
     t0_ = MPI_Wtime();
   }
-  // A collective over a whole mesh's communicator (gather, scatter): counted and traced.
-  timed_collective(collective kind, std::string axes, std::size_t bytes)
-      : kind_(kind), axes_(std::move(axes)), bytes_(bytes), t0_(MPI_Wtime()) {}
   timed_collective(const timed_collective&) = delete;
   timed_collective& operator=(const timed_collective&) = delete;
   ~timed_collective() {
@@ -50,7 +48,7 @@ class timed_collective {
     count_collective(kind_, axes_, bytes_, t1 - t0_);
     if (trace::enabled())
       trace::add(name_of(kind_), "collective", t0_ + trace::detail::st().offset, t1 + trace::detail::st().offset,
-                 "\"axes\":\"" + axes_ + "\",\"bytes\":" + std::to_string(bytes_));
+                 "\"axes\":\"" + trace::detail::escape(axes_) + "\",\"bytes\":" + std::to_string(bytes_));
   }
 
  private:

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -45,14 +46,18 @@ inline const char* type_name(std::int64_t code) {
 
 namespace detail {
 
-// What the watchdog watches: the collective in progress on this rank.
+// What the watchdog watches: the collective in progress on this rank. The
+// main thread publishes it under a generation counter (odd while it writes),
+// so the watchdog reads a consistent snapshot and times one collective, not
+// a start time left over from the previous one.
 struct watch_state {
+  std::atomic<std::uint64_t> generation{0};
   std::atomic<bool> busy{false};
   std::atomic<double> since{0};
   std::atomic<std::uint64_t> seq{0};
   std::atomic<int> kind{0};
   std::atomic<std::size_t> bytes{0};
-  char axes[64] = {};
+  std::atomic<char> axes[64] = {};
 };
 inline watch_state& watched() {
   static watch_state w;
@@ -62,7 +67,8 @@ inline double wall() { return std::chrono::duration<double>(std::chrono::steady_
 
 class watchdog {
  public:
-  explicit watchdog(double seconds) : limit_(seconds), thread_([this] { run(); }) {}
+  // Started on the main thread: it learns the rank there (MPI is FUNNELED).
+  explicit watchdog(double seconds) : limit_(seconds), rank_(mpi::world_rank()), thread_([this] { run(); }) {}
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
   ~watchdog() {
@@ -75,19 +81,27 @@ class watchdog {
     while (!stop_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       auto& w = watched();
-      if (!w.busy) continue;
-      const double stuck = wall() - w.since;
-      if (stuck < limit_) continue;
+      const std::uint64_t g1 = w.generation.load();
+      if (g1 % 2 == 1 || !w.busy.load()) continue;
+      const double stuck = wall() - w.since.load();
+      char axes[64];
+      for (std::size_t i = 0; i < sizeof axes; ++i) axes[i] = w.axes[i].load(std::memory_order_relaxed);
+      axes[sizeof axes - 1] = '\0';
+      const auto seq = w.seq.load();
+      const int kind = w.kind.load();
+      const std::size_t bytes = w.bytes.load();
+      if (w.generation.load() != g1 || stuck < limit_) continue;  // changed meanwhile, or not stuck yet
       std::fprintf(stderr,
                    "gshard watchdog: rank %d: collective #%llu %s over {%s} (%zu B) has not finished after %.1f s: the "
                    "ranks disagree on what runs next, or a rank is gone; aborting the job\n",
-                   mpi::world_rank(), static_cast<unsigned long long>(w.seq.load()),
-                   std::string(name_of(collective(w.kind.load()))).c_str(), w.axes, w.bytes.load(), stuck);
+                   rank_, static_cast<unsigned long long>(seq), std::string(name_of(collective(kind))).c_str(), axes, bytes,
+                   stuck);
       std::fflush(stderr);
       std::_Exit(124);  // mpirun ends the other ranks; MPI itself is busy in the stuck call
     }
   }
   double limit_;
+  int rank_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
@@ -113,16 +127,24 @@ class watch {
  public:
   watch(collective kind, const std::string& axes, std::size_t bytes, std::uint64_t seq) {
     auto& w = detail::watched();
+    w.generation.fetch_add(1);  // odd: writing
     w.kind = int(kind);
     w.bytes = bytes;
     w.seq = seq;
-    std::snprintf(w.axes, sizeof w.axes, "%s", axes.c_str());
+    for (std::size_t i = 0; i < std::size(w.axes); ++i)
+      w.axes[i].store(i < axes.size() && i + 1 < std::size(w.axes) ? axes[i] : '\0', std::memory_order_relaxed);
     w.since = detail::wall();
     w.busy = true;
+    w.generation.fetch_add(1);  // even: published
   }
   watch(const watch&) = delete;
   watch& operator=(const watch&) = delete;
-  ~watch() { detail::watched().busy = false; }
+  ~watch() {
+    auto& w = detail::watched();
+    w.generation.fetch_add(1);
+    w.busy = false;
+    w.generation.fetch_add(1);
+  }
 };
 
 // The checked mode's comparison, over every rank of the mesh (in SPMD they

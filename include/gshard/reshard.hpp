@@ -463,7 +463,8 @@ local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int roo
   const int n = t.counts[std::size_t(m.rank())];
   const std::size_t total = std::size_t(t.displs.back()) + std::size_t(t.counts.back());
   std::vector<T> recv(m.rank() == root ? total : 0);
-  const detail::timed_collective timed(collective::gather, m.label((1u << m.naxes()) - 1u), std::size_t(n) * sizeof(T));
+  const detail::timed_collective timed(collective::gather, m.group((1u << m.naxes()) - 1u), std::size_t(n) * sizeof(T),
+                                       debug::type_code<T>(), -1);
   mpi::check(MPI_Gatherv(y.data(), n, mpi::datatype<T>(), recv.data(), t.counts.data(), t.displs.data(), mpi::datatype<T>(),
                          root, m.comm()),
              "MPI_Gatherv");
@@ -486,8 +487,9 @@ tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Ran
   using out_t = tensor<T, Rank, Mesh, Sharding>;
   constexpr detail::rlayout L = out_t::layout;
   shape<Rank> g = detail::dims_of<Rank>(global);
-  const detail::timed_collective timed(collective::scatter, m.label((1u << m.naxes()) - 1u),
-                                       m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0);
+  const detail::timed_collective timed(collective::scatter, m.group((1u << m.naxes()) - 1u),
+                                       m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0,
+                                       debug::type_code<T>(), -1);
   if constexpr (Rank > 0) mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<index_t>(), root, m.comm()), "MPI_Bcast");
   out_t out(m, g);  // throws on every rank alike when g does not divide
   const auto receives = [&](const std::vector<index_t>& c) {

@@ -38,11 +38,18 @@ inline state& st() {
   static state s;
   return s;
 }
+// JSON string contents: quotes and backslashes escaped, control characters
+// dropped, bytes outside ASCII replaced by '?' (names need not be UTF-8).
 inline std::string escape(std::string_view v) {
   std::string out;
   for (char c : v) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20) continue;
+    if (u >= 0x80) {
+      out += '?';
+      continue;
+    }
     if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
     out += c;
   }
   return out;

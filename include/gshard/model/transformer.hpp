@@ -228,18 +228,19 @@ std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
   if (L < 1) throw shape_error("gshard::model::forward: tokens " + tokens.notation("BL") + " need at least 2 per row");
   const index_t Bl = tokens.local_extents()[0];
   const std::int32_t* tok = tokens.data();
-  // Embedding: rows of the replicated table, looked up locally. A byte out of
+  // Every token, inputs and targets, indexes the vocabulary. A token out of
   // range is a fact of this rank's data alone: it ends the job with a message.
+  for (index_t i = 0; i < Bl * (L + 1); ++i)
+    if (tok[i] < 0 || tok[i] >= V)
+      mpi::abort_job(("gshard::model::forward: token " + std::to_string(tok[i]) + " (row " + std::to_string(i / (L + 1)) +
+                      " of this rank, position " + std::to_string(i % (L + 1)) + ") is outside the vocabulary of " +
+                      std::to_string(V))
+                         .c_str());
+  // Embedding: rows of the replicated table, looked up locally.
   activation<T, Mesh> x(m, {B, L, M});
   for (index_t b = 0; b < Bl; ++b)
-    for (index_t l = 0; l < L; ++l) {
-      const std::int32_t id = tok[b * (L + 1) + l];
-      if (id < 0 || id >= V)
-        mpi::abort_job(("gshard::model::forward: token " + std::to_string(id) + " is outside the vocabulary of " +
-                        std::to_string(V))
-                           .c_str());
-      std::memcpy(x.data() + (b * L + l) * M, p.embed.data() + index_t(id) * M, sizeof(T) * std::size_t(M));
-    }
+    for (index_t l = 0; l < L; ++l)
+      std::memcpy(x.data() + (b * L + l) * M, p.embed.data() + index_t(tok[b * (L + 1) + l]) * M, sizeof(T) * std::size_t(M));
   forward_stats st;
   if (keep) keep->blocks.assign(std::size_t(c.layers), {});
   for (int layer = 0; layer < c.layers; ++layer) {
