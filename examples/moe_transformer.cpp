@@ -11,8 +11,8 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <string>
-
 
 #include "meshes.hpp"
 using namespace gshard;
@@ -31,14 +31,18 @@ template <class Mesh>
 void print_block_plan(const Mesh& m, const model::config& c, index_t B, index_t L) {
   using S = moe::shardings<Mesh>;
   using act = model::batch_split<Mesh>;
+  using blnk = model::batch_over_model<Mesh, 2>;  // q, k, v, o: heads over "model" if the mesh has it
+  using bnlt = model::batch_over_model<Mesh, 1>;  // attention probabilities
+  using w_in = model::over_model<Mesh, 1>;        // wq, wk, wv [M,N{model},K]
+  using w_out = model::over_model<Mesh, 0>;       // wo [N{model},K,M]
   const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden, E = c.experts;
   const index_t C = moe::capacity(L, E, c.gating);
   std::cout << "Sharding plan of one MoE block on " << m.describe() << " (B=" << B << " L=" << L << " M=" << M
             << " heads=" << N << "x" << K << " E=" << E << " H=" << H << " C=" << C << "):\n"
-            << einsum_plan<"BLM,MNK->BLNK", Mesh, act, replicate>::template describe<float>(m, {B, L, M}, {M, N, K})
-            << einsum_plan<"BLNK,BTNK->BNLT", Mesh, act, act>::template describe<float>(m, {B, L, N, K}, {B, L, N, K})
-            << einsum_plan<"BNLT,BTNK->BLNK", Mesh, act, act>::template describe<float>(m, {B, N, L, L}, {B, L, N, K})
-            << einsum_plan<"BLNK,NKM->BLM", Mesh, act, replicate>::template describe<float>(m, {B, L, N, K}, {N, K, M})
+            << einsum_plan<"BLM,MNK->BLNK", Mesh, act, w_in>::template describe<float>(m, {B, L, M}, {M, N, K})
+            << einsum_plan<"BLNK,BTNK->BNLT", Mesh, blnk, blnk>::template describe<float>(m, {B, L, N, K}, {B, L, N, K})
+            << einsum_plan<"BNLT,BTNK->BLNK", Mesh, bnlt, blnk>::template describe<float>(m, {B, N, L, L}, {B, L, N, K})
+            << einsum_plan<"BLNK,NKM->BLM", Mesh, blnk, w_out, act>::template describe<float>(m, {B, L, N, K}, {N, K, M})
             << einsum_plan<"GSM,ME->GSE", Mesh, act, replicate>::template describe<float>(m, {B, L, M}, {M, E})
             << "dispatch by index (local): x[G,S,M] -> xe " << detail::notation(S::egcm_by_group::spec, 4, "f32", "EGCM")
             << "\n"
@@ -77,13 +81,16 @@ int run(const Mesh& m, const std::string& text, int forwards) {
     const auto [logits, st] = model::forward(tokens, p, c, std::uint64_t(step));
     double dt = MPI_Wtime() - t0, slowest = 0;
     MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, m.comm());
-    const std::size_t collectives = rec.events().size();
+    std::map<std::string, int> ran;  // "all_to_all(expert)" -> how many
+    for (const auto& e : rec.events()) ++ran[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+    std::string collectives;
+    for (const auto& [k, n] : ran) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
     const auto loss = model::reduce_loss(st, c, m);
     std::vector<moe::gating_stats> layers;
     for (const auto& s : st.moe) layers.push_back(moe::reduce(s, m));
     if (!root) continue;
-    std::printf("forward %d: loss %.4f (cross-entropy %.4f, aux %.4f)  %.2f ms  %zu collectives (all_to_all)\n", step,
-                loss.total, loss.ce, loss.aux, 1e3 * slowest, collectives);
+    std::printf("forward %d: loss %.4f (cross-entropy %.4f, aux %.4f)  %.2f ms  collectives: %s\n", step, loss.total,
+                loss.ce, loss.aux, 1e3 * slowest, collectives.c_str());
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const auto& s = layers[i];
       std::printf("  MoE layer %zu: expert load [", 2 * i + 1);

@@ -35,12 +35,29 @@ struct options {
   std::uint64_t seed = 1;
   std::string save, resume;
   index_t batch = 16, seq = 128;
+  bool help = false;
 };
+
+constexpr const char* usage =
+    "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
+    "  text file          default: every file in /usr/share/common-licenses; 10% held out\n"
+    "  --steps N          optimizer steps (1500); the learning-rate schedule spans them\n"
+    "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over the ranks\n"
+    "  --seed S           data order, routing noise and initial weights (1)\n"
+    "  --log-every N      a progress line every N steps (100)\n"
+    "  --save FILE        checkpoint at the end (and every --save-every N steps)\n"
+    "  --resume FILE      continue from a checkpoint, at any rank count\n"
+    "  --stop-after N     stop (and save) after N steps, on the schedule of --steps\n"
+    "  --trace FILE       a Chrome trace of step --trace-step N (10)\n";
 
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      o.help = true;
+      return o;
+    }
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) throw error("gshard train: " + a + " needs a value");
       return argv[++i];
@@ -56,7 +73,7 @@ options parse(int argc, char** argv) {
     else if (a == "--log-every") o.log_every = std::max(1, std::stoi(next()));
     else if (a == "--batch") o.batch = std::stol(next());
     else if (a == "--seq") o.seq = std::stol(next());
-    else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a);
+    else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
   return o;
@@ -204,6 +221,10 @@ int train(const Mesh& m, const options& o, const std::string& text) {
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
   const options o = parse(argc, argv);
+  if (o.help) {
+    if (env.rank() == 0) std::fputs(usage, stdout);
+    return 0;
+  }
   const std::string text = load_text(o.text_path);
   if (text.size() < 4096) throw error("gshard train: the text has " + std::to_string(text.size()) + " bytes; give at least 4096");
   return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, text); });

@@ -20,6 +20,7 @@ namespace {
 
 using grid2 = mesh<axis<"data">, axis<"expert">>;
 using grid1 = mesh<axis<"expert">>;
+using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
 
 // Checks the design's invariants on one routing; returns "" or what broke.
 template <class T>
@@ -272,10 +273,17 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
     const auto p = model::init<double>(m, c, 5);
     collective_recorder rec;
     const auto [logits, st] = model::forward(distribute<model::batch_split<Mesh>>(m, tok), p, c, 1);
-    const auto ev = rec.events();
-    bool only_all_to_alls = ev.size() == 4;  // two MoE layers, two each
-    for (const auto& e : ev) only_all_to_alls = only_all_to_alls && e.kind == collective::all_to_all;
-    GSHARD_REQUIRE(only_all_to_alls);
+    // Two all_to_alls per MoE layer; with a "model" axis also one all_reduce
+    // over it after each attention (4) and dense FFN (2); nothing else.
+    constexpr bool split_heads = Mesh::index_of("model") >= 0;
+    int a2a = 0, ar_model = 0, other = 0;
+    for (const auto& e : rec.events()) {
+      if (e.kind == collective::all_to_all && e.axes == "expert") ++a2a;
+      else if (e.kind == collective::all_reduce && e.axes == "model") ++ar_model;
+      else ++other;
+    }
+    INFO(a2a << " all_to_all(expert), " << ar_model << " all_reduce(model), " << other << " others");
+    GSHARD_REQUIRE(a2a == 4 && ar_model == (split_heads ? 6 : 0) && other == 0);
     const auto l = model::reduce_loss(st, c, m);
     GSHARD_REQUIRE(std::abs(l.ce - ref.ce) < 1e-10 && std::abs(l.aux - ref.aux) < 1e-10);
     GSHARD_REQUIRE(max_rel_diff(gather(logits), ref_logits) < 1e-10);
@@ -283,4 +291,5 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
   };
   check(grid2(MPI_COMM_WORLD, {1, P}));
   if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}));
+  check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)));
 }

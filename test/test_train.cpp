@@ -21,6 +21,8 @@ namespace {
 
 using grid1 = mesh<axis<"x">>;
 using grid2 = mesh<axis<"data">, axis<"expert">>;
+using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
+using gshard::testing::data_expert_model_sizes;
 
 double sum_all(double local) {
   double s = 0;
@@ -212,30 +214,44 @@ TEST_CASE("the whole model's gradient matches finite differences", "[train][grad
   };
   check(grid2(MPI_COMM_WORLD, {1, P}));
   if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
+  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
 }
 
 TEST_CASE("one training step runs exactly the collectives its types imply", "[train][collectives]") {
   const int P = world_size();
-  grid2 m(MPI_COMM_WORLD, {P == 4 || P == 8 ? 2 : 1, P == 4 || P == 8 ? P / 2 : P});
   const auto c = tiny(P);  // block 0 dense, block 1 MoE
-  auto p = model::init<float>(m, c, 3);
-  adam<model::params<float, grid2>> opt({}, model::zeros_like(p));
-  const auto tokens = distribute<model::batch_split<grid2>>(m, some_tokens(2 * P, 6));
-  collective_recorder rec;
-  model::train_step(tokens, p, opt, c, 0);
-  std::map<std::string, int> seen;
-  for (const auto& e : rec.events()) ++seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+  auto ran = [&](const auto& m) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    auto p = model::init<float>(m, c, 3);
+    adam<model::params<float, Mesh>> opt({}, model::zeros_like(p));
+    const auto tokens = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
+    collective_recorder rec;
+    model::train_step(tokens, p, opt, c, 0);
+    std::map<std::string, int> seen;
+    for (const auto& e : rec.events()) ++seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+    std::string got;
+    for (const auto& [k, v] : seen) got += k + " x" + std::to_string(v) + " ";
+    INFO("ran: " << got);
+    return seen;
+  };
   // all_to_all: the MoE layer's two in the forward and their transposes in the backward.
-  // all_reduce over the batch axes: the loss; the gradient of every replicated
-  // weight (embed, unembed, final norm, per block norm1, norm2, wq, wk, wv, wo,
-  // dense w1 and w2, MoE gate) — 18; the global norm; the MoE statistics.
-  // all_reduce over "data": the two expert weights (replicated over data only).
-  const std::map<std::string, int> want{
-      {"all_to_all(expert)", 4}, {"all_reduce(data,expert)", 1 + 18 + 1 + 1}, {"all_reduce(data)", 2}};
-  std::string got;
-  for (const auto& [k, v] : seen) got += k + " x" + std::to_string(v) + " ";
-  INFO("ran: " << got);
-  GSHARD_REQUIRE(seen == want);
+  // all_reduce over the batch axes: the gradient of every weight not split
+  // over them (embed, unembed, final norm, per block norm1, norm2, wq, wk, wv,
+  // wo, dense w1 and w2, MoE gate) — 18; the loss; the MoE statistics. Over
+  // the whole mesh: the global norm. Over "data": the two expert weights
+  // (replicated over data only).
+  const auto seen2 = ran(grid2(MPI_COMM_WORLD, {P == 4 || P == 8 ? 2 : 1, P == 4 || P == 8 ? P / 2 : P}));
+  GSHARD_REQUIRE(seen2 == std::map<std::string, int>{
+                              {"all_to_all(expert)", 4}, {"all_reduce(data,expert)", 18 + 3}, {"all_reduce(data)", 2}});
+  // With heads and the dense FFN split over "model": one all_reduce over it
+  // after each attention (2) and dense FFN (1) in the forward, and one for
+  // each of their input gradients in the backward (3); the rest as above.
+  const auto seen3 = ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+  GSHARD_REQUIRE(seen3 == std::map<std::string, int>{{"all_to_all(expert)", 4},
+                                                     {"all_reduce(data,expert)", 18 + 2},
+                                                     {"all_reduce(data,expert,model)", 1},
+                                                     {"all_reduce(model)", 6},
+                                                     {"all_reduce(data)", 2}});
 }
 
 TEST_CASE("the same seed gives the same losses at every rank count, and bit-identical reruns", "[train][determinism]") {
@@ -257,9 +273,12 @@ TEST_CASE("the same seed gives the same losses at every rank count, and bit-iden
   };
   const auto one = run(grid2(MPI_COMM_SELF, {1, 1}), 0.0);
   const auto many = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0);
+  const auto split_heads = run(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), 0.0);
   double worst = 0;
-  for (std::size_t i = 0; i < one.size(); ++i) worst = std::max(worst, std::abs(one[i] - many[i]) / std::abs(one[i]));
-  INFO("1 rank vs " << P << ": worst relative difference " << worst);
+  for (std::size_t i = 0; i < one.size(); ++i)
+    worst = std::max({worst, std::abs(one[i] - many[i]) / std::abs(one[i]),
+                      std::abs(one[i] - split_heads[i]) / std::abs(one[i])});
+  INFO("1 rank vs " << P << " (also with heads split over \"model\"): worst relative difference " << worst);
   GSHARD_REQUIRE(worst < 1e-10);
   GSHARD_REQUIRE(many.back() < many.front());  // it learns
   const auto f1 = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0f);
@@ -309,6 +328,14 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
     const auto meta = load_checkpoint(path, self, model::checkpoint_parts(p3, o3));
     o3.step = int(meta.at("step"));
     const auto resumed = steps(self, p3, o3, 2, 4);
+    GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
+  }
+  {  // another mesh: heads, dense FFNs and their moments split over "model" on load
+    grid3 m3(MPI_COMM_WORLD, data_expert_model_sizes(P));
+    auto [p4, o4] = fresh(m3);
+    const auto meta = load_checkpoint(path, m3, model::checkpoint_parts(p4, o4));
+    o4.step = int(meta.at("step"));
+    const auto resumed = steps(m3, p4, o4, 2, 4);
     GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
   }
 

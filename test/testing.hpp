@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <gshard/mpi.hpp>
 
+#include <array>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -54,6 +55,14 @@ inline int world_size() {
   return n;
 }
 inline int world_rank() { return mpi::world_rank(); }
+
+// Sizes of a (data, expert, model) mesh over P ranks: "model" is 2 whenever
+// P is even, and at 8 ranks every axis is 2.
+inline std::array<std::ptrdiff_t, 3> data_expert_model_sizes(int P) {
+  if (P == 8) return {2, 2, 2};
+  if (P % 2 == 0) return {1, P / 2, 2};
+  return {1, P, 1};
+}
 
 }  // namespace gshard::testing
 

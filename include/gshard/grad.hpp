@@ -56,15 +56,23 @@ constexpr bool grad_is_einsum() {
 
 }  // namespace detail
 
-// dA and dB of Z = einsum<Spec>(a, b), each in its operand's sharding.
-template <fixed_string Spec, sharded_tensor DZ, sharded_tensor A, sharded_tensor B>
+// The sharding of the operand a gradient belongs to (einsum_backward's default).
+struct operand_sharding {};
+
+// dA and dB of Z = einsum<Spec>(a, b), each in its operand's sharding unless
+// DA / DB name another (natural_sharding: as computed, e.g. still partial,
+// to sum several contributions before one reduction).
+template <fixed_string Spec, class DA = operand_sharding, class DB = operand_sharding, sharded_tensor DZ,
+          sharded_tensor A, sharded_tensor B>
 auto einsum_backward(const DZ& dz, const A& a, const B& b) {
   static_assert(detail::grad_is_einsum<Spec, 0>() && detail::grad_is_einsum<Spec, 1>(),
                 "gshard::einsum_backward: a label appears in one operand only; its gradient is a broadcast, not an einsum");
   constexpr auto spec_a = detail::grad_spec<Spec, 0>();
   constexpr auto spec_b = detail::grad_spec<Spec, 1>();
-  auto da = einsum<spec_a, typename A::sharding_type>(dz, b);
-  auto db = einsum<spec_b, typename B::sharding_type>(a, dz);
+  using out_a = std::conditional_t<std::is_same_v<DA, operand_sharding>, typename A::sharding_type, DA>;
+  using out_b = std::conditional_t<std::is_same_v<DB, operand_sharding>, typename B::sharding_type, DB>;
+  auto da = einsum<spec_a, out_a>(dz, b);
+  auto db = einsum<spec_b, out_b>(a, dz);
   return std::pair{std::move(da), std::move(db)};
 }
 

@@ -2,11 +2,15 @@
 // Transformer blocks: x + attention(norm(x)), then x + ffn(norm(x)), with the
 // FFN an MoE layer in every other block (blocks 1, 3, ...). The batch is
 // split over every mesh axis but "model" (the MoE layer's groups are its
-// sequences); weights are replicated, experts split over "expert". Written as
-// einsums on whole tensors: the shardings decide the communication — in the
-// forward the MoE layers' all_to_alls and nothing else; in the backward also
-// the all_reduces of the replicated weights' gradients, which come from the
-// types (a weight replicated over the ranks that split the batch).
+// sequences); experts are split over "expert". If the mesh has a "model"
+// axis, the attention heads and the dense FFNs' hidden units are split over
+// it (Megatron-style: q, k, v and w1 split their output, wo and w2 their
+// input); every other weight is replicated. Written as einsums on whole
+// tensors: the shardings decide the communication — in the forward the MoE
+// layers' all_to_alls, and with a "model" axis one all_reduce over it after
+// each attention and dense FFN; in the backward their transposes and the
+// all_reduces of the weights' gradients over the batch axes, which come from
+// the types (a weight replicated over the ranks that split the batch).
 #pragma once
 
 #include <cmath>
@@ -41,6 +45,20 @@ template <mesh_type Mesh>
 using batch_split = typename moe::shardings<Mesh>::by_group;  // [B{data,expert},...]
 
 namespace detail {
+// Dim `batch_dim` (if >= 0) split over the batch axes, and dim `model_dim`
+// over "model" if the mesh has that axis.
+template <class Mesh>
+constexpr gshard::detail::layout_spec batch_and_model(int batch_dim, int model_dim) {
+  gshard::detail::spec_result r{batch_dim >= 0 ? moe::detail::split_groups<Mesh>(batch_dim, false)
+                                               : gshard::detail::layout_spec{}};
+  const gshard::detail::name_t model[1] = {gshard::detail::name_t("model")};
+  if (Mesh::index_of("model") >= 0) gshard::detail::add_split(r, model_dim, model, 1);
+  return r.spec;
+}
+template <class Mesh, int BatchDim, int ModelDim>
+struct model_spec {
+  static constexpr gshard::detail::layout_spec value = batch_and_model<Mesh>(BatchDim, ModelDim);
+};
 template <class Mesh>
 struct partial_spec {  // pending sums over every axis that splits the batch
   static constexpr gshard::detail::layout_spec value = [] {
@@ -55,20 +73,26 @@ struct partial_spec {  // pending sums over every axis that splits the batch
 template <mesh_type Mesh>
 using batch_partial = moe::detail::layout_of<detail::partial_spec<Mesh>::value>;
 
+// A weight with dim Dim split over "model" (replicated if the mesh has no such axis).
+template <mesh_type Mesh, int Dim>
+using over_model = moe::detail::layout_of<detail::model_spec<Mesh, -1, Dim>::value>;
+// An activation with the batch split over the batch axes and dim Dim over "model".
+template <mesh_type Mesh, int Dim>
+using batch_over_model = moe::detail::layout_of<detail::model_spec<Mesh, 0, Dim>::value>;
+
 template <class T, mesh_type Mesh>
 using rep1 = tensor<T, 1, Mesh, replicate>;
 template <class T, mesh_type Mesh>
 using rep2 = tensor<T, 2, Mesh, replicate>;
-template <class T, mesh_type Mesh>
-using rep3 = tensor<T, 3, Mesh, replicate>;
 
 template <class T, mesh_type Mesh>
 struct block_params {
-  rep1<T, Mesh> norm1, norm2;            // [M]
-  rep3<T, Mesh> wq, wk, wv;              // [M,N,K]
-  rep3<T, Mesh> wo;                      // [N,K,M]
-  std::optional<rep2<T, Mesh>> w1, w2;   // dense blocks: [M,H], [H,M]
-  std::optional<moe::params<T, Mesh>> moe;  // MoE blocks
+  rep1<T, Mesh> norm1, norm2;                                        // [M]
+  tensor<T, 3, Mesh, over_model<Mesh, 1>> wq, wk, wv;                // [M,N{model},K]
+  tensor<T, 3, Mesh, over_model<Mesh, 0>> wo;                        // [N{model},K,M]
+  std::optional<tensor<T, 2, Mesh, over_model<Mesh, 1>>> w1;         // dense blocks: [M,H{model}]
+  std::optional<tensor<T, 2, Mesh, over_model<Mesh, 0>>> w2;         //               [H{model},M]
+  std::optional<moe::params<T, Mesh>> moe;                           // MoE blocks
 };
 
 template <class T, mesh_type Mesh>
@@ -109,16 +133,14 @@ void for_each_param(F&& f, P& p, Ps&... ps) {
 template <class T, mesh_type Mesh>
 params<T, Mesh> init(const Mesh& m, const config& c, std::uint64_t seed) {
   std::uint64_t id = 1000;
-  auto normal2 = [&](index_t a, index_t b, double sd) {
-    rep2<T, Mesh> t(m, {a, b});
+  // Each tensor draws from its own id, in this order, by global index.
+  auto normal = [&]<class X>(X t, double sd) {
     moe::init_normal(t, sd, seed, id++);
     return t;
   };
-  auto normal3 = [&](index_t a, index_t b, index_t d, double sd) {
-    rep3<T, Mesh> t(m, {a, b, d});
-    moe::init_normal(t, sd, seed, id++);
-    return t;
-  };
+  auto normal2 = [&](index_t a, index_t b, double sd) { return normal(rep2<T, Mesh>(m, {a, b}), sd); };
+  using qkv_t = tensor<T, 3, Mesh, over_model<Mesh, 1>>;
+  using wo_t = tensor<T, 3, Mesh, over_model<Mesh, 0>>;
   auto ones = [&](index_t n) {
     rep1<T, Mesh> t(m, {n});
     t.local().setConstant(T(1));
@@ -126,15 +148,16 @@ params<T, Mesh> init(const Mesh& m, const config& c, std::uint64_t seed) {
   };
   const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden;
   params<T, Mesh> p{normal2(c.vocab, M, 1.0), {}, ones(M), normal2(M, c.vocab, 1.0 / std::sqrt(double(M)))};
+  const double sd_in = 1.0 / std::sqrt(double(M));
   for (int l = 0; l < c.layers; ++l) {
     block_params<T, Mesh> b{ones(M), ones(M),
-                            normal3(M, N, K, 1.0 / std::sqrt(double(M))), normal3(M, N, K, 1.0 / std::sqrt(double(M))),
-                            normal3(M, N, K, 1.0 / std::sqrt(double(M))), normal3(N, K, M, 1.0 / std::sqrt(double(N * K))),
+                            normal(qkv_t(m, {M, N, K}), sd_in), normal(qkv_t(m, {M, N, K}), sd_in),
+                            normal(qkv_t(m, {M, N, K}), sd_in), normal(wo_t(m, {N, K, M}), 1.0 / std::sqrt(double(N * K))),
                             {}, {}, {}};
     if (c.is_moe(l)) b.moe = moe::init_params<T>(m, M, H, c.experts, seed, std::uint64_t(l + 1));
     else {
-      b.w1 = normal2(M, H, 1.0 / std::sqrt(double(M)));
-      b.w2 = normal2(H, M, 1.0 / std::sqrt(double(H)));
+      b.w1 = normal(tensor<T, 2, Mesh, over_model<Mesh, 1>>(m, {M, H}), sd_in);
+      b.w2 = normal(tensor<T, 2, Mesh, over_model<Mesh, 0>>(m, {H, M}), 1.0 / std::sqrt(double(H)));
     }
     p.blocks.push_back(std::move(b));
   }
@@ -152,27 +175,32 @@ params<T, Mesh> zeros_like(const params<T, Mesh>& p) {
 template <class T, mesh_type Mesh>
 using activation = tensor<T, 3, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,M]
 template <class T, mesh_type Mesh>
-using activation4 = tensor<T, 4, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,N,K] and [B{..},N,L,T]
+using heads_blnk = tensor<T, 4, Mesh, batch_over_model<Mesh, 2>>;  // [B{data,expert},L,N{model},K]
+template <class T, mesh_type Mesh>
+using heads_bnlt = tensor<T, 4, Mesh, batch_over_model<Mesh, 1>>;  // [B{data,expert},N{model},L,T]
 
 // What the backward needs from one block's forward.
 template <class T, mesh_type Mesh>
 struct block_cache {
   std::optional<activation<T, Mesh>> x, h1, x_mid, h2;           // input, norm1(x), after attention, norm2
-  std::optional<activation4<T, Mesh>> q, k, v, probs, o;          // attention
-  std::optional<activation<T, Mesh>> r;                           // dense FFN: relu(BLM,MH->BLH)
+  std::optional<heads_blnk<T, Mesh>> q, k, v, o;                  // attention
+  std::optional<heads_bnlt<T, Mesh>> probs;
+  std::optional<tensor<T, 3, Mesh, batch_over_model<Mesh, 2>>> r;  // dense FFN: relu(BLM,MH->BLH) [B,L,H{model}]
   std::optional<moe::output<T, Mesh>> moe_out;                    // MoE: routing
   moe::cache<T, Mesh> moe;
 };
 
 // Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT
 // scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK; BLNK,NKM->BLM.
+// Each rank computes its heads; the output projection sums over heads, so
+// with a "model" axis it ends in one all_reduce over it.
 template <class T, mesh_type Mesh>
 activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
                               block_cache<T, Mesh>* keep = nullptr) {
-  auto q = einsum<"BLM,MNK->BLNK">(h, b.wq);  // [B{data,expert},L,N,K]
+  auto q = einsum<"BLM,MNK->BLNK">(h, b.wq);  // [B{data,expert},L,N{model},K]
   auto k = einsum<"BLM,MNK->BLNK">(h, b.wk);
   auto v = einsum<"BLM,MNK->BLNK">(h, b.wv);
-  auto logits = einsum<"BLNK,BTNK->BNLT">(q, k);  // [B{data,expert},N,L,T]
+  auto logits = einsum<"BLNK,BTNK->BNLT">(q, k);  // [B{data,expert},N{model},L,T]
   const auto le = logits.local_extents();
   const index_t L = le[2], Tn = le[3];
   const T scale = T(1) / std::sqrt(T(b.wq.extent(2)));
@@ -181,8 +209,8 @@ activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T
     for (index_t l = 0; l < L; ++l, p += Tn)
       for (index_t t = 0; t < Tn; ++t) p[t] = t <= l ? p[t] * scale : -std::numeric_limits<T>::infinity();
   auto probs = softmax(std::move(logits));
-  auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);  // [B{data,expert},L,N,K]
-  auto out = einsum<"BLNK,NKM->BLM">(o, b.wo);
+  auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);  // [B{data,expert},L,N{model},K]
+  auto out = einsum<"BLNK,NKM->BLM", batch_split<Mesh>>(o, b.wo);
   if (keep) {
     keep->q = std::move(q), keep->k = std::move(k), keep->v = std::move(v);
     keep->probs = std::move(probs), keep->o = std::move(o);
@@ -193,8 +221,8 @@ activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T
 template <class T, mesh_type Mesh>
 activation<T, Mesh> dense_ffn(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
                               block_cache<T, Mesh>* keep = nullptr) {
-  auto r = relu(einsum<"BLM,MH->BLH">(h, *b.w1));  // [B{data,expert},L,H]
-  auto y = einsum<"BLH,HM->BLM">(r, *b.w2);
+  auto r = relu(einsum<"BLM,MH->BLH">(h, *b.w1));  // [B{data,expert},L,H{model}]
+  auto y = einsum<"BLH,HM->BLM", batch_split<Mesh>>(r, *b.w2);  // with "model": an all_reduce over it
   if (keep) keep->r = std::move(r);
   return y;
 }
@@ -297,14 +325,16 @@ struct loss {
 template <mesh_type Mesh>
 loss reduce_loss(const forward_stats& s, const config& c, const Mesh& m) {
   std::vector<double> v{s.ce_sum, s.tokens, s.aux_partial};
-  all_reduce<double>(m.group((1u << m.naxes()) - 1u), v);
+  all_reduce<double>(moe::group_axes(m), v);  // ranks along "model" hold the same partials
   const double ce = v[1] > 0 ? v[0] / v[1] : 0.0;
   return {ce, v[2], ce + c.aux_coef * v[2]};
 }
 
 // The attention's backward: dh for the forward attention(h, b, keep), adding
 // the weights' gradients into `g`. Every einsum's gradient is the transposed
-// einsum; the weights' come out replicated (an all_reduce each).
+// einsum; the weights' come out in their shardings (an all_reduce over the
+// batch axes each). dh sums q's, k's and v's contributions while they are
+// still partial over "model", so that reduction is one all_reduce.
 template <class T, mesh_type Mesh>
 activation<T, Mesh> attention_backward(const activation<T, Mesh>& dout, const activation<T, Mesh>& h,
                                        const block_params<T, Mesh>& b, const block_cache<T, Mesh>& keep,
@@ -315,13 +345,13 @@ activation<T, Mesh> attention_backward(const activation<T, Mesh>& dout, const ac
   auto dlog = softmax_backward(std::move(dprobs), *keep.probs);  // masked entries: probs = 0, so 0
   dlog.local() = dlog.local() * (T(1) / std::sqrt(T(b.wq.extent(2))));
   auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(dlog, *keep.q, *keep.k);
-  auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK">(dq, h, b.wq);
-  auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK">(dk, h, b.wk);
-  auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK">(dv, h, b.wv);
+  auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dq, h, b.wq);
+  auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dk, h, b.wk);
+  auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dv, h, b.wv);
   g.wq.local() += dwq.local();
   g.wk.local() += dwk.local();
   g.wv.local() += dwv.local();
-  return dhq + dhk + dhv;
+  return reshard<batch_split<Mesh>>(std::move(dhq) + dhk + dhv);
 }
 
 namespace detail {

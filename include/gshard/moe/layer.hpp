@@ -118,15 +118,24 @@ struct output {
   routing<T> route;
 };
 
-// Sums gating statistics over every rank of the mesh (one all_reduce; call
-// it outside the timed forward).
+// The ranks that hold different groups: every axis but "model" (the ranks
+// along "model" hold the same groups and compute the same routing).
+template <mesh_type Mesh>
+const gshard::detail::axis_group& group_axes(const Mesh& m) {
+  std::uint32_t mask = 0;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (Mesh::names[std::size_t(a)].view() != "model") mask |= 1u << a;
+  return m.mesh_base::group(mask);
+}
+
+// Sums gating statistics over the ranks' groups (one all_reduce; call it
+// outside the timed forward).
 template <mesh_type Mesh>
 gating_stats reduce(const gating_stats& s, const Mesh& m) {
   std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
   v.insert(v.end(), {double(s.tokens), double(s.dropped_first), double(s.dropped_second), double(s.skipped_second),
                      double(s.invalid), s.aux_sum});
-  const auto& all = m.mesh_base::group((1u << m.naxes()) - 1u);
-  all_reduce<double>(all, v);
+  all_reduce<double>(group_axes(m), v);
   gating_stats r;
   const std::size_t E = s.expert_load.size();
   for (std::size_t e = 0; e < E; ++e) r.expert_load.push_back(std::int64_t(v[e]));
