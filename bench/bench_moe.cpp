@@ -7,6 +7,7 @@
 //   GEMM loop over the same expert shapes (preallocated, contiguous) measured
 //   in the same iterations.
 // block: one pre-norm Transformer block with an MoE FFN (attention + MoE).
+// attention: batch split against heads split over "model" (timed: heads).
 // dispatch/<form>/<S>: dispatch + combine alone on one rank (E=8, M=512, one
 //   group): the one-hot einsums against the index form.
 #include <gshard/gshard.hpp>
@@ -74,6 +75,32 @@ void block(benchmark::State& state) {
   state.counters["tokens/s/rank"] = double(B / P * L) / cmp.median_time[0];
 }
 
+// attention: the same causal self-attention (4 sequences of 512 per rank,
+// M=512, 8 heads of 64) with the batch split over the ranks, and with the
+// heads split over a "model" axis instead (every rank sees the whole batch,
+// a 1/P share of the heads, and one all_reduce of [B,L,M] per forward).
+using heads_grid = mesh<axis<"data", 1>, axis<"expert", 1>, axis<"model">>;
+
+void attention(benchmark::State& state) {
+  const grid& mb = gshard::bench::world_mesh<grid>();
+  const heads_grid& mh = gshard::bench::world_mesh<heads_grid>();
+  model::config c;
+  c.model = 512, c.heads = 8, c.head_dim = 64, c.layers = 1;
+  const index_t P = mb.nranks(), L = 512, B = 4 * P;
+  const auto pb = model::init<float>(mb, c, 1);
+  const auto ph = model::init<float>(mh, c, 1);
+  model::activation<float, grid> xb(mb, {B, L, c.model});
+  model::activation<float, heads_grid> xh(mh, {B, L, c.model});
+  moe::init_normal(xb, 1.0, 2, 3);
+  moe::init_normal(xh, 1.0, 2, 3);
+  auto by_batch = [&] { benchmark::DoNotOptimize(model::attention(xb, pb.blocks[0])); };
+  auto by_heads = [&] { benchmark::DoNotOptimize(model::attention(xh, ph.blocks[0])); };
+  const auto cmp = gshard::bench::compare(state, {by_batch, by_heads}, 1);
+  state.counters["batch_ms"] = 1e3 * cmp.median_time[0];
+  state.counters["heads_ms"] = 1e3 * cmp.median_time[1];
+  state.counters["heads_vs_batch"] = cmp.median_ratio[1];
+}
+
 void dispatch(benchmark::State& state, bool einsum_form) {
   using one = mesh<axis<"data", 1>, axis<"expert", 1>>;
   static one m(MPI_COMM_SELF);
@@ -107,6 +134,7 @@ void dispatch(benchmark::State& state, bool einsum_form) {
 const int registered = [] {
   benchmark::RegisterBenchmark("layer", layer)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("block", block)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attention", attention)->UseManualTime()->Unit(benchmark::kMillisecond);
   for (bool e : {true, false})
     benchmark::RegisterBenchmark(e ? "dispatch/einsum" : "dispatch/index", dispatch, e)
         ->Arg(256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
