@@ -48,10 +48,10 @@ void print_block_plan(const Mesh& m, const model::config& c, index_t B, index_t 
             << "\n"
             << reshard_plan<Mesh, 4, typename S::egcm_by_group, typename S::by_expert>::template describe<float>(
                    m, {E, B, C, M}, "EGCM")
-            << einsum_plan<"EGCM,EMH->EGCH", Mesh, typename S::by_expert, typename S::experts>::template describe<float>(
+            << einsum_plan<"EGCM,EMH->EGCH", Mesh, typename S::by_expert, typename S::experts_in>::template describe<float>(
                    m, {E, B, C, M}, {E, M, H})
-            << einsum_plan<"EGCH,EHM->EGCM", Mesh, typename S::by_expert, typename S::experts>::template describe<float>(
-                   m, {E, B, C, H}, {E, H, M})
+            << einsum_plan<"EGCH,EHM->EGCM", Mesh, typename S::hidden, typename S::experts_out,
+                           typename S::by_expert>::template describe<float>(m, {E, B, C, H}, {E, H, M})
             << reshard_plan<Mesh, 4, typename S::by_expert, typename S::egcm_by_group>::template describe<float>(
                    m, {E, B, C, M}, "EGCM")
             << "combine by index (local): y " << detail::notation(S::egcm_by_group::spec, 4, "f32", "EGCM")

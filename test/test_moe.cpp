@@ -167,11 +167,12 @@ std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<
   moe::init_normal(x, 1.0, 7, 99);
   collective_recorder rec;
   auto out = moe::forward(x, p, cfg, 3, mode);
-  if (collectives) {
-    const auto ev = rec.events();
-    *collectives = ev.size();
-    for (const auto& e : ev)
-      if (e.kind != collective::all_to_all || e.axes != "expert") *collectives += 100;  // anything else is wrong
+  if (collectives) {  // all_to_all(expert) counts 1, all_reduce(model) 10, anything else 100
+    *collectives = 0;
+    for (const auto& e : rec.events())
+      *collectives += e.kind == collective::all_to_all && e.axes == "expert"  ? 1
+                      : e.kind == collective::all_reduce && e.axes == "model" ? 10
+                                                                              : 100;
   }
   auto st = moe::reduce(out.stats, m);
   return {gather(out.y), st};
@@ -189,6 +190,7 @@ double max_rel_diff(const local_tensor<T, 3>& a, const local_tensor<T, 3>& b) {
 }  // namespace
 
 TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_alls", "[moe][layer]") {
+  // ... and, with the experts' H split over a "model" axis, one all_reduce over it.
   const int P = world_size();
   const index_t G = 4 * P, S = 24, M = 16, H = 24;
   const index_t E = P == 3 ? 6 : 8;  // divisible by the expert axis
@@ -201,12 +203,15 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
 
   int meshes = 0;
   auto check = [&](const auto& m, const char* name) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    constexpr std::size_t want = Mesh::index_of("model") >= 0 ? 12 : 2;
     ++meshes;
     for (auto mode : {moe::dispatch_mode::index, moe::dispatch_mode::einsum}) {
       std::size_t n = 0;
       const auto [y, st] = run_layer<double>(m, {G, S, M}, H, E, cfg, mode, &n);
       INFO(name << (mode == moe::dispatch_mode::index ? " index" : " einsum"));
-      GSHARD_REQUIRE(n == 2);  // exactly the two all_to_alls over 'expert'
+      INFO("collectives signature " << n);
+      GSHARD_REQUIRE(n == want);  // exactly the two all_to_alls over 'expert' (+ the all_reduce over 'model')
       GSHARD_REQUIRE(max_rel_diff(y, ref) < 1e-12);
       GSHARD_REQUIRE(st.expert_load == ref_stats.expert_load && st.dropped_first == ref_stats.dropped_first &&
                      st.dropped_second == ref_stats.dropped_second && st.skipped_second == ref_stats.skipped_second);
@@ -218,7 +223,8 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
   check(grid1(MPI_COMM_WORLD), "mesh (P)");
   check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
   if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}), "mesh (2,P/2)");
-  GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 3 : 2));
+  check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
+  GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 4 : 3));
 }
 
 TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", "[moe][layer][errors]") {
@@ -274,7 +280,7 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
     collective_recorder rec;
     const auto [logits, st] = model::forward(distribute<model::batch_split<Mesh>>(m, tok), p, c, 1);
     // Two all_to_alls per MoE layer; with a "model" axis also one all_reduce
-    // over it after each attention (4) and dense FFN (2); nothing else.
+    // over it after each attention (4), dense FFN (2) and expert FFN (2); nothing else.
     constexpr bool split_heads = Mesh::index_of("model") >= 0;
     int a2a = 0, ar_model = 0, other = 0;
     for (const auto& e : rec.events()) {
@@ -283,7 +289,7 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
       else ++other;
     }
     INFO(a2a << " all_to_all(expert), " << ar_model << " all_reduce(model), " << other << " others");
-    GSHARD_REQUIRE(a2a == 4 && ar_model == (split_heads ? 6 : 0) && other == 0);
+    GSHARD_REQUIRE(a2a == 4 && ar_model == (split_heads ? 8 : 0) && other == 0);
     const auto l = model::reduce_loss(st, c, m);
     GSHARD_REQUIRE(std::abs(l.ce - ref.ce) < 1e-10 && std::abs(l.aux - ref.aux) < 1e-10);
     GSHARD_REQUIRE(max_rel_diff(gather(logits), ref_logits) < 1e-10);

@@ -243,14 +243,15 @@ TEST_CASE("one training step runs exactly the collectives its types imply", "[tr
   const auto seen2 = ran(grid2(MPI_COMM_WORLD, {P == 4 || P == 8 ? 2 : 1, P == 4 || P == 8 ? P / 2 : P}));
   GSHARD_REQUIRE(seen2 == std::map<std::string, int>{
                               {"all_to_all(expert)", 4}, {"all_reduce(data,expert)", 18 + 3}, {"all_reduce(data)", 2}});
-  // With heads and the dense FFN split over "model": one all_reduce over it
-  // after each attention (2) and dense FFN (1) in the forward, and one for
-  // each of their input gradients in the backward (3); the rest as above.
+  // With heads and the FFNs' hidden units split over "model": one all_reduce
+  // over it after each attention (2), dense FFN (1) and expert FFN (1) in the
+  // forward, and one for each of their input gradients in the backward (4);
+  // the rest as above.
   const auto seen3 = ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
   GSHARD_REQUIRE(seen3 == std::map<std::string, int>{{"all_to_all(expert)", 4},
                                                      {"all_reduce(data,expert)", 18 + 2},
                                                      {"all_reduce(data,expert,model)", 1},
-                                                     {"all_reduce(model)", 6},
+                                                     {"all_reduce(model)", 8},
                                                      {"all_reduce(data)", 2}});
 }
 

@@ -32,7 +32,7 @@ inline local_tensor<std::int32_t, 2> text_batch(const std::string& text, std::si
 template <class T, mesh_type Mesh>
 struct step_result {
   loss value;                         // this step's loss, before the update
-  std::vector<moe::gating_stats> moe;  // per MoE layer, summed over the mesh
+  std::vector<moe::gating_stats> moe;  // per MoE layer, summed over every group
   double grad_norm = 0, lr = 0;
 };
 

@@ -3,14 +3,15 @@
 // FFN an MoE layer in every other block (blocks 1, 3, ...). The batch is
 // split over every mesh axis but "model" (the MoE layer's groups are its
 // sequences); experts are split over "expert". If the mesh has a "model"
-// axis, the attention heads and the dense FFNs' hidden units are split over
-// it (Megatron-style: q, k, v and w1 split their output, wo and w2 their
-// input); every other weight is replicated. Written as einsums on whole
-// tensors: the shardings decide the communication — in the forward the MoE
-// layers' all_to_alls, and with a "model" axis one all_reduce over it after
-// each attention and dense FFN; in the backward their transposes and the
-// all_reduces of the weights' gradients over the batch axes, which come from
-// the types (a weight replicated over the ranks that split the batch).
+// axis, the attention heads and the hidden units of the dense FFNs and of
+// each expert are split over it (Megatron-style: q, k, v and w1 split their
+// output, wo and w2 their input); every other weight is replicated. Written
+// as einsums on whole tensors: the shardings decide the communication — in
+// the forward the MoE layers' all_to_alls, and with a "model" axis one
+// all_reduce over it after each attention, dense FFN and expert FFN; in the
+// backward their transposes and the all_reduces of the weights' gradients
+// over the batch axes, which come from the types (a weight replicated over
+// the ranks that split the batch).
 #pragma once
 
 #include <cmath>
@@ -45,19 +46,12 @@ template <mesh_type Mesh>
 using batch_split = typename moe::shardings<Mesh>::by_group;  // [B{data,expert},...]
 
 namespace detail {
-// Dim `batch_dim` (if >= 0) split over the batch axes, and dim `model_dim`
-// over "model" if the mesh has that axis.
-template <class Mesh>
-constexpr gshard::detail::layout_spec batch_and_model(int batch_dim, int model_dim) {
-  gshard::detail::spec_result r{batch_dim >= 0 ? moe::detail::split_groups<Mesh>(batch_dim, false)
-                                               : gshard::detail::layout_spec{}};
-  const gshard::detail::name_t model[1] = {gshard::detail::name_t("model")};
-  if (Mesh::index_of("model") >= 0) gshard::detail::add_split(r, model_dim, model, 1);
-  return r.spec;
-}
+// Dim BatchDim (if >= 0) split over the batch axes, and dim ModelDim over
+// "model" if the mesh has that axis.
 template <class Mesh, int BatchDim, int ModelDim>
 struct model_spec {
-  static constexpr gshard::detail::layout_spec value = batch_and_model<Mesh>(BatchDim, ModelDim);
+  static constexpr gshard::detail::layout_spec value = moe::detail::over_model<Mesh>(
+      BatchDim >= 0 ? moe::detail::split_groups<Mesh>(BatchDim, false) : gshard::detail::layout_spec{}, ModelDim);
 };
 template <class Mesh>
 struct partial_spec {  // pending sums over every axis that splits the batch

@@ -113,7 +113,8 @@ tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> backward(
   detail::combine_rows_backward(r, dout.data(), c.y->data(), M, dy.data(), dweight);
   const auto dye = reshard<typename S::by_expert>(std::move(dy));  // all_to_all: [E{expert},G{data},C,M]
 
-  // The experts, on their ranks.
+  // The experts, on their ranks (with a "model" axis, dxe's sum over the
+  // split H is one all_reduce over it).
   auto [dh, dwo] = einsum_backward<"EGCH,EHM->EGCM">(dye, *c.h, p.wo);
   const auto da = relu_backward(std::move(dh), *c.h);
   auto [dxe, dwi] = einsum_backward<"EGCM,EMH->EGCH">(da, *c.xe, p.wi);

@@ -39,6 +39,14 @@ constexpr layout_spec split_experts(int dim, int group_dim) {
   gshard::detail::add_split(r, dim, expert, 1);
   return r.spec;
 }
+// `s` with dim `dim` also split over "model", if the mesh has that axis.
+template <class Mesh>
+constexpr layout_spec over_model(layout_spec s, int dim) {
+  gshard::detail::spec_result r{s};
+  const name_t model[1] = {name_t("model")};
+  if (Mesh::index_of("model") >= 0) gshard::detail::add_split(r, dim, model, 1);
+  return r.spec;
+}
 template <const layout_spec& S>
 using layout_of = layout<gshard::detail::text_of<gshard::detail::render(S).n>(S)>;
 
@@ -46,27 +54,32 @@ template <class Mesh>
 struct specs {
   static constexpr layout_spec groups0 = split_groups<Mesh>(0, false);
   static constexpr layout_spec groups1 = split_groups<Mesh>(1, false);
-  static constexpr layout_spec experts = split_experts<Mesh>(0, -1);
+  static constexpr layout_spec experts_in = over_model<Mesh>(split_experts<Mesh>(0, -1), 2);
+  static constexpr layout_spec experts_out = over_model<Mesh>(split_experts<Mesh>(0, -1), 1);
   static constexpr layout_spec experts_groups = split_experts<Mesh>(0, 1);
+  static constexpr layout_spec hidden = over_model<Mesh>(split_experts<Mesh>(0, 1), 3);
 };
 }  // namespace detail
 
-// The shardings of the MoE layer on Mesh (here for mesh<data, expert>):
+// The shardings of the MoE layer on Mesh (here for mesh<data, expert>; with
+// a "model" axis, each expert's hidden units H are also split over it):
 template <mesh_type Mesh>
 struct shardings {
   static_assert(Mesh::index_of("expert") >= 0, "gshard::moe: the mesh needs an axis named \"expert\"");
   using by_group = detail::layout_of<detail::specs<Mesh>::groups0>;           // GSM, GSE, GSEC: [G{data,expert},...]
   using egcm_by_group = detail::layout_of<detail::specs<Mesh>::groups1>;      // EGCM: [E,G{data,expert},C,M]
   using by_expert = detail::layout_of<detail::specs<Mesh>::experts_groups>;   // EGCM: [E{expert},G{data},C,M]
-  using experts = detail::layout_of<detail::specs<Mesh>::experts>;            // EMH, EHM: [E{expert},M,H]
+  using hidden = detail::layout_of<detail::specs<Mesh>::hidden>;              // EGCH: [E{expert},G{data},C,H{model}]
+  using experts_in = detail::layout_of<detail::specs<Mesh>::experts_in>;      // EMH: [E{expert},M,H{model}]
+  using experts_out = detail::layout_of<detail::specs<Mesh>::experts_out>;    // EHM: [E{expert},H{model},M]
 };
 
 template <class T, mesh_type Mesh>
 struct params {
   using S = shardings<Mesh>;
-  tensor<T, 2, Mesh, replicate> gate;         // wg [M, E]
-  tensor<T, 3, Mesh, typename S::experts> wi;  // [E, M, H]
-  tensor<T, 3, Mesh, typename S::experts> wo;  // [E, H, M]
+  tensor<T, 2, Mesh, replicate> gate;             // wg [M, E]
+  tensor<T, 3, Mesh, typename S::experts_in> wi;   // [E, M, H]
+  tensor<T, 3, Mesh, typename S::experts_out> wo;  // [E, H, M]
 };
 
 // A normal-ish value that depends only on (seed, tensor id, global index): the
@@ -91,8 +104,8 @@ void init_normal(X& t, double stddev, std::uint64_t seed, std::uint64_t id) {
 template <class T, mesh_type Mesh>
 params<T, Mesh> init_params(const Mesh& m, index_t M, index_t H, index_t E, std::uint64_t seed, std::uint64_t id = 0) {
   using S = shardings<Mesh>;
-  params<T, Mesh> p{tensor<T, 2, Mesh, replicate>(m, {M, E}), tensor<T, 3, Mesh, typename S::experts>(m, {E, M, H}),
-                    tensor<T, 3, Mesh, typename S::experts>(m, {E, H, M})};
+  params<T, Mesh> p{tensor<T, 2, Mesh, replicate>(m, {M, E}), tensor<T, 3, Mesh, typename S::experts_in>(m, {E, M, H}),
+                    tensor<T, 3, Mesh, typename S::experts_out>(m, {E, H, M})};
   init_normal(p.gate, 1.0 / std::sqrt(double(M)), seed, 3 * id);
   init_normal(p.wi, 1.0 / std::sqrt(double(M)), seed, 3 * id + 1);
   init_normal(p.wo, 1.0 / std::sqrt(double(H)), seed, 3 * id + 2);
@@ -106,7 +119,7 @@ template <class T, mesh_type Mesh>
 struct cache {
   using S = shardings<Mesh>;
   std::optional<tensor<T, 4, Mesh, typename S::by_expert>> xe;      // dispatched tokens at the experts [E{expert},G{data},C,M]
-  std::optional<tensor<T, 4, Mesh, typename S::by_expert>> h;       // relu(EGCM,EMH->EGCH)          [E{expert},G{data},C,H]
+  std::optional<tensor<T, 4, Mesh, typename S::hidden>> h;          // relu(EGCM,EMH->EGCH)  [E{expert},G{data},C,H{model}]
   std::optional<tensor<T, 4, Mesh, typename S::egcm_by_group>> y;   // expert outputs at the groups  [E,G{data,expert},C,M]
 };
 
@@ -199,7 +212,9 @@ void dense_tensors(const routing<T>& r, T* combine, T* dispatch) {
 
 // The MoE layer's forward: x [G{data,expert},S,M] -> y of the same sharding.
 // `stream` keys the random routing (use the layer and step). Exactly two
-// collectives run: the all_to_all into the experts and the one back.
+// collectives run: the all_to_all into the experts and the one back — and,
+// with a "model" axis splitting the experts' H, one all_reduce over it
+// after the second expert einsum.
 template <class T, mesh_type Mesh>
 output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_group>& x, const params<T, Mesh>& p,
                         const gating_config& cfg, std::uint64_t stream, dispatch_mode mode = dispatch_mode::index,
@@ -237,8 +252,8 @@ output<T, Mesh> forward(const tensor<T, 3, Mesh, typename shardings<Mesh>::by_gr
     detail::dense_tensors(out.route, combine->data(), dispatch.data());
     return einsum<"GSEC,GSM->EGCM", typename S::by_expert>(dispatch, x);  // local, then all_to_all
   }();
-  auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));      // [E{expert},G{data},C,H]: experts live here
-  auto ye = einsum<"EGCH,EHM->EGCM">(h, p.wo);                    // [E{expert},G{data},C,M]
+  auto h = relu(einsum<"EGCM,EMH->EGCH">(xe_experts, p.wi));      // [E{expert},G{data},C,H{model}]: experts live here
+  auto ye = einsum<"EGCH,EHM->EGCM", typename S::by_expert>(h, p.wo);  // [E{expert},G{data},C,M]
   auto y = reshard<typename S::egcm_by_group>(std::move(ye));     // all_to_all: [E,G{data,expert},C,M]
   if (mode == dispatch_mode::index) {
     trace::span s("combine", "moe");
