@@ -62,7 +62,7 @@ template <class Mesh>
 int run(const Mesh& m, const std::string& text, int forwards) {
   const bool root = m.rank() == 0;
   model::config c;  // V=256, M=64, 4 heads of 16, H=128, E=8, 4 blocks (MoE in blocks 1 and 3)
-  const index_t B = 16, L = 64;  // 16 sequences of 64 bytes per step, split over every rank
+  const index_t B = 16, L = 64;  // 16 sequences of 64 bytes per step, split over every axis but "model"
   if (root) print_block_plan(m, c, B, L);
   const auto p = model::init<float>(m, c, 2024);
 

@@ -15,7 +15,7 @@ using namespace gshard;
 // One binary, four meshes: the first whose size equals the world runs.
 
 using by_group = sharding<split<0, "data", "expert">>;           // [G{data,expert},S,M]
-using by_group_model = sharding<split<0, "data">, split<2, "expert">>;  // [G{data},S,M{expert}]
+using m_over_expert = sharding<split<0, "data">, split<2, "expert">>;  // [G{data},S,M{expert}]
 using pending = sharding<split<0, "data">, partial<"expert">>;   // [G{data},S,M] partial{expert}
 
 template <class Mesh>
@@ -46,11 +46,11 @@ int tour(const Mesh& m) {
   };
 
   auto x = distribute<replicate>(m, global);
-  auto a = step.template operator()<by_group>(x, "1. replicate -> split G over every rank: a local slice");
-  auto b = step.template operator()<by_group_model>(a, "2. move 'expert' from G to M: one all_to_all");
+  auto a = step.template operator()<by_group>(x, "1. replicate -> split G over data and expert: a local slice");
+  auto b = step.template operator()<m_over_expert>(a, "2. move 'expert' from G to M: one all_to_all");
   auto c = step.template operator()<replicate>(b, "3. back to replicate: an all_gather per axis");
   auto p = distribute<pending>(m, global);  // summands: coordinate 0 holds the value
-  auto d = step.template operator()<by_group_model>(p, "4. partial{expert} -> split M over expert: one reduce_scatter");
+  auto d = step.template operator()<m_over_expert>(p, "4. partial{expert} -> split M over expert: one reduce_scatter");
   (void)c;
   (void)d;
   if (root) std::cout << (bad == 0 ? "every step matched the global tensor\n" : "MISMATCH\n");

@@ -42,7 +42,7 @@ constexpr const char* usage =
     "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
     "  text file          default: every file in /usr/share/common-licenses; 10% held out\n"
     "  --steps N          optimizer steps (1500); the learning-rate schedule spans them\n"
-    "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over the ranks\n"
+    "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over data x expert\n"
     "  --seed S           data order, routing noise and initial weights (1)\n"
     "  --log-every N      a progress line every N steps (100)\n"
     "  --save FILE        checkpoint at the end (and every --save-every N steps)\n"

@@ -331,13 +331,20 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
     const auto resumed = steps(self, p3, o3, 2, 4);
     GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
   }
-  {  // another mesh: heads, dense FFNs and their moments split over "model" on load
+  {  // another mesh: heads, hidden units and their moments split over "model" on load
     grid3 m3(MPI_COMM_WORLD, data_expert_model_sizes(P));
     auto [p4, o4] = fresh(m3);
     const auto meta = load_checkpoint(path, m3, model::checkpoint_parts(p4, o4));
     o4.step = int(meta.at("step"));
+    // ... and saved from there (shards split over "model"), back onto (data, expert).
+    const std::string path3 = dir + "/model3.ckpt";
+    save_checkpoint(path3, m3, model::checkpoint_parts(p4, o4), {{"step", 2.0}});
     const auto resumed = steps(m3, p4, o4, 2, 4);
     GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
+    auto [p5, o5] = fresh(m);
+    o5.step = int(load_checkpoint(path3, m, model::checkpoint_parts(p5, o5)).at("step"));
+    const auto back = steps(m, p5, o5, 2, 4);
+    GSHARD_REQUIRE(std::abs(back[0] - straight[2]) < 1e-5 && std::abs(back[1] - straight[3]) < 1e-5);
   }
 
   // Damaged files: one clear error on every rank, naming the file and the problem.

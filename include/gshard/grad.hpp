@@ -1,11 +1,13 @@
 // gshard/grad.hpp — gradients. The gradient of an einsum is an einsum: for
 // Z = einsum<"A,B->O">(a, b), dA = einsum<"O,B->A">(dZ, b) and
-// dB = einsum<"A,O->B">(a, dZ), with the specs derived at compile time. Each
-// gradient comes back in its operand's sharding, so the communication is the
-// transpose of the forward's, chosen by the types: a weight replicated over
-// the ranks that split the batch gets a pending sum, and asking for it
-// replicated is the data-parallel all_reduce. Also: relu, softmax and the
-// RMS norm backward, element-wise and local.
+// dB = einsum<"A,O->B">(a, dZ), with the specs derived at compile time. By
+// default each gradient comes back in its operand's sharding, so the
+// communication is the transpose of the forward's, chosen by the types: a
+// weight replicated over the ranks that split the batch gets a pending sum,
+// and asking for it replicated is the data-parallel all_reduce (a caller may
+// ask for another sharding, e.g. natural_sharding to sum several partial
+// gradients before one reduction). Also: relu, softmax and the RMS norm
+// backward, element-wise and local.
 #pragma once
 
 #include <cmath>

@@ -58,7 +58,7 @@ struct partial_spec {  // pending sums over every axis that splits the batch
   static constexpr gshard::detail::layout_spec value = [] {
     gshard::detail::spec_result r;
     for (const gshard::detail::name_t& a : Mesh::names)
-      if (a.view() != "model") gshard::detail::add_partial(r, &a, 1);
+      if (moe::detail::is_batch_axis(a.view())) gshard::detail::add_partial(r, &a, 1);
     return r.spec;
   }();
 };
@@ -311,7 +311,8 @@ std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
   return {std::move(logits), std::move(st)};
 }
 
-// The global loss pieces from every rank's partials (one all_reduce):
+// The global loss pieces from the ranks' partials (one all_reduce over the
+// batch axes; ranks along "model" hold the same partials):
 // {mean cross-entropy, aux loss, total = ce + aux_coef · aux}.
 struct loss {
   double ce, aux, total;

@@ -20,14 +20,18 @@ namespace detail {
 using gshard::detail::layout_spec;
 using gshard::detail::name_t;
 
-// Every mesh axis except "model" carries groups (and batch), in mesh order.
+// Every mesh axis except "model" carries groups (and batch): the ranks along
+// "model" hold the same groups and split the heads and hidden units instead.
+constexpr bool is_batch_axis(std::string_view axis) { return axis != "model"; }
+
+// Dim `dim` split over the batch axes (but "expert" if `without_expert`), in mesh order.
 template <class Mesh>
 constexpr layout_spec split_groups(int dim, bool without_expert) {
   gshard::detail::spec_result r;
   name_t axes[max_mesh_axes]{};
   int n = 0;
   for (const name_t& a : Mesh::names)
-    if (a.view() != "model" && !(without_expert && a.view() == "expert")) axes[n++] = a;
+    if (is_batch_axis(a.view()) && !(without_expert && a.view() == "expert")) axes[n++] = a;
   if (n) gshard::detail::add_split(r, dim, axes, n);
   return r.spec;
 }
@@ -127,17 +131,17 @@ template <class T, mesh_type Mesh>
 struct output {
   tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> y;  // [G,S,M]
   gating_stats stats;                                         // this rank's groups
-  double aux_partial = 0;  // this rank's share: the sum over ranks is the aux loss
+  double aux_partial = 0;  // this rank's share: the sum over group_axes(mesh) is the aux loss
   routing<T> route;
 };
 
-// The ranks that hold different groups: every axis but "model" (the ranks
-// along "model" hold the same groups and compute the same routing).
+// The ranks that hold different groups: the batch axes (the ranks along
+// "model" hold the same groups and compute the same routing).
 template <mesh_type Mesh>
 const gshard::detail::axis_group& group_axes(const Mesh& m) {
   std::uint32_t mask = 0;
   for (int a = 0; a < m.naxes(); ++a)
-    if (Mesh::names[std::size_t(a)].view() != "model") mask |= 1u << a;
+    if (detail::is_batch_axis(Mesh::names[std::size_t(a)].view())) mask |= 1u << a;
   return m.mesh_base::group(mask);
 }
 
