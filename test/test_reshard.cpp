@@ -228,3 +228,148 @@ TEST_CASE("typed reshard runs the compile-time plan, equal to the run-time plann
   (void)e;
   (void)a2;
 }
+
+namespace {
+
+// Σ over the mesh of <a, b>, each pair of shards counted once: divided by the
+// sizes of the axes along which both are replicated copies. (Along an axis
+// where one of them holds pending summands, the sum over the ranks is the
+// inner product with the sum.)
+template <int R>
+double inner(const local_tensor<double, R>& a, const rlayout& la, const local_tensor<double, R>& b, const rlayout& lb,
+             const detail::mesh_base& m) {
+  double s = 0;
+  for (index_t i = 0; i < a.size(); ++i) s += a.data()[i] * b.data()[i];
+  for (int ax = 0; ax < m.naxes(); ++ax)
+    if (la.is_free(ax) && lb.is_free(ax)) s /= double(m.size(ax));
+  MPI_Allreduce(MPI_IN_PLACE, &s, 1, MPI_DOUBLE, MPI_SUM, m.comm());
+  return s;
+}
+
+rlayout without_partial(rlayout l) {
+  l.partial = 0;
+  return l;
+}
+
+// The transposed collectives where one axis changes (design, "Backward"):
+// all_gather <-> a local slice (dy reduced) or reduce_scatter (dy pending),
+// all_to_all <-> all_to_all, all_reduce <-> nothing (dy reduced; a pending dy
+// is reduced first: every summand's gradient is the whole dy), a slice <->
+// all_gather.
+std::optional<std::vector<collective>> transpose_table(const axis_state& from, const axis_state& to, bool pending) {
+  using C = collective;
+  if (from.kind == 2 && to.kind == 0) return pending ? std::vector{C::reduce_scatter} : std::vector<C>{};
+  if (from.kind == 0 && to.kind == 2) return std::vector{C::all_gather};
+  if (from.kind == 2 && to.kind == 2 && from.dim != to.dim) return std::vector{C::all_to_all};
+  if (from.kind == 1 && to.kind == 0) return pending ? std::vector{C::all_reduce} : std::vector<C>{};
+  return std::nullopt;
+}
+
+// For every (from, to): y = reshard(x), dx = reshard_backward(dy) with dy
+// reduced and with dy pending over every axis y is replicated on. The
+// adjoint identity <y, dy> = <x, dx> must hold, and single-axis changes must
+// run the transposed collective.
+template <int R>
+void check_transposes(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
+  std::vector<rlayout> layouts;
+  for (const rlayout& l : gshard::testing::all_layouts(R, m.naxes())) {
+    bool divides = true;
+    for (int d = 0; d < R; ++d) divides = divides && ge[std::size_t(d)] % detail::dim_parts(l, d, m.sizes()) == 0;
+    if (divides) layouts.push_back(l);
+  }
+  const auto gx = gshard::testing::random_tensor<R>(ge, 11), gdy = gshard::testing::random_tensor<R>(ge, 12);
+  for (const rlayout& from : layouts) {
+    const auto x = shard_of<R>(gx, from, m);
+    for (const rlayout& to : layouts) {
+      const auto y = detail::execute_reshard<double, R>(m, detail::plan_reshard(from, to, m.naxes(), m.sizes()), x, ge);
+      for (bool pending : {false, true}) {
+        ++t.pairs;
+        rlayout dyl = without_partial(to);
+        if (pending)
+          for (int a = 0; a < m.naxes(); ++a)
+            if (to.is_free(a)) dyl.partial |= 1u << a;
+        const rlayout dxl = without_partial(from);
+        const auto dy = shard_of<R>(gdy, dyl, m);
+        collective_recorder rec;
+        const auto dx = detail::execute_reshard<double, R>(m, detail::plan_reshard(dyl, dxl, m.naxes(), m.sizes()), dy, ge);
+        const auto events = rec.events();
+        const std::string what = show(from, m, R) + " -> " + show(to, m, R) + (pending ? ", dy pending" : ", dy reduced") +
+                                 " on " + m.describe();
+        const double lhs = inner<R>(y, to, dy, dyl, m), rhs = inner<R>(x, from, dx, dxl, m);
+        if (std::abs(lhs - rhs) > 1e-12 * std::max(1.0, std::abs(lhs))) t.fail(what + ": <y,dy> != <x,dx>");
+        int changed = -1, nchanged = 0;
+        for (int a = 0; a < m.naxes(); ++a)
+          if (!(state_of(from, a) == state_of(to, a))) {
+            changed = a;
+            ++nchanged;
+          }
+        // The table speaks of the changed axis alone: a dy pending over an
+        // unchanged axis also needs its own reduction.
+        if (nchanged != 1 || (dyl.partial & ~(1u << changed)) != 0) continue;
+        if (auto want = transpose_table(state_of(from, changed), state_of(to, changed), pending)) {
+          ++t.table_checked;
+          std::vector<collective> got;
+          for (const auto& e : events) got.push_back(e.kind);
+          if (got != *want) t.fail(what + ": not the transposed collective");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the gradient of every reshard is its transpose: <y,dy> = <x,dx>", "[reshard][exhaustive][grad]") {
+  for (const auto& mc : gshard::testing::meshes_for_world(true, false)) {
+    const detail::mesh_base& m = *mc.mesh;
+    const index_t W = m.nranks();
+    tally t;
+    check_transposes<1>(m, {2 * W}, t);
+    check_transposes<2>(m, {2 * W, W}, t);
+    INFO("mesh " << mc.name << ": " << t.pairs << " (pair, dy) cases, " << t.table_checked << " checked against the table");
+    GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+    GSHARD_REQUIRE(t.table_checked > 0);
+  }
+}
+
+TEST_CASE("reshard_backward: typed, with the transposed collectives", "[reshard][grad]") {
+  using grid = mesh<axis<"data">, axis<"expert">>;
+  const index_t P = world_size();
+  grid m(MPI_COMM_WORLD, {1, P});
+  using rows = sharding<split<0, "expert">>;
+  using cols = sharding<split<1, "expert">>;
+  using pending = sharding<partial<"expert">>;
+  static_assert(std::is_same_v<gradient_sharding<sharding<split<0, "data">, partial<"expert">>>, sharding<split<0, "data">>>);
+  static_assert(std::is_same_v<gradient_sharding<rows>, rows>);
+  const auto g = gshard::testing::random_tensor<2>({2 * P, 2 * P}, 5);
+  auto kinds = [](const collective_recorder& rec) {
+    std::vector<collective> k;
+    for (const auto& e : rec.events()) k.push_back(e.kind);
+    return k;
+  };
+  {  // all_gather forward; a pending gradient comes back by one reduce_scatter
+    auto dy = distribute<pending>(m, g);  // coordinate 0 holds the values, the rest zeros
+    collective_recorder rec;
+    const auto dx = reshard_backward<rows>(std::move(dy));
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(dx)>::sharding_type, rows>);
+    GSHARD_REQUIRE(kinds(rec) == std::vector{collective::reduce_scatter});
+    const auto full = gather(dx);
+    double worst = 0;
+    for (index_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(full.data()[i] - g.data()[i]));
+    GSHARD_REQUIRE(worst < 1e-15);
+  }
+  {  // all_to_all forward (rows -> cols); all_to_all back
+    auto dy = distribute<cols>(m, g);
+    collective_recorder rec;
+    const auto dx = reshard_backward<rows>(dy);
+    GSHARD_REQUIRE(kinds(rec) == std::vector{collective::all_to_all});
+    GSHARD_REQUIRE(gather(dx).data()[g.size() - 1] == g.data()[g.size() - 1]);
+  }
+  {  // all_reduce forward (pending -> replicate); nothing back: every summand's gradient is dy
+    auto dy = distribute<replicate>(m, g);
+    collective_recorder rec;
+    const auto dx = reshard_backward<pending>(dy);
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(dx)>::sharding_type, replicate>);
+    GSHARD_REQUIRE(rec.events().empty());
+  }
+}

@@ -111,7 +111,7 @@ tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> backward(
   tensor<T, 4, Mesh, typename S::egcm_by_group> dy(m, {E, G, C, M});  // [E,G{data,expert},C,M]
   std::vector<T> dweight;
   detail::combine_rows_backward(r, dout.data(), c.y->data(), M, dy.data(), dweight);
-  const auto dye = reshard<typename S::by_expert>(std::move(dy));  // all_to_all: [E{expert},G{data},C,M]
+  const auto dye = reshard_backward<typename S::by_expert>(std::move(dy));  // all_to_all: [E{expert},G{data},C,M]
 
   // The experts, on their ranks (with a "model" axis, dxe's sum over the
   // split H is one all_reduce over it).
@@ -122,7 +122,7 @@ tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> backward(
   grads.wi.local() += dwi.local();
 
   // Dispatch, transposed: back to the groups, then to the tokens.
-  const auto dxe_groups = reshard<typename S::egcm_by_group>(std::move(dxe));  // all_to_all
+  const auto dxe_groups = reshard_backward<typename S::egcm_by_group>(std::move(dxe));  // all_to_all
   tensor<T, 3, Mesh, typename S::by_group> dx(m, {G, Sg, M});
   detail::dispatch_rows_backward(r, dxe_groups.data(), M, dx.data());
 
