@@ -231,18 +231,17 @@ TEST_CASE("typed reshard runs the compile-time plan, equal to the run-time plann
 
 namespace {
 
-// Σ over the mesh of <a, b>, each pair of shards counted once: divided by the
-// sizes of the axes along which both are replicated copies. (Along an axis
-// where one of them holds pending summands, the sum over the ranks is the
-// inner product with the sum.)
+// This rank's share of <a, b>: summed over the mesh, each pair of shards
+// counts once — divided by the sizes of the axes along which both are
+// replicated copies. (Along an axis where one of them holds pending summands,
+// the sum over the ranks is the inner product with the sum.)
 template <int R>
-double inner(const local_tensor<double, R>& a, const rlayout& la, const local_tensor<double, R>& b, const rlayout& lb,
-             const detail::mesh_base& m) {
+double inner_share(const local_tensor<double, R>& a, const rlayout& la, const local_tensor<double, R>& b,
+                   const rlayout& lb, const detail::mesh_base& m) {
   double s = 0;
   for (index_t i = 0; i < a.size(); ++i) s += a.data()[i] * b.data()[i];
   for (int ax = 0; ax < m.naxes(); ++ax)
     if (la.is_free(ax) && lb.is_free(ax)) s /= double(m.size(ax));
-  MPI_Allreduce(MPI_IN_PLACE, &s, 1, MPI_DOUBLE, MPI_SUM, m.comm());
   return s;
 }
 
@@ -278,6 +277,8 @@ void check_transposes(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
     if (divides) layouts.push_back(l);
   }
   const auto gx = gshard::testing::random_tensor<R>(ge, 11), gdy = gshard::testing::random_tensor<R>(ge, 12);
+  std::vector<double> sides;  // per case: this rank's shares of <y,dy> and <x,dx>, summed once at the end
+  std::vector<std::string> cases;
   for (const rlayout& from : layouts) {
     const auto x = shard_of<R>(gx, from, m);
     for (const rlayout& to : layouts) {
@@ -295,8 +296,9 @@ void check_transposes(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
         const auto events = rec.events();
         const std::string what = show(from, m, R) + " -> " + show(to, m, R) + (pending ? ", dy pending" : ", dy reduced") +
                                  " on " + m.describe();
-        const double lhs = inner<R>(y, to, dy, dyl, m), rhs = inner<R>(x, from, dx, dxl, m);
-        if (std::abs(lhs - rhs) > 1e-12 * std::max(1.0, std::abs(lhs))) t.fail(what + ": <y,dy> != <x,dx>");
+        sides.push_back(inner_share<R>(y, to, dy, dyl, m));
+        sides.push_back(inner_share<R>(x, from, dx, dxl, m));
+        cases.push_back(what);
         int changed = -1, nchanged = 0;
         for (int a = 0; a < m.naxes(); ++a)
           if (!(state_of(from, a) == state_of(to, a))) {
@@ -314,6 +316,11 @@ void check_transposes(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
         }
       }
     }
+  }
+  MPI_Allreduce(MPI_IN_PLACE, sides.data(), int(sides.size()), MPI_DOUBLE, MPI_SUM, m.comm());
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const double lhs = sides[2 * i], rhs = sides[2 * i + 1];
+    if (std::abs(lhs - rhs) > 1e-12 * std::max(1.0, std::abs(lhs))) t.fail(cases[i] + ": <y,dy> != <x,dx>");
   }
 }
 
