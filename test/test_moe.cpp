@@ -21,6 +21,7 @@ namespace {
 using grid2 = mesh<axis<"data">, axis<"expert">>;
 using grid1 = mesh<axis<"expert">>;
 using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
+using grid2r = mesh<axis<"expert">, axis<"data">>;  // axis order must not change the communication
 
 // Checks the design's invariants on one routing; returns "" or what broke.
 template <class T>
@@ -224,7 +225,8 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
   check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
   if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}), "mesh (2,P/2)");
   check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
-  GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 4 : 3));
+  if (P % 2 == 0) check(grid2r(MPI_COMM_WORLD, {P / 2, 2}), "mesh (expert, data)");
+  GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 5 : P == 2 ? 4 : 3));
 }
 
 TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", "[moe][layer][errors]") {
@@ -298,4 +300,11 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
   check(grid2(MPI_COMM_WORLD, {1, P}));
   if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}));
   check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)));
+  if (P % 2 == 0) {  // a setting the "model" axis cannot split: named, on every rank
+    grid3 m3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P));
+    auto bad = c;
+    bad.heads = 3;
+    GSHARD_REQUIRE_THROWS_WITH(model::init<double>(m3, bad, 5), shape_error,
+                               "gshard::model::init: config.heads = 3 is not divisible by the \"model\" axis of mesh(");
+  }
 }

@@ -126,6 +126,14 @@ void for_each_param(F&& f, P& p, Ps&... ps) {
 // Parameters that depend only on (config, seed): the same at every rank count.
 template <class T, mesh_type Mesh>
 params<T, Mesh> init(const Mesh& m, const config& c, std::uint64_t seed) {
+  if constexpr (Mesh::index_of("model") >= 0) {  // name the setting, not just the tensor, that does not divide
+    const index_t parts = m.size(Mesh::index_of("model"));
+    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}})
+      if (v % parts != 0)
+        throw shape_error(std::string("gshard::model::init: config.") + name + " = " + std::to_string(v) +
+                          " is not divisible by the \"model\" axis of " + m.describe() +
+                          ": the heads and the FFNs' hidden units are split over it");
+  }
   std::uint64_t id = 1000;
   // Each tensor draws from its own id, in this order, by global index.
   auto normal = [&]<class X>(X t, double sd) {

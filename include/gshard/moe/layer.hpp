@@ -24,14 +24,17 @@ using gshard::detail::name_t;
 // "model" hold the same groups and split the heads and hidden units instead.
 constexpr bool is_batch_axis(std::string_view axis) { return axis != "model"; }
 
-// Dim `dim` split over the batch axes (but "expert" if `without_expert`), in mesh order.
+// Dim `dim` split over the batch axes in mesh order, but with "expert" the
+// minor-most (or left out if `without_expert`): then moving the groups'
+// "expert" part onto E is one all_to_all whatever the mesh's axis order.
 template <class Mesh>
 constexpr layout_spec split_groups(int dim, bool without_expert) {
   gshard::detail::spec_result r;
   name_t axes[max_mesh_axes]{};
   int n = 0;
   for (const name_t& a : Mesh::names)
-    if (is_batch_axis(a.view()) && !(without_expert && a.view() == "expert")) axes[n++] = a;
+    if (is_batch_axis(a.view()) && a.view() != "expert") axes[n++] = a;
+  if (!without_expert && Mesh::index_of("expert") >= 0) axes[n++] = name_t("expert");
   if (n) gshard::detail::add_split(r, dim, axes, n);
   return r.spec;
 }
