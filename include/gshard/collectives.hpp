@@ -53,7 +53,7 @@ class timed_collective {
 
  private:
   collective kind_;
-  std::string axes_;
+  const std::string& axes_;  // the group's label: the mesh outlives every collective on it
   std::size_t bytes_;
   double t0_ = 0;
   std::optional<debug::watch> watch_;
