@@ -11,7 +11,6 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
-#include <map>
 #include <string>
 
 #include "meshes.hpp"
@@ -81,10 +80,8 @@ int run(const Mesh& m, const std::string& text, int forwards) {
     const auto [logits, st] = model::forward(tokens, p, c, std::uint64_t(step));
     double dt = MPI_Wtime() - t0, slowest = 0;
     MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, m.comm());
-    std::map<std::string, int> ran;  // "all_to_all(expert)" -> how many
-    for (const auto& e : rec.events()) ++ran[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
     std::string collectives;
-    for (const auto& [k, n] : ran) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
+    for (const auto& [k, n] : rec.tally()) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
     const auto loss = model::reduce_loss(st, c, m);
     std::vector<moe::gating_stats> layers;
     for (const auto& s : st.moe) layers.push_back(moe::reduce(s, m));

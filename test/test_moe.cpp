@@ -169,11 +169,8 @@ std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<
   collective_recorder rec;
   auto out = moe::forward(x, p, cfg, 3, mode);
   if (collectives) {  // all_to_all(expert) counts 1, all_reduce(model) 10, anything else 100
-    *collectives = 0;
-    for (const auto& e : rec.events())
-      *collectives += e.kind == collective::all_to_all && e.axes == "expert"  ? 1
-                      : e.kind == collective::all_reduce && e.axes == "model" ? 10
-                                                                              : 100;
+    const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
+    *collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
   }
   auto st = moe::reduce(out.stats, m);
   return {gather(out.y), st};
@@ -284,12 +281,9 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
     // Two all_to_alls per MoE layer; with a "model" axis also one all_reduce
     // over it after each attention (4), dense FFN (2) and expert FFN (2); nothing else.
     constexpr bool split_heads = Mesh::index_of("model") >= 0;
-    int a2a = 0, ar_model = 0, other = 0;
-    for (const auto& e : rec.events()) {
-      if (e.kind == collective::all_to_all && e.axes == "expert") ++a2a;
-      else if (e.kind == collective::all_reduce && e.axes == "model") ++ar_model;
-      else ++other;
-    }
+    const std::size_t a2a = rec.calls(collective::all_to_all, "expert"),
+                      ar_model = rec.calls(collective::all_reduce, "model"),
+                      other = rec.events().size() - a2a - ar_model;
     INFO(a2a << " all_to_all(expert), " << ar_model << " all_reduce(model), " << other << " others");
     GSHARD_REQUIRE(a2a == 4 && ar_model == (split_heads ? 8 : 0) && other == 0);
     const auto l = model::reduce_loss(st, c, m);

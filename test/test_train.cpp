@@ -227,8 +227,7 @@ TEST_CASE("one training step runs exactly the collectives its types imply", "[tr
     const auto tokens = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
     collective_recorder rec;
     model::train_step(tokens, p, opt, c, 0);
-    std::map<std::string, int> seen;
-    for (const auto& e : rec.events()) ++seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+    const auto seen = rec.tally();
     std::string got;
     for (const auto& [k, v] : seen) got += k + " x" + std::to_string(v) + " ";
     INFO("ran: " << got);

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -125,6 +126,12 @@ class collective_recorder {
     for (const auto& e : events())
       if (e.kind == kind && (axes.empty() || e.axes == axes)) n += e.bytes;
     return n;
+  }
+  // How many of each ran: {"all_to_all(expert)": 4, "all_reduce(model)": 8, ...}.
+  std::map<std::string, int> tally() const {
+    std::map<std::string, int> t;
+    for (const auto& e : events()) ++t[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+    return t;
   }
   void reset() { start_ = detail::counters().log.size(); }
 
