@@ -127,7 +127,7 @@ TEST_CASE("tensor shards: extents, offsets, notation, and the divisibility error
   }
   // (A local shard of the wrong extents ends the job: test/abort_on_throw.cpp.)
   // Static extents are checked against the run-time ones.
-  using M4 = tensor<float, 2, dyn1, sharding<split<0, "x">>, dynamic, 4>;
+  using M4 = tensor<float, 2, dyn1, sharding<split<0, "x">>, "", dynamic, 4>;
   GSHARD_REQUIRE_THROWS_WITH(M4(dyn1(MPI_COMM_WORLD), {index_t(P), 5}), shape_error, "dim 1 has static extent 4 but was given 5");
 }
 

@@ -46,6 +46,43 @@ constexpr std::string_view axis_name_or_none(int a) {
   return a < 0 ? std::string_view{} : Mesh::names[std::size_t(a)].view();
 }
 
+// A labelled operand must carry exactly its term's labels; an unlabelled one
+// is checked by rank only (the positional API).
+template <fixed_string Term, fixed_string Labels>
+struct check_operand_labels {
+  static_assert(Labels.size() == 0 || Labels.view() == Term.view(),
+                "gshard::einsum: a labelled operand's labels differ from its term in the spec (the term, then the "
+                "tensor's labels: see the instantiation above); rename its dims with relabel<\"...\">");
+  static constexpr bool ok = true;
+};
+
+// Term `Operand` of Spec (the output for -1) as an exact-length fixed_string.
+template <fixed_string Spec, int Operand>
+struct term_string {
+  static constexpr einsum_spec spec = parse_einsum(Spec.view());
+  static constexpr std::string_view view = Operand < 0 ? spec.out_term() : spec.term(Operand);
+  static constexpr auto value = to_fixed<view.size()>(view);
+};
+template <fixed_string Spec, int Operand>
+consteval auto term_of() {
+  return term_string<Spec, Operand>::value;
+}
+
+// The output sharding einsum<Spec, Out> returns: the natural one, a given
+// sharding, or the one a rules table gives the output term.
+template <fixed_string Spec, class Natural, class Out>
+struct resolve_out {
+  using type = Out;
+};
+template <fixed_string Spec, class Natural>
+struct resolve_out<Spec, Natural, natural_sharding> {
+  using type = Natural;
+};
+template <fixed_string Spec, class Natural, fixed_string R>
+struct resolve_out<Spec, Natural, rules_text<R>> {
+  using type = sharding_by<rules_text<R>, term_of<Spec, -1>()>;
+};
+
 }  // namespace detail
 
 // The plan of einsum<Spec, Out>(a[, b]) for operands sharded SA (and SB) on
@@ -59,6 +96,7 @@ struct einsum_plan {
                 "gshard::einsum: the number of operands differs from the number of input terms in the spec");
   static constexpr int rank_a = spec.in_rank[0], rank_b = spec.in_rank[1], rank_out = spec.out_rank;
   static constexpr std::string_view text = Spec.view();
+  static constexpr auto spec_string = Spec;
 
   static constexpr detail::rlayout inputs[2] = {
       detail::bind_layout<Mesh, rank_a, SA>::value,
@@ -75,7 +113,7 @@ struct einsum_plan {
   using a_local = layout<detail::text_of<detail::render(a_local_spec).n>(a_local_spec)>;
   using b_local = layout<detail::text_of<detail::render(b_local_spec).n>(b_local_spec)>;
   using natural = layout<detail::text_of<detail::render(natural_spec).n>(natural_spec)>;
-  using out = std::conditional_t<std::is_same_v<Out, natural_sharding>, natural, Out>;
+  using out = typename detail::resolve_out<Spec, natural, Out>::type;
 
   using slice_a = reshard_plan<Mesh, rank_a, SA, a_local>;
   using slice_b = reshard_plan<Mesh, (nin == 2 ? rank_b : 0), std::conditional_t<nin == 2, SB, replicate>,
@@ -253,6 +291,18 @@ local_tensor<T, RO> execute_einsum(const mesh_base& m, const einsum_program& p, 
   return execute_reshard<T, RO>(m, p.finish, std::move(out), out_global);
 }
 
+// The output's labels: the output term when an operand is labelled, else none.
+template <class X>
+constexpr bool is_labelled() {
+  if constexpr (std::is_void_v<X>) return false;
+  else return X::labels.size() > 0;
+}
+template <fixed_string Spec, class A, class B>
+consteval auto out_labels() {
+  if constexpr (is_labelled<A>() || is_labelled<B>()) return term_of<Spec, -1>();
+  else return fixed_string<1>{};
+}
+
 template <class Plan, class T, class A, class B>
 auto run_einsum(const A& a, const B* b) {
   using Mesh = typename A::mesh_type;
@@ -272,13 +322,17 @@ auto run_einsum(const A& a, const B* b) {
   else
     out = execute_einsum<T, Plan::rank_a, 0, Plan::rank_out>(a.mesh(), program, a.local(), a.extents(), nullptr, {},
                                                               out_global);
-  return tensor<T, Plan::rank_out, Mesh, typename Plan::out>(a.mesh(), out_global, std::move(out));
+  constexpr auto labels = out_labels<Plan::spec_string, A, std::conditional_t<Plan::nin == 2, B, void>>();
+  return tensor<T, Plan::rank_out, Mesh, typename Plan::out, labels>(a.mesh(), out_global, std::move(out));
 }
 
 }  // namespace detail
 
 // einsum<"GSM,ME->GSE">(x, w): the natural output sharding.
-// einsum<"GSEC,GSM->EGCM", by_expert>(dispatch, x): resharded to by_expert.
+// einsum<"GSEC,GSM->EGCM", by_expert>(dispatch, x): resharded to by_expert,
+// a sharding, or to what a rules table gives the output term (EGCM).
+// Labelled operands must carry their terms' labels (checked at compile
+// time); the output is then labelled with the output term.
 template <fixed_string Spec, class Out = natural_sharding, sharded_tensor A, sharded_tensor B>
 auto einsum(const A& a, const B& b) {
   static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
@@ -288,6 +342,8 @@ auto einsum(const A& a, const B& b) {
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
   static_assert(detail::check_operand_rank<Spec, 1, B::rank>::ok);
+  static_assert(detail::check_operand_labels<detail::term_of<Spec, 0>(), A::label_string>::ok);
+  static_assert(detail::check_operand_labels<detail::term_of<Spec, 1>(), B::label_string>::ok);
   using plan = einsum_plan<Spec, typename A::mesh_type, typename A::sharding_type, typename B::sharding_type, Out>;
   return detail::run_einsum<plan, typename A::value_type>(a, &b);
 }
@@ -297,6 +353,7 @@ template <fixed_string Spec, class Out = natural_sharding, sharded_tensor A>
 auto einsum(const A& a) {
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
+  static_assert(detail::check_operand_labels<detail::term_of<Spec, 0>(), A::label_string>::ok);
   using plan = einsum_plan<Spec, typename A::mesh_type, typename A::sharding_type, void, Out>;
   return detail::run_einsum<plan, typename A::value_type>(a, static_cast<const A*>(nullptr));
 }

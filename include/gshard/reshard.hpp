@@ -259,13 +259,30 @@ struct reshard_plan {
   friend std::ostream& operator<<(std::ostream& os, const reshard_plan&) { return os << describe(); }
 };
 
-// The same global tensor with sharding To. Communication as the plan says.
-// Given an rvalue, reuses its storage where a step allows (an all_reduce
-// then runs in place).
+namespace detail {
+// The sharding reshard<To> moves a tensor of type X to: To itself, or what
+// the rules To give X's labels.
 template <class To, class X>
+struct reshard_target {
+  using type = To;
+};
+template <fixed_string R, class X>
+struct reshard_target<rules_text<R>, X> {
+  static_assert(X::labels.size() == X::rank,
+                "gshard::reshard: resharding by rules needs a labelled tensor; name its dims with relabel<\"...\">");
+  using type = sharding_by<rules_text<R>, X::label_string>;
+};
+}  // namespace detail
+
+// The same global tensor with sharding To — a sharding, or a rules table
+// applied to the tensor's labels. Communication as the plan says. Given an
+// rvalue, reuses its storage where a step allows (an all_reduce then runs in
+// place).
+template <class ToOrRules, class X>
   requires sharded_tensor<X>
 auto reshard(X&& x) {
   using Y = std::remove_cvref_t<X>;
+  using To = typename detail::reshard_target<ToOrRules, Y>::type;
   using out_t = with_sharding<Y, To>;
   using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
   using T = typename Y::value_type;

@@ -10,6 +10,7 @@
 
 #include "gshard/detail/copy_box.hpp"
 #include "gshard/error.hpp"
+#include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/sharding.hpp"
 
@@ -99,12 +100,13 @@ std::string extents_string(const shape<Rank>& e) {
 // Every split dim divisible by its number of shards; the same error on every rank otherwise.
 template <int Rank>
 void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank>& global, const mesh_base& m,
-                     std::string_view dtype) {
+                     std::string_view dtype, std::string_view labels = {}) {
   for (int d = 0; d < Rank; ++d) {
     const index_t parts = dim_parts(l, d, m.sizes());
     if (global[std::size_t(d)] < 0 || global[std::size_t(d)] % parts != 0)
-      throw shape_error("gshard::tensor: dim " + std::to_string(d) + " of " +
-                        notation(spec, Rank, dtype, {}, global.data()) + " has extent " +
+      throw shape_error("gshard::tensor: dim " + std::to_string(d) +
+                        (labels.empty() ? std::string() : " (" + std::string(1, labels[std::size_t(d)]) + ")") + " of " +
+                        notation(spec, Rank, dtype, labels, global.data()) + " has extent " +
                         std::to_string(global[std::size_t(d)]) + ", not divisible into " + std::to_string(parts) +
                         " shards over {" + m.label(axis_set(l.dims[d])) + "} of " + m.describe());
   }
@@ -112,14 +114,19 @@ void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank
 
 }  // namespace detail
 
-// tensor<float, 3, grid, sharding<split<0, "data">>> — f32[G{data},S,M].
-// Optional static extents (gshard::dynamic for a dynamic one) are checked
-// against the mesh at compile time where both are static.
-template <class T, int Rank, mesh_type Mesh, class Sharding, index_t... StaticExtents>
+// tensor<float, 3, grid, sharding<split<0, "data">>> — f32[8{data},16,512].
+// Optional dim labels name the dims in the type, e.g. "GSM": einsums check
+// them against their terms, printing shows them (f32[G{data},S,M]), and
+// rules (labels.hpp) give shardings by them. Optional static extents
+// (gshard::dynamic for a dynamic one) are checked against the mesh at
+// compile time where both are static.
+template <class T, int Rank, mesh_type Mesh, class Sharding, fixed_string Labels = "", index_t... StaticExtents>
 class tensor {
   static_assert(Rank >= 0 && Rank <= max_rank, "gshard::tensor: the rank is 0 to gshard::max_rank");
   static_assert(sizeof...(StaticExtents) == 0 || sizeof...(StaticExtents) == std::size_t(Rank),
                 "gshard::tensor: give no static extents, or one per dim (gshard::dynamic where unknown)");
+  static_assert(Labels.size() == 0 || (Labels.size() == std::size_t(Rank) && detail::valid_term(Labels.view())),
+                "gshard::tensor: the labels name each dim with one distinct letter (as many as the rank), or are \"\"");
 
  public:
   using value_type = T;
@@ -128,6 +135,8 @@ class tensor {
   using local_type = local_tensor<T, Rank>;
   using extents_type = shape<Rank>;
   static constexpr int rank = Rank;
+  static constexpr auto label_string = Labels;           // fixed_string, "" when unlabelled
+  static constexpr std::string_view labels = Labels.view();
   static constexpr detail::rlayout layout = detail::bind_layout<Mesh, Rank, Sharding>::value;
   static_assert(detail::check_static_extents<Mesh, Rank, Sharding, StaticExtents...>());
 
@@ -174,9 +183,9 @@ class tensor {
   // Global index of this shard's first element along each dim.
   extents_type offsets() const { return detail::global_offsets<Rank>(layout, extents_, *mesh_); }
 
-  // "f32[8{data},16,512]", or with labels "f32[G{data},S,M]".
-  std::string notation(std::string_view labels = {}) const {
-    return detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), labels, extents_.data());
+  // "f32[8{data},16,512]"; with labels (the type's, or these) "f32[G{data},S,M]".
+  std::string notation(std::string_view names = {}) const {
+    return detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), names.empty() ? labels : names, extents_.data());
   }
 
  private:
@@ -189,7 +198,7 @@ class tensor {
                             std::to_string(fixed[std::size_t(d)]) + " but was given " +
                             std::to_string(extents_[std::size_t(d)]));
     }
-    detail::check_divisible<Rank>(layout, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>());
+    detail::check_divisible<Rank>(layout, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>(), labels);
   }
 
   const Mesh* mesh_;
@@ -200,8 +209,8 @@ class tensor {
 namespace detail {
 template <class X>
 struct is_tensor : std::false_type {};
-template <class T, int R, class M, class S, index_t... E>
-struct is_tensor<tensor<T, R, M, S, E...>> : std::true_type {};
+template <class T, int R, class M, class S, fixed_string L, index_t... E>
+struct is_tensor<tensor<T, R, M, S, L, E...>> : std::true_type {};
 
 template <int Rank, class Derived>
 shape<Rank> dims_of(const Eigen::TensorBase<Derived, Eigen::ReadOnlyAccessors>& t) {
@@ -215,9 +224,28 @@ shape<Rank> dims_of(const Eigen::TensorBase<Derived, Eigen::ReadOnlyAccessors>& 
 template <class X>
 concept sharded_tensor = detail::is_tensor<std::remove_cvref_t<X>>::value;
 
-// The same tensor type with another sharding.
+// The same tensor type (and labels) with another sharding.
 template <sharded_tensor X, class S>
-using with_sharding = tensor<typename X::value_type, X::rank, typename X::mesh_type, S>;
+using with_sharding = tensor<typename X::value_type, X::rank, typename X::mesh_type, S, X::label_string>;
+// The same tensor type with other labels ("" for none).
+template <sharded_tensor X, fixed_string Labels>
+using with_labels = tensor<typename X::value_type, X::rank, typename X::mesh_type, typename X::sharding_type, Labels>;
+
+// The same tensor with its dims renamed (or unnamed, with ""): free for an
+// rvalue (the shard moves), one copy of the shard for an lvalue.
+//   auto kt = relabel<"BTNK">(std::move(k));   // k was BLNK
+template <fixed_string Labels, class X>
+  requires sharded_tensor<X>
+auto relabel(X&& x) {
+  using Y = std::remove_cvref_t<X>;
+  using out_t = with_labels<Y, Labels>;
+  static_assert(Labels.size() == 0 || Labels.size() == std::size_t(Y::rank),
+                "gshard::relabel: give one label per dim (as many as the rank), or \"\"");
+  if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
+    return out_t(x.mesh(), x.extents(), std::move(x.local()));
+  else
+    return out_t(x.mesh(), x.extents(), typename Y::local_type(x.local()));
+}
 
 // Every rank slices its own shard of `global` (which every rank holds); no
 // communication. For a partial sharding, coordinate 0 of each partial axis

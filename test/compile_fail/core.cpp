@@ -13,7 +13,7 @@ s* p = nullptr;
 #elif defined(GSHARD_CASE_dim_out_of_range)
 constexpr auto n = sizeof(tensor<float, 2, grid, sharding<split<2, "data">>>);
 #elif defined(GSHARD_CASE_static_not_divisible)
-constexpr auto n = sizeof(tensor<float, 2, grid, sharding<split<1, "expert">>, 8, 6>);
+constexpr auto n = sizeof(tensor<float, 2, grid, sharding<split<1, "expert">>, "", 8, 6>);
 #elif defined(GSHARD_CASE_dim_split_twice)
 sharding<split<0, "data">, split<0, "expert">>* p = nullptr;
 #elif defined(GSHARD_CASE_split_and_partial)
