@@ -78,9 +78,21 @@ auto einsum_backward(const DZ& dz, const A& a, const B& b) {
   return std::pair{std::move(da), std::move(db)};
 }
 
+namespace detail {
+// A gradient and its primal: the same global shape and the same split dims
+// (the gradient holds no pending sums; labels may differ).
+template <class DY, class X>
+constexpr bool same_shards() {
+  rlayout a = DY::layout, b = X::layout;
+  a.partial = b.partial = 0;
+  return DY::rank == X::rank && a == b && std::is_same_v<typename DY::value_type, typename X::value_type>;
+}
+}  // namespace detail
+
 // dy · [x > 0], where the forward was y = relu(x).
-template <sharded_tensor X>
-X relu_backward(X dy, const X& x) {
+template <sharded_tensor DY, sharded_tensor X>
+DY relu_backward(DY dy, const X& x) {
+  static_assert(detail::same_shards<DY, X>(), "gshard::relu_backward: dy and x are sharded differently");
   auto* g = dy.data();
   const auto* v = x.data();
   for (index_t i = 0, n = dy.local().size(); i < n; ++i)
@@ -89,10 +101,11 @@ X relu_backward(X dy, const X& x) {
 }
 
 // dx = y · (dy − Σ_last dy·y), where the forward was y = softmax(x) over the last dim.
-template <sharded_tensor X>
-X softmax_backward(X dy, const X& y) {
-  using T = typename X::value_type;
-  const index_t n = X::rank ? dy.local().dimension(X::rank - 1) : 1;
+template <sharded_tensor DY, sharded_tensor Y>
+DY softmax_backward(DY dy, const Y& y) {
+  static_assert(detail::same_shards<DY, Y>(), "gshard::softmax_backward: dy and y are sharded differently");
+  using T = typename DY::value_type;
+  const index_t n = DY::rank ? dy.local().dimension(DY::rank - 1) : 1;
   if (n == 0) return dy;
   T* g = dy.data();
   const T* p = y.data();
@@ -108,8 +121,9 @@ X softmax_backward(X dy, const X& y) {
 // dx = s·r·dy − x·r³·mean(dy·s·x), and the scale's gradient Σ_rows dy·x·r,
 // which is a pending sum over the ranks that split the rows; `ds` receives
 // this rank's summand (the caller reduces it).
-template <sharded_tensor X, class Scale>
-X rms_norm_backward(X dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
+template <sharded_tensor DY, sharded_tensor X, class Scale>
+DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
+  static_assert(detail::same_shards<DY, X>(), "gshard::rms_norm_backward: dy and x are sharded differently");
   using T = typename X::value_type;
   const index_t n = x.local().dimension(X::rank - 1);
   if (n == 0) return dy;

@@ -288,6 +288,8 @@ auto reshard(X&& x) {
   using T = typename Y::value_type;
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
+  // Before any collective: a target that does not divide throws the same on every rank.
+  detail::check_divisible<Y::rank>(out_t::layout, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {
@@ -342,23 +344,90 @@ constexpr bool is_single_step() {
 }
 }  // namespace detail
 
+namespace detail {
+// The target of each one-collective form for a tensor of type X, with the
+// checks that it is that one collective; shared by the tensor and the var forms.
+template <class X, fixed_string Axis>
+struct all_reduce_target {
+  static constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_reduce: the axis is not in the tensor's mesh");
+  static_assert(a < 0 || X::layout.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
+  static constexpr bool ok = a >= 0 && X::layout.is_partial(a);
+  static constexpr rlayout value = [] {
+    rlayout l = X::layout;
+    if (ok) l.partial &= ~(1u << a);
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+  static_assert(!ok || is_single_step<X, step_kind::all_reduce, type>());
+};
+template <class X, fixed_string Axis>
+struct all_gather_target {
+  static constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_gather: the axis is not in the tensor's mesh");
+  static constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static_assert(a < 0 || d >= 0, "gshard::all_gather: the axis splits no dim of the tensor");
+  static_assert(d < 0 || minor_axis(X::layout, d) == a,
+                "gshard::all_gather: the axis is not the minor-most axis of its dim; gather the minor axes first");
+  static constexpr bool ok = d >= 0 && minor_axis(X::layout, d) == a;
+  static constexpr rlayout value = [] {
+    rlayout l = X::layout;
+    if (ok) l.pop(d);
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+  static_assert(!ok || is_single_step<X, step_kind::all_gather, type>());
+};
+template <class X, fixed_string Axis, int Dim>
+struct reduce_scatter_target {
+  static constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::reduce_scatter: the axis is not in the tensor's mesh");
+  static_assert(a < 0 || X::layout.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
+  static_assert(Dim >= 0 && Dim < X::rank, "gshard::reduce_scatter: the dim is out of range");
+  static constexpr bool ok = a >= 0 && X::layout.is_partial(a) && Dim >= 0 && Dim < X::rank;
+  static constexpr rlayout value = [] {
+    rlayout l = X::layout;
+    if (ok) {
+      l.partial &= ~(1u << a);
+      l.push(Dim, a);
+    }
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+  static_assert(!ok || is_single_step<X, step_kind::reduce_scatter, type>());
+};
+template <class X, fixed_string Axis, int Dim>
+struct all_to_all_target {
+  static constexpr int a = X::mesh_type::index_of(Axis.view());
+  static_assert(a >= 0, "gshard::all_to_all: the axis is not in the tensor's mesh");
+  static constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static_assert(a < 0 || d >= 0, "gshard::all_to_all: the axis splits no dim of the tensor");
+  static_assert(d < 0 || (Dim >= 0 && Dim < X::rank && Dim != d),
+                "gshard::all_to_all: the target dim is out of range or already split by the axis");
+  static_assert(d < 0 || minor_axis(X::layout, d) == a, "gshard::all_to_all: the axis is not the minor-most axis of its dim");
+  static constexpr bool ok = d >= 0 && Dim >= 0 && Dim < X::rank && Dim != d && minor_axis(X::layout, d) == a;
+  static constexpr rlayout value = [] {
+    rlayout l = X::layout;
+    if (ok) {
+      l.pop(d);
+      l.push(Dim, a);
+    }
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+  static_assert(!ok || is_single_step<X, step_kind::all_to_all, type>());
+};
+}  // namespace detail
+
 // partial{Axis} |-> replicated on Axis: one all_reduce.
 template <fixed_string Axis, class Xr>
   requires sharded_tensor<Xr>
 auto all_reduce(Xr&& x) {
-  using X = std::remove_cvref_t<Xr>;
-  constexpr int a = X::mesh_type::index_of(Axis.view());
-  static_assert(a >= 0, "gshard::all_reduce: the axis is not in the tensor's mesh");
-  static_assert(a < 0 || X::layout.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
-  constexpr detail::rlayout target = [] {
-    detail::rlayout l = X::layout;
-    l.partial &= ~(1u << a);
-    return l;
-  }();
-  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
-  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
-  static_assert(detail::is_single_step<X, step_kind::all_reduce, target_t>());
-  return reshard<target_t>(std::forward<Xr>(x));
+  return reshard<typename detail::all_reduce_target<std::remove_cvref_t<Xr>, Axis>::type>(std::forward<Xr>(x));
 }
 
 // (.., d{..,Axis}, ..) |-> (.., d{..}, ..): one all_gather. Axis must be the
@@ -366,67 +435,21 @@ auto all_reduce(Xr&& x) {
 template <fixed_string Axis, class Xr>
   requires sharded_tensor<Xr>
 auto all_gather(Xr&& x) {
-  using X = std::remove_cvref_t<Xr>;
-  constexpr int a = X::mesh_type::index_of(Axis.view());
-  static_assert(a >= 0, "gshard::all_gather: the axis is not in the tensor's mesh");
-  constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
-  static_assert(d >= 0, "gshard::all_gather: the axis splits no dim of the tensor");
-  static_assert(d < 0 || detail::minor_axis(X::layout, d) == a,
-                "gshard::all_gather: the axis is not the minor-most axis of its dim; gather the minor axes first");
-  constexpr detail::rlayout target = [] {
-    detail::rlayout l = X::layout;
-    l.pop(d);
-    return l;
-  }();
-  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
-  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
-  static_assert(detail::is_single_step<X, step_kind::all_gather, target_t>());
-  return reshard<target_t>(std::forward<Xr>(x));
+  return reshard<typename detail::all_gather_target<std::remove_cvref_t<Xr>, Axis>::type>(std::forward<Xr>(x));
 }
 
 // partial{Axis} |-> (.., Dim{.., Axis}, ..): one reduce_scatter.
 template <fixed_string Axis, int Dim, class Xr>
   requires sharded_tensor<Xr>
 auto reduce_scatter(Xr&& x) {
-  using X = std::remove_cvref_t<Xr>;
-  constexpr int a = X::mesh_type::index_of(Axis.view());
-  static_assert(a >= 0, "gshard::reduce_scatter: the axis is not in the tensor's mesh");
-  static_assert(a < 0 || X::layout.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
-  static_assert(Dim >= 0 && Dim < X::rank, "gshard::reduce_scatter: the dim is out of range");
-  constexpr detail::rlayout target = [] {
-    detail::rlayout l = X::layout;
-    l.partial &= ~(1u << a);
-    l.push(Dim, a);
-    return l;
-  }();
-  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
-  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
-  static_assert(detail::is_single_step<X, step_kind::reduce_scatter, target_t>());
-  return reshard<target_t>(std::forward<Xr>(x));
+  return reshard<typename detail::reduce_scatter_target<std::remove_cvref_t<Xr>, Axis, Dim>::type>(std::forward<Xr>(x));
 }
 
 // (.., a{..,Axis}, .., Dim{..}, ..) |-> (.., a{..}, .., Dim{..,Axis}, ..): one all_to_all.
 template <fixed_string Axis, int Dim, class Xr>
   requires sharded_tensor<Xr>
 auto all_to_all(Xr&& x) {
-  using X = std::remove_cvref_t<Xr>;
-  constexpr int a = X::mesh_type::index_of(Axis.view());
-  static_assert(a >= 0, "gshard::all_to_all: the axis is not in the tensor's mesh");
-  constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
-  static_assert(d >= 0, "gshard::all_to_all: the axis splits no dim of the tensor");
-  static_assert(Dim >= 0 && Dim < X::rank && Dim != d, "gshard::all_to_all: the target dim is out of range or already split by the axis");
-  static_assert(d < 0 || detail::minor_axis(X::layout, d) == a,
-                "gshard::all_to_all: the axis is not the minor-most axis of its dim");
-  constexpr detail::rlayout target = [] {
-    detail::rlayout l = X::layout;
-    l.pop(d);
-    l.push(Dim, a);
-    return l;
-  }();
-  constexpr detail::layout_spec target_spec = detail::spec_of<typename X::mesh_type>(target);
-  using target_t = layout<detail::text_of<detail::render(target_spec).n>(target_spec)>;
-  static_assert(detail::is_single_step<X, step_kind::all_to_all, target_t>());
-  return reshard<target_t>(std::forward<Xr>(x));
+  return reshard<typename detail::all_to_all_target<std::remove_cvref_t<Xr>, Axis, Dim>::type>(std::forward<Xr>(x));
 }
 
 // Every rank along Axis takes the shard of coordinate `root`: one broadcast.

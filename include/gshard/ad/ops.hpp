@@ -1,0 +1,629 @@
+// gshard/ad/ops.hpp — the operations a model is written in, on vars (values
+// on a tape) and declared parameters: einsum, reshard and the one-collective
+// forms, relabel, element-wise + − ⊙, scalar × and ÷, relu, gelu, silu,
+// sigmoid, exp, log, tanh, sqrt, softmax, causal masking and the RMS norm.
+// Each computes like its tensor form and, while the tape records, notes its
+// gradient rule (the ones with arithmetic of their own are in
+// gshard/grad.hpp, each tested by finite differences). A rule keeps what it
+// reads — an einsum its operands, relu its output, + nothing — and an rvalue
+// var that nothing else holds is updated in place.
+//
+// What the rules run:
+//   einsum      the transposed einsums ("O,B->A", "A,O->B"), planned at
+//               compile time; each gradient comes out in its natural
+//               sharding, so a replicated weight's is pending over the batch
+//               axes until its slot is reduced (one all_reduce per weight)
+//   reshard     the transposed collectives, planned from the gradient's
+//               pending layout: all_gather <-> reduce_scatter (or a local
+//               slice), all_to_all <-> all_to_all, all_reduce <-> nothing
+//   the rest    local
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <type_traits>
+
+#include "gshard/ad/tape.hpp"
+#include "gshard/einsum.hpp"
+#include "gshard/grad.hpp"
+#include "gshard/ops.hpp"
+
+namespace gshard {
+
+namespace detail {
+
+template <class A>
+concept ad_operand = is_var<std::remove_cvref_t<A>>::value || is_param<std::remove_cvref_t<A>>::value;
+
+// The tape of the first var among the operands.
+template <class A, class... Rest>
+tape& tape_of(const A& a, const Rest&... rest) {
+  if constexpr (is_var<A>::value) return a.on_tape();
+  else if constexpr (sizeof...(Rest) > 0) return tape_of(rest...);
+  else {
+    static_assert(sizeof...(Rest) > 0,
+                  "gshard::tape: an operation on parameters alone has no tape to record on; pass tape.use(p) for one of them");
+    return *static_cast<tape*>(nullptr);
+  }
+}
+
+template <class A>
+auto as_var(tape& t, const A& a) {
+  if constexpr (is_param<A>::value) return t.use(a);
+  else return a;
+}
+
+template <class V>
+using tensor_of = typename std::remove_cvref_t<V>::tensor_type;
+
+// The tensor of a var to compute on: moved out of an rvalue var nothing else
+// holds, copied otherwise.
+template <class V>
+tensor_of<V> value_of(V&& v) {
+  if constexpr (std::is_rvalue_reference_v<V&&> && !std::is_const_v<std::remove_reference_t<V>>)
+    return std::move(v).take_value();
+  else return v.value();
+}
+
+template <class X>
+using gradient_of = tensor<typename X::value_type, X::rank, typename X::mesh_type, gradient_sharding<typename X::sharding_type>>;
+
+// The layout with every axis that splits X pending instead: the sharding of
+// a sum over X's shards (a norm scale's or an embedding table's gradient).
+template <class X, int R, class T = typename X::value_type>
+struct sum_over_shards {
+  static constexpr rlayout value = [] {
+    rlayout l{};
+    l.partial = X::layout.split_mask();
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  using type = tensor<T, R, typename X::mesh_type, layout<text_of<render(spec).n>(spec)>>;
+};
+
+// ---------------------------------------------------------------------------
+// Einsum gradients. For operand K with term A, the output term O and the
+// other operand's term B: dA = einsum<"O,B->A">(dz, b) when every label of A
+// is in O or B. Labels summed in A alone (in no other term) come back by a
+// local broadcast of the gradient of A's other labels.
+
+template <fixed_string Spec, int K>
+struct einsum_grad {
+  static constexpr einsum_spec s = parse_einsum(Spec.view());
+  static constexpr bool two = s.nin == 2;
+  static constexpr std::string_view A = s.term(K);
+  static constexpr std::string_view O = s.out_term();
+  static constexpr std::string_view B = two ? s.term(1 - K) : std::string_view{};
+  static constexpr bool kept(char l) { return O.find(l) != std::string_view::npos || B.find(l) != std::string_view::npos; }
+  struct text {
+    char c[3 * max_rank + 4]{};
+    std::size_t n = 0;
+    constexpr void add(std::string_view v) {
+      for (char ch : v) c[n++] = ch;
+    }
+    constexpr std::string_view view() const { return {c, n}; }
+  };
+  static constexpr text kept_term = [] {  // A': A's labels in O or B, in A's order
+    text t;
+    for (char l : A)
+      if (kept(l)) t.c[t.n++] = l;
+    return t;
+  }();
+  static constexpr std::string_view Akept = kept_term.view();
+  static constexpr bool broadcast = Akept.size() != A.size();
+  static constexpr bool scalar_dz = O.empty();
+  static constexpr bool dz_is_grad = scalar_dz && !two;  // "->A'" with A' empty: dz itself
+  // The contraction onto A': "O,B->A'" (dz first), "O->A'", or "B->A'" times a scalar dz.
+  static constexpr text contraction = [] {
+    text b;
+    if (!scalar_dz) {
+      b.add(O);
+      if (two) {
+        b.add(",");
+        b.add(B);
+      }
+    } else if (two) {
+      b.add(B);
+    }
+    b.add("->");
+    b.add(Akept);
+    return b;
+  }();
+  static constexpr auto spec = to_fixed<contraction.n>(contraction.view());
+  static constexpr auto term = to_fixed<A.size()>(A);
+  static constexpr auto kept_labels = to_fixed<Akept.size()>(Akept);
+};
+
+// x's local shard broadcast along the dims of `to_term` that `from_term`
+// lacks; the shared dims keep their order and local extents.
+template <class T>
+void broadcast_dims(const T* x, std::string_view from_term, const index_t* from_ext, T* out, std::string_view to_term,
+                    const index_t* to_ext) {
+  const int R = int(to_term.size());
+  index_t stride[max_rank] = {};  // stride in x of each dim of `to` (0 for a broadcast dim)
+  index_t s = 1;
+  for (int d = int(from_term.size()) - 1; d >= 0; --d) {
+    stride[int(to_term.find(from_term[std::size_t(d)]))] = s;
+    s *= from_ext[d];
+  }
+  index_t total = 1;
+  for (int d = 0; d < R; ++d) total *= to_ext[d];
+  index_t pos[max_rank] = {};
+  for (index_t i = 0; i < total; ++i) {
+    index_t at = 0;
+    for (int d = 0; d < R; ++d) at += pos[d] * stride[d];
+    out[i] = x[at];
+    for (int d = R - 1; d >= 0 && ++pos[d] == to_ext[d]; --d) pos[d] = 0;
+  }
+}
+
+// A's kept dims in A's gradient layout, with the pending sums of `from`
+// (on axes that layout does not split): where the contraction onto A' goes.
+template <class XA, class G, class From>
+struct kept_layout {
+  using Mesh = typename XA::mesh_type;
+  static constexpr rlayout ga = bind_layout<Mesh, XA::rank, gradient_sharding<typename XA::sharding_type>>::value;
+  static constexpr rlayout value = [] {
+    rlayout l{};
+    int k = 0;
+    for (int d = 0; d < int(G::A.size()); ++d)
+      if (G::kept(G::A[std::size_t(d)])) l.dims[k++] = ga.dims[d];
+    l.partial = From::layout.partial & ~l.split_mask();
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, Mesh::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+  static constexpr rlayout full = [] {  // A's gradient layout with the same pending sums
+    rlayout l = ga;
+    l.partial = value.partial;
+    return l;
+  }();
+  static constexpr layout_spec full_spec = unresolve(full, Mesh::names);
+  using full_type = layout<text_of<render(full_spec).n>(full_spec)>;
+};
+
+// The gradient contribution to operand K (type XA, global extents `ea`) of
+// einsum<Spec>: from dz, in the gradient sharding of the natural output, and
+// the other operand (nullptr for a one-operand einsum).
+template <fixed_string Spec, int K, class XA, class DZ, class Other>
+auto einsum_operand_grad(const DZ& dz, const Other* other, const typename XA::extents_type& ea) {
+  using G = einsum_grad<Spec, K>;
+  auto contract = [&] {
+    if constexpr (G::dz_is_grad) return dz;
+    else if constexpr (G::scalar_dz) {
+      auto g = einsum<G::spec>(*other);
+      g.local() = g.local() * dz.local()();
+      return g;
+    } else if constexpr (G::two) return einsum<G::spec>(dz, *other);
+    else return einsum<G::spec>(dz);
+  };
+  if constexpr (!G::broadcast) {
+    return contract();
+  } else {
+    auto reduced = contract();
+    using K_ = kept_layout<XA, G, decltype(reduced)>;
+    const auto r = reshard<typename K_::type>(std::move(reduced));
+    tensor<typename XA::value_type, XA::rank, typename XA::mesh_type, typename K_::full_type> out(r.mesh(), ea);
+    const auto re = r.local_extents();
+    const auto oe = out.local_extents();
+    broadcast_dims(r.data(), G::Akept, re.data(), out.data(), G::A, oe.data());
+    return out;
+  }
+}
+
+template <fixed_string Spec, class Out, class ZA, class ZB>
+using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sharding_type,
+                                   typename ZB::sharding_type, Out>;
+
+// ---------------------------------------------------------------------------
+// Element-wise rules: y = f(x), dx = dy · f'(x, y).
+
+template <class T>
+T gelu_cdf(T x) {
+  return T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
+}
+struct relu_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return x > T(0) ? x : T(0); }
+  template <class T> static T df(T, T y, T dy) { return y > T(0) ? dy : T(0); }
+};
+struct gelu_op {  // x·Φ(x), the exact form
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return x * gelu_cdf(x); }
+  template <class T> static T df(T x, T, T dy) {
+    return dy * (gelu_cdf(x) + x * T(0.39894228040143267794) * std::exp(T(-0.5) * x * x));
+  }
+};
+struct sigmoid_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return T(1) / (T(1) + std::exp(-x)); }
+  template <class T> static T df(T, T y, T dy) { return dy * y * (T(1) - y); }
+};
+struct silu_op {  // x·σ(x)
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return x / (T(1) + std::exp(-x)); }
+  template <class T> static T df(T x, T, T dy) {
+    const T s = T(1) / (T(1) + std::exp(-x));
+    return dy * s * (T(1) + x * (T(1) - s));
+  }
+};
+struct exp_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::exp(x); }
+  template <class T> static T df(T, T y, T dy) { return dy * y; }
+};
+struct log_op {
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return std::log(x); }
+  template <class T> static T df(T x, T, T dy) { return dy / x; }
+};
+struct tanh_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::tanh(x); }
+  template <class T> static T df(T, T y, T dy) { return dy * (T(1) - y * y); }
+};
+struct sqrt_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::sqrt(x); }
+  template <class T> static T df(T, T y, T dy) { return dy / (T(2) * y); }
+};
+
+template <class Op, class V>
+auto unary(V&& x) {
+  using X = tensor_of<V>;
+  using T = typename X::value_type;
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  std::shared_ptr<const X> keep_x = Op::needs_x && xs >= 0 ? x.shared() : nullptr;  // before x may be moved from
+  X v = value_of(std::forward<V>(x));
+  T* p = v.data();
+  for (index_t i = 0, n = v.local().size(); i < n; ++i) p[i] = Op::f(p[i]);
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked()) {
+    std::shared_ptr<const X> keep_y = Op::needs_y ? y.shared() : nullptr;
+    t.record([tp = &t, ys = y.slot(), xs, keep_x, keep_y] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      T* g = dy->data();
+      const T* px = keep_x ? keep_x->data() : nullptr;
+      const T* py = keep_y ? keep_y->data() : nullptr;
+      for (index_t i = 0, n = dy->local().size(); i < n; ++i) g[i] = Op::df(px ? px[i] : T(0), py ? py[i] : T(0), g[i]);
+      tp->slot<X>(xs).add(std::move(*dy));
+    });
+  }
+  return y;
+}
+
+// y = s · x (linear: pending sums allowed).
+template <class V>
+auto scale(V&& x, double s) {
+  using X = tensor_of<V>;
+  using T = typename X::value_type;
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  X v = value_of(std::forward<V>(x));
+  v.local() = v.local() * T(s);
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, s] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      dy->local() = dy->local() * T(s);
+      tp->slot<X>(xs).add(std::move(*dy));
+    });
+  return y;
+}
+
+// a ± b (sign +1 or -1) for two vars of one type.
+template <class X>
+var<X> add(var<X> a, const var<X>& b, int sign) {
+  if (a.extents() != b.extents())
+    throw shape_error(std::string("gshard::operator") + (sign > 0 ? "+" : "-") + ": " + a.notation() + " and " + b.notation() +
+                      " differ in extents");
+  tape& t = a.on_tape();
+  const int as = a.slot(), bs = b.slot();
+  X v = value_of(std::move(a));
+  if (sign > 0) v.local() += b.value().local();
+  else v.local() -= b.value().local();
+  auto y = t.output(std::move(v), as >= 0 || bs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), as, bs, sign] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      if (as >= 0 && bs >= 0) {
+        auto db = *dy;
+        if (sign < 0) db.local() = -db.local();
+        tp->slot<X>(as).add(std::move(*dy));
+        tp->slot<X>(bs).add(std::move(db));
+      } else if (as >= 0) {
+        tp->slot<X>(as).add(std::move(*dy));
+      } else {
+        if (sign < 0) dy->local() = -dy->local();
+        tp->slot<X>(bs).add(std::move(*dy));
+      }
+    });
+  return y;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------
+// einsum on vars and parameters: einsum<"BLM,MNK->BLNK">(h, w.wq).
+
+template <fixed_string Spec, class Out = natural_sharding, class A, class B>
+  requires(detail::ad_operand<A> && detail::ad_operand<B>)
+auto einsum(const A& a_in, const B& b_in) {
+  tape& t = detail::tape_of(a_in, b_in);
+  const auto a = detail::as_var(t, a_in);
+  const auto b = detail::as_var(t, b_in);
+  using XA = detail::tensor_of<decltype(a)>;
+  using XB = detail::tensor_of<decltype(b)>;
+  auto z = einsum<Spec, Out>(a.value(), b.value());
+  using Z = decltype(z);
+  auto out = t.output(std::move(z), a.tracked() || b.tracked());
+  if (out.tracked()) {
+    using natural = typename detail::einsum_plan_of<Spec, Out, XA, XB>::natural;
+    // dA needs b, dB needs a: keep only what a rule will read.
+    std::shared_ptr<const XA> keep_a = b.tracked() ? a.shared() : nullptr;
+    std::shared_ptr<const XB> keep_b = a.tracked() ? b.shared() : nullptr;
+    t.record([tp = &t, zs = out.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), keep_a, keep_b] {
+      // One plan from the pending layout: the reduction, and Out's reshard transposed.
+      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
+      if (!dz) return;
+      if (as >= 0) tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, keep_b.get(), ea));
+      if (bs >= 0) tp->slot<XB>(bs).add(detail::einsum_operand_grad<Spec, 1, XB>(*dz, keep_a.get(), eb));
+    });
+  }
+  return out;
+}
+
+template <fixed_string Spec, class Out = natural_sharding, class A>
+  requires detail::ad_operand<A>
+auto einsum(const A& a_in) {
+  tape& t = detail::tape_of(a_in);
+  const auto a = detail::as_var(t, a_in);
+  using XA = detail::tensor_of<decltype(a)>;
+  auto z = einsum<Spec, Out>(a.value());
+  using Z = decltype(z);
+  auto out = t.output(std::move(z), a.tracked());
+  if (out.tracked()) {
+    using natural = typename einsum_plan<Spec, typename XA::mesh_type, typename XA::sharding_type, void, Out>::natural;
+    t.record([tp = &t, zs = out.slot(), as = a.slot(), ea = a.extents()] {
+      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
+      if (!dz) return;
+      tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, static_cast<const XA*>(nullptr), ea));
+    });
+  }
+  return out;
+}
+
+// A var or parameter with a plain tensor: a weight nobody declared would
+// silently receive no gradient, so it does not compile.
+template <fixed_string Spec, class Out = natural_sharding, class A, class B>
+  requires((detail::ad_operand<A> && sharded_tensor<B>) || (sharded_tensor<A> && detail::ad_operand<B>))
+auto einsum(const A&, const B&) {
+  static_assert(sizeof(A) == 0,
+                "gshard::einsum: one operand is a var or parameter, the other a plain tensor; declare the tensor as a "
+                "gshard::param (to train it) or pass tape.constant(t) (to hold it fixed)");
+}
+
+// ---------------------------------------------------------------------------
+// Resharding a var: reshard<To or rules>(v) and the one-collective forms.
+
+template <class ToOrRules, class V>
+  requires var_type<V>
+auto reshard(V&& v) {
+  using X = detail::tensor_of<V>;
+  tape& t = v.on_tape();
+  const int xs = v.slot();
+  auto y = reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  using Y = decltype(y);
+  auto out = t.output(std::move(y), xs >= 0);
+  if (out.tracked())
+    t.record([tp = &t, ys = out.slot(), xs] {
+      // The forward's collectives transposed, planned from dy's pending
+      // layout: a pending dy of an all_gather becomes one reduce_scatter.
+      auto dx = tp->slot<Y>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (dx) tp->slot<X>(xs).add(std::move(*dx));
+    });
+  return out;
+}
+
+template <fixed_string Axis, class V>
+  requires var_type<V>
+auto all_reduce(V&& v) {
+  return reshard<typename detail::all_reduce_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, class V>
+  requires var_type<V>
+auto all_gather(V&& v) {
+  return reshard<typename detail::all_gather_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, int Dim, class V>
+  requires var_type<V>
+auto reduce_scatter(V&& v) {
+  return reshard<typename detail::reduce_scatter_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, int Dim, class V>
+  requires var_type<V>
+auto all_to_all(V&& v) {
+  return reshard<typename detail::all_to_all_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
+}
+
+// The same value with its dims renamed: free for an rvalue var nothing else
+// holds (else one copy); the gradient flows to the same slot.
+template <fixed_string Labels, class V>
+  requires var_type<V>
+auto relabel(V&& v) {
+  using X = detail::tensor_of<V>;
+  using Y = with_labels<X, Labels>;
+  tape& t = v.on_tape();
+  const int slot = v.slot();  // a relabelled value shares its gradient slot: the same types but for the labels
+  return var<Y>(t, std::make_shared<Y>(relabel<Labels>(detail::value_of(std::forward<V>(v)))), slot);
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise algebra.
+
+template <class X>
+var<X> operator+(var<X> a, const var<X>& b) {
+  return detail::add(std::move(a), b, +1);
+}
+template <class X>
+var<X> operator-(var<X> a, const var<X>& b) {
+  return detail::add(std::move(a), b, -1);
+}
+template <class V>
+  requires var_type<V>
+auto operator*(double s, V&& x) {
+  return detail::scale(std::forward<V>(x), s);
+}
+template <class V>
+  requires var_type<V>
+auto operator*(V&& x, double s) {
+  return detail::scale(std::forward<V>(x), s);
+}
+template <class V>
+  requires var_type<V>
+auto operator/(V&& x, double s) {
+  return detail::scale(std::forward<V>(x), 1.0 / s);
+}
+template <class V>
+  requires var_type<V>
+auto operator-(V&& x) {
+  return detail::scale(std::forward<V>(x), -1.0);
+}
+
+// a ⊙ b, element by element.
+template <class X>
+var<X> operator*(var<X> a, const var<X>& b) {
+  static_assert(!detail::has_pending_sums<X>(),
+                "gshard::operator*: the operands have pending sums; a product of sums is not a sum of products: "
+                "all_reduce them first");
+  if (a.extents() != b.extents())
+    throw shape_error("gshard::operator*: " + a.notation() + " and " + b.notation() + " differ in extents");
+  tape& t = a.on_tape();
+  const int as = a.slot(), bs = b.slot();
+  std::shared_ptr<const X> keep_a = bs >= 0 ? a.shared() : nullptr;
+  std::shared_ptr<const X> keep_b = as >= 0 ? b.shared() : nullptr;
+  X v = detail::value_of(std::move(a));
+  v.local() *= b.value().local();
+  auto y = t.output(std::move(v), as >= 0 || bs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), as, bs, keep_a, keep_b] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      if (bs >= 0) {
+        typename X::local_type db = dy->local() * keep_a->local();
+        tp->slot<X>(bs).add(detail::gradient_of<X>(dy->mesh(), dy->extents(), std::move(db)));
+      }
+      if (as >= 0) {
+        dy->local() *= keep_b->local();
+        tp->slot<X>(as).add(std::move(*dy));
+      }
+    });
+  return y;
+}
+
+#define GSHARD_UNARY_(name, op)                                                                                    \
+  template <class V>                                                                                               \
+    requires var_type<V>                                                                                           \
+  auto name(V&& x) {                                                                                               \
+    static_assert(!detail::has_pending_sums<detail::tensor_of<V>>(),                                               \
+                  "gshard::" #name ": the tensor has pending sums; all_reduce or reduce_scatter it first");        \
+    return detail::unary<detail::op>(std::forward<V>(x));                                                          \
+  }
+GSHARD_UNARY_(relu, relu_op)
+GSHARD_UNARY_(gelu, gelu_op)
+GSHARD_UNARY_(silu, silu_op)
+GSHARD_UNARY_(sigmoid, sigmoid_op)
+GSHARD_UNARY_(exp, exp_op)
+GSHARD_UNARY_(log, log_op)
+GSHARD_UNARY_(tanh, tanh_op)
+GSHARD_UNARY_(sqrt, sqrt_op)
+#undef GSHARD_UNARY_
+
+// ---------------------------------------------------------------------------
+// Last-dim operations.
+
+// Softmax over the last dim (whole on each rank).
+template <class V>
+  requires var_type<V>
+auto softmax(V&& x) {
+  using X = detail::tensor_of<V>;
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  auto y = t.output(softmax(detail::value_of(std::forward<V>(x))), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, keep_y = y.shared()] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      tp->slot<X>(xs).add(softmax_backward(std::move(*dy), *keep_y));
+    });
+  return y;
+}
+
+// x with the entries above the diagonal of its last two dims [.., L, T]
+// (t > l) set to -inf: causal attention logits.
+template <class V>
+  requires var_type<V>
+auto causal_mask(V&& x) {
+  using X = detail::tensor_of<V>;
+  using T = typename X::value_type;
+  static_assert(X::rank >= 2, "gshard::causal_mask: the tensor needs two dims [.., L, T] to mask");
+  static_assert(X::layout.dims[X::rank - 1].n == 0 && X::layout.dims[X::rank - 2].n == 0,
+                "gshard::causal_mask: the last two dims are split; the mask needs them whole on each rank");
+  static_assert(!detail::has_pending_sums<X>(), "gshard::causal_mask: the tensor has pending sums; all_reduce it first");
+  auto apply = [](T* p, const auto& le, T fill) {
+    const index_t L = le[X::rank - 2], Tn = le[X::rank - 1];
+    index_t rows = 1;
+    for (int d = 0; d < X::rank - 2; ++d) rows *= le[std::size_t(d)];
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t l = 0; l < L; ++l, p += Tn)
+        for (index_t k = l + 1; k < Tn; ++k) p[k] = fill;
+  };
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  X v = detail::value_of(std::forward<V>(x));
+  apply(v.data(), v.local_extents(), -std::numeric_limits<T>::infinity());
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, apply] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      apply(dy->data(), dy->local_extents(), T(0));
+      tp->slot<X>(xs).add(std::move(*dy));
+    });
+  return y;
+}
+
+// GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
+// The scale's gradient is a sum over x's rows: pending over the axes that
+// split them, reduced once with the scale's other contributions.
+template <class V, class S>
+  requires(var_type<V> && detail::ad_operand<S>)
+auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
+  using X = detail::tensor_of<V>;
+  tape& t = x.on_tape();
+  const auto sc = detail::as_var(t, scale_in);
+  using XS = detail::tensor_of<decltype(sc)>;
+  static_assert(XS::rank == 1 && XS::layout == detail::rlayout{},
+                "gshard::rms_norm: the scale is a replicated vector of the last dim's extent");
+  const int xs = x.slot(), ss = sc.slot();
+  std::shared_ptr<const X> keep_x = x.tracked() || sc.tracked() ? x.shared() : nullptr;
+  auto y = t.output(rms_norm(detail::value_of(std::forward<V>(x)), sc.value().local(), eps), xs >= 0 || ss >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, ss, keep_x, keep_s = sc.shared(), eps] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      using DS = typename detail::sum_over_shards<X, 1>::type;
+      DS ds(keep_x->mesh(), {keep_x->extent(X::rank - 1)});
+      auto dx = rms_norm_backward(std::move(*dy), *keep_x, keep_s->local(), ds.data(), eps);
+      if (xs >= 0) tp->slot<X>(xs).add(std::move(dx));
+      if (ss >= 0) tp->slot<XS>(ss).add(std::move(ds));
+    });
+  return y;
+}
+
+}  // namespace gshard

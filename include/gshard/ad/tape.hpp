@@ -1,0 +1,308 @@
+// gshard/ad/tape.hpp — reverse-mode differentiation over sharded tensors.
+// A forward run on a tape records, per operation, a closure holding what its
+// gradient rule reads; backward(loss) runs them in reverse and leaves every
+// parameter's gradient in the parameter's own sharding.
+//
+// Why a tape of typed closures: the shardings are types, so each closure is
+// compiled with its operands' types and its gradient einsums are planned at
+// compile time like the forward's; the tape itself only orders them. A
+// value's gradient lives in a slot typed by the value's gradient sharding
+// (its sharding without pending sums). Contributions arrive as the rules
+// produce them — often still pending: the gradient of a replicated weight
+// used with batch-split activations is partial over the batch axes — and are
+// added while pending; the slot is reduced once, by the planner's collective
+// for its layout, when the gradient is taken. So a weight used three times
+// costs one all_reduce, and no collective is inserted by the tape itself.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gshard/ad/parameters.hpp"
+#include "gshard/reshard.hpp"
+#include "gshard/trace.hpp"
+
+namespace gshard {
+
+class tape;
+template <class X>
+class var;
+
+namespace detail {
+
+struct grad_slot_base {
+  virtual ~grad_slot_base() = default;
+};
+
+// The layout a contribution of sharding C is kept in while pending, for a
+// value whose gradient sharding is G: G's dims, and C's pending sums on the
+// axes G does not split (those on axes G splits are reduce_scattered now).
+template <class Mesh, int R, class C, class G>
+struct pending_layout {
+  static constexpr rlayout value = [] {
+    rlayout l = bind_layout<Mesh, R, G>::value;
+    l.partial = bind_layout<Mesh, R, C>::value.partial & ~l.split_mask();
+    return l;
+  }();
+  static constexpr layout_spec spec = unresolve(value, Mesh::names);
+  using type = layout<text_of<render(spec).n>(spec)>;
+};
+
+// The gradient of one value of type tensor<T, R, Mesh, S>, G = gradient_sharding<S>.
+template <class T, int R, class Mesh, class G>
+class grad_slot final : public grad_slot_base {
+ public:
+  static constexpr rlayout target = bind_layout<Mesh, R, G>::value;
+
+  grad_slot(const Mesh& m, const shape<R>& extents) : mesh_(&m), extents_(extents) {}
+
+  bool empty() const { return !acc_.has_value(); }
+  std::uint32_t pending() const { return pending_; }
+
+  // Adds a contribution of any sharding with the value's extents.
+  template <class C, fixed_string L>
+  void add(tensor<T, R, Mesh, C, L>&& c) {
+    if (c.extents() != extents_)
+      throw shape_error("gshard::tape: a gradient contribution " + c.notation() + " does not have the extents of its value " +
+                        extents_string<R>(extents_));
+    using P = typename pending_layout<Mesh, R, C, G>::type;
+    auto p = reshard<P>(std::move(c));  // local unless C splits dims G does not (their gradient gathers)
+    const std::uint32_t mask = pending_layout<Mesh, R, C, G>::value.partial;
+    if (!acc_) {
+      acc_ = std::move(p.local());
+      pending_ = mask;
+      return;
+    }
+    // A value replicated over axis a is, as a sum over a, the value on
+    // coordinate 0 and zeros elsewhere: that brings both to one set of axes.
+    auto zero_unless_first = [&](local_tensor<T, R>& t, std::uint32_t axes) {
+      for (int a = 0; a < mesh_->naxes(); ++a)
+        if (((axes >> a) & 1u) && mesh_->coord(a) != 0) {
+          t.setZero();
+          return;
+        }
+    };
+    zero_unless_first(*acc_, mask & ~pending_);
+    zero_unless_first(p.local(), pending_ & ~mask);
+    pending_ |= mask;
+    *acc_ += p.local();
+  }
+
+  // The sum of the contributions in layout `to` (reduced by the planner's
+  // steps from the pending layout), or nothing if none arrived. The slot is
+  // empty afterwards.
+  std::optional<local_tensor<T, R>> take(const rlayout& to) {
+    if (!acc_) return std::nullopt;
+    rlayout from = target;
+    from.partial = pending_;
+    const reshard_steps plan = plan_reshard(from, to, mesh_->naxes(), mesh_->sizes());
+    local_tensor<T, R> out = execute_reshard<T, R>(*mesh_, plan, std::move(*acc_), extents_);
+    acc_.reset();
+    pending_ = 0;
+    return out;
+  }
+  template <class S>
+  std::optional<tensor<T, R, Mesh, S>> take() {
+    auto t = take(bind_layout<Mesh, R, S>::value);
+    if (!t) return std::nullopt;
+    return tensor<T, R, Mesh, S>(*mesh_, extents_, std::move(*t));
+  }
+
+ private:
+  const Mesh* mesh_;
+  shape<R> extents_;
+  std::optional<local_tensor<T, R>> acc_;
+  std::uint32_t pending_ = 0;
+};
+
+template <class X>
+using slot_of = grad_slot<typename X::value_type, X::rank, typename X::mesh_type,
+                          gradient_sharding<typename X::sharding_type>>;
+
+}  // namespace detail
+
+// A value computed on a tape: the tensor, and whether (and where) its
+// gradient is tracked. Copies share the tensor. Operations on vars (einsum,
+// reshard, +, relu, ...; gshard/ad/ops.hpp) compute like their tensor forms
+// and, while the tape records, note their gradient rule.
+template <class X>
+class var {
+ public:
+  using tensor_type = X;
+  using value_type = typename X::value_type;
+  using mesh_type = typename X::mesh_type;
+  using sharding_type = typename X::sharding_type;
+  using extents_type = typename X::extents_type;
+  static constexpr int rank = X::rank;
+  static constexpr auto label_string = X::label_string;
+  static constexpr std::string_view labels = X::labels;
+  static constexpr detail::rlayout layout = X::layout;
+
+  var(gshard::tape& t, std::shared_ptr<const X> value, int slot) : tape_(&t), value_(std::move(value)), slot_(slot) {}
+
+  const X& value() const { return *value_; }
+  const std::shared_ptr<const X>& shared() const { return value_; }
+  gshard::tape& on_tape() const { return *tape_; }
+  bool tracked() const { return slot_ >= 0; }
+  int slot() const { return slot_; }
+  const mesh_type& mesh() const { return value_->mesh(); }
+  const extents_type& extents() const { return value_->extents(); }
+  index_t extent(int d) const { return value_->extent(d); }
+  std::string notation() const { return value_->notation(); }
+
+  // The tensor, moved out when this is the only holder (an rvalue var whose
+  // tensor no recorded rule keeps), else copied.
+  X take_value() && {
+    if (value_.use_count() == 1) return std::move(const_cast<X&>(*value_));  // made by make_shared<X>: not const
+    return *value_;
+  }
+
+ private:
+  gshard::tape* tape_;
+  std::shared_ptr<const X> value_;
+  int slot_;
+};
+
+namespace detail {
+template <class V>
+struct is_var : std::false_type {};
+template <class X>
+struct is_var<var<X>> : std::true_type {};
+}  // namespace detail
+
+template <class V>
+concept var_type = detail::is_var<std::remove_cvref_t<V>>::value;
+
+// The recording of one forward. tape(ps) records; tape(ps, tape::no_grad)
+// runs the same model code without recording anything (evaluation,
+// sampling). One backward per tape.
+class tape {
+ public:
+  struct no_grad_t {};
+  static constexpr no_grad_t no_grad{};
+
+  template <mesh_type Mesh>
+  explicit tape(parameters<Mesh>& ps) : params_(&ps), recording_(true), reset_grads_(reset_grads(ps)) {}
+  template <mesh_type Mesh>
+  tape(parameters<Mesh>& ps, no_grad_t) : params_(&ps), recording_(false) {}
+  tape(const tape&) = delete;
+  tape& operator=(const tape&) = delete;
+
+  bool recording() const { return recording_; }
+
+  // A value that receives no gradient (inputs, masks).
+  template <class X>
+    requires sharded_tensor<X>
+  var<std::remove_cvref_t<X>> constant(X&& x) {
+    return {*this, std::make_shared<std::remove_cvref_t<X>>(std::forward<X>(x)), -1};
+  }
+
+  // A declared parameter as a value on this tape; its gradient is collected
+  // over every use and reduced once, into the parameter's sharding.
+  template <class X>
+  var<X> use(const param<X>& p) {
+    if (static_cast<const void*>(p.owner()) != params_)
+      throw error("gshard::tape: parameter '" + p.name() + "' " + p.value().notation() +
+                  " is declared in another gshard::parameters than this tape's; declare it in the model's parameters");
+    std::shared_ptr<const X> view(std::shared_ptr<void>(), &p.value());  // the parameters own it
+    if (!recording_) return {*this, std::move(view), -1};
+    const auto it = param_slots_.find(p.index());
+    if (it != param_slots_.end()) return {*this, std::move(view), it->second};
+    const int id = new_slot<X>(p.value().mesh(), p.value().extents());
+    param_slots_[p.index()] = id;
+    finish_.push_back([this, id, p] {
+      auto& ps = *const_cast<parameters<typename X::mesh_type>*>(p.owner());
+      std::optional<trace::span> span;
+      if (trace::enabled()) span.emplace("gradient " + p.name(), "backward");
+      auto g = slot<X>(id).template take<typename X::sharding_type>();  // the one reduction of its contributions
+      if (!g) return;
+      ps.grads().template at<X>(p.index()).local() = std::move(g->local());
+      ps.set_has_grad(p.index(), true);
+    });
+    return {*this, std::move(view), id};
+  }
+
+  // The output of an operation: tracked when the tape records and an input is.
+  template <class X>
+  var<X> output(X value, bool any_input_tracked) {
+    const int id = recording_ && any_input_tracked ? new_slot<X>(value.mesh(), value.extents()) : -1;
+    return {*this, std::make_shared<X>(std::move(value)), id};  // not const: take_value may move it
+  }
+
+  // A gradient rule, run once during the backward (after every rule recorded later).
+  void record(std::function<void()> rule) { rules_.push_back(std::move(rule)); }
+
+  template <class X>
+  detail::slot_of<X>& slot(int id) {
+    return static_cast<detail::slot_of<X>&>(*slots_[std::size_t(id)]);
+  }
+  template <class X, class C, fixed_string L>
+  void add(const var<X>& v, tensor<typename X::value_type, X::rank, typename X::mesh_type, C, L>&& g) {
+    if (v.tracked()) slot<X>(v.slot()).add(std::move(g));
+  }
+
+  // Runs every rule in reverse from d(loss)/d(loss) = 1 and sets each
+  // parameter's gradient (zeros, and has_grad false, for those the loss does
+  // not depend on). `loss` is a scalar (rank 0), reduced or pending.
+  template <class L>
+  void backward(const var<L>& loss) {
+    static_assert(L::rank == 0, "gshard::tape: backward starts from a scalar loss (a rank-0 tensor)");
+    if (!recording_) throw error("gshard::tape::backward: this tape does not record (it was made with tape::no_grad)");
+    if (done_) throw error("gshard::tape::backward: this tape's backward has run; record a new forward on a new tape");
+    done_ = true;
+    trace::span s("backward", "model");
+    if (loss.tracked()) {
+      using G = gradient_sharding<typename L::sharding_type>;
+      tensor<typename L::value_type, 0, typename L::mesh_type, G> one(loss.mesh(), {});
+      one.local()() = typename L::value_type(1);
+      slot<L>(loss.slot()).add(std::move(one));
+    }
+    for (std::size_t i = rules_.size(); i-- > 0;) {
+      rules_[i]();
+      rules_[i] = nullptr;  // frees what the rule kept
+    }
+    rules_.clear();
+    reset_grads_(false);
+    for (auto& f : finish_) f();
+    finish_.clear();
+    reset_grads_(true);
+  }
+
+ private:
+  // before == false: marks every parameter as without gradient; true: zeros
+  // the gradients of those still without one.
+  template <mesh_type Mesh>
+  static std::function<void(bool)> reset_grads(parameters<Mesh>& ps) {
+    return [&ps](bool zero_missing) {
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        if (!zero_missing) ps.set_has_grad(i, false);
+        else if (!ps.has_grad(i)) {
+          for (float& v : ps.grads()[i].f32()) v = 0;
+          for (double& v : ps.grads()[i].f64()) v = 0;
+        }
+      }
+    };
+  }
+  template <class X>
+  int new_slot(const typename X::mesh_type& m, const typename X::extents_type& e) {
+    slots_.push_back(std::make_unique<detail::slot_of<X>>(m, e));
+    return int(slots_.size()) - 1;
+  }
+
+  void* params_;
+  bool recording_;
+  bool done_ = false;
+  std::vector<std::unique_ptr<detail::grad_slot_base>> slots_;
+  std::vector<std::function<void()>> rules_;
+  std::vector<std::function<void()>> finish_;
+  std::map<std::size_t, int> param_slots_;
+  std::function<void(bool)> reset_grads_;
+};
+
+}  // namespace gshard

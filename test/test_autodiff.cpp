@@ -1,0 +1,218 @@
+// Reverse mode on a tape: every differentiable operation against central
+// finite differences in double at any world size; gradients in their
+// parameters' shardings; contributions summed while pending and reduced once;
+// the errors a model writer can make.
+#include <gshard/ad/nn.hpp>
+#include <gshard/gshard.hpp>
+
+#include "gradcheck.hpp"
+#include "layouts.hpp"
+#include "testing.hpp"
+
+using namespace gshard;
+using gshard::testing::fd_check_params;
+using gshard::testing::world_size;
+
+namespace {
+
+using grid1 = mesh<axis<"x">>;
+using grid2 = mesh<axis<"data">, axis<"model">>;
+using rows = sharding<split<0, "x">>;
+
+template <class V>
+double loss_value(const V& v) {
+  return double(v.value().local()());
+}
+template <class A, class B>
+bool equal_tensors(const A& a, const B& b) {
+  for (index_t i = 0; i < a.size(); ++i)
+    if (a.data()[i] != b.data()[i]) return false;
+  return a.size() == b.size();
+}
+
+}  // namespace
+
+TEST_CASE("autodiff: einsum gradients match finite differences, in the parameters' shardings", "[autodiff][grad]") {
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  parameters ps(m, 1);
+  param<tensor<double, 2, grid1, rows>> a(ps, "a", {2 * P, 5}, init::normal(1.0));
+  param<tensor<double, 2, grid1, replicate>> b(ps, "b", {5, 3}, init::normal(1.0));
+  param<tensor<double, 4, grid1, rows>> q(ps, "q", {P, 4, 2, 3}, init::normal(1.0));
+  param<tensor<double, 4, grid1, rows>> k(ps, "k", {P, 4, 2, 3}, init::normal(1.0));
+  param<tensor<double, 3, grid1, sharding<split<1, "x">>>> g(ps, "g", {2, 2 * P, 3}, init::normal(1.0));
+  param<tensor<double, 2, grid1, sharding<split<1, "x">>>> w(ps, "w", {3, 2 * P}, init::normal(1.0));
+  auto loss = [&](tape& t) {
+    auto ab = einsum<"ij,jk->ik">(t.use(a), b);                          // [i{x},k]
+    auto s1 = einsum<"ik,ik->">(ab, ab);                          // partial{x}
+    auto qk = einsum<"BLNK,BTNK->BNLT">(t.use(q), k);                   // batch split in both
+    auto s2 = einsum<"BNLT->">(qk);                               // a full reduction: gradient broadcast
+    auto gs = all_reduce<"x">(einsum<"GSE->GE">(t.use(g)));              // S split and summed: broadcast back, sliced
+    auto s3 = einsum<"GE,GE->">(gs, gs);                          // replicated (partial over nothing)
+    auto ws = einsum<"ij,ij->j", sharding<split<0, "x">>>(t.use(w), w);  // natural j{x}
+    auto s4 = einsum<"j->">(ws);
+    return all_reduce<"x">(s1 + s2 + s4) + 0.5 * s3;
+  };
+  const double worst = fd_check_params(ps, loss, a, b, q, k, g, w);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+}
+
+namespace {
+// <y, c> for a constant c drawn from `seed`: a partial or replicated scalar.
+template <class V>
+auto against(tape& t, const V& y, std::uint64_t seed) {
+  using X = typename V::tensor_type;
+  X c(y.mesh(), y.extents());
+  detail::fill_normal(c, 1.0, seed, 7);
+  constexpr std::string_view all = "abcdefgh";
+  if constexpr (X::rank == 2) return einsum<"ab,ab->">(relabel<"">(y), t.constant(relabel<"">(std::move(c))));
+  else if constexpr (X::rank == 3) return einsum<"abc,abc->">(relabel<"">(y), t.constant(relabel<"">(std::move(c))));
+  else {
+    static_assert(X::rank == 1);
+    (void)all;
+    return einsum<"a,a->">(relabel<"">(y), t.constant(relabel<"">(std::move(c))));
+  }
+}
+}  // namespace
+
+TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finite differences", "[autodiff][grad]") {
+  const int P = world_size();
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 2);
+  param<tensor<double, 2, grid1, rows>> x(ps, "x", {2 * index_t(P), 6}, init::normal(1.0));
+  param<tensor<double, 2, grid1, rows>> y(ps, "y", {2 * index_t(P), 6}, init::normal(1.0));
+  param<tensor<double, 1, grid1, replicate>> s(ps, "s", {6}, init::normal(1.0));
+  param<tensor<double, 3, grid1, rows>> lg(ps, "lg", {index_t(P), 5, 5}, init::normal(1.0));
+  auto loss = [&](tape& t) {
+    auto xv = t.use(x), yv = t.use(y);
+    auto e = against(t, relu(xv), 1) + against(t, gelu(xv), 2) + against(t, silu(xv), 3) + against(t, sigmoid(xv), 4) +
+             against(t, tanh(xv), 5) + against(t, sqrt(exp(xv)), 6) + against(t, log(exp(yv) + exp(xv)), 7) +
+             against(t, xv * yv - xv / 3.0, 8) + against(t, -(2.0 * yv), 9) + against(t, softmax(xv), 10) +
+             against(t, rms_norm(yv, s), 11) + against(t, softmax(causal_mask(1.5 * t.use(lg))), 12);
+    return all_reduce<"x">(std::move(e));
+  };
+  const double worst = fd_check_params(ps, loss, x, y, s, lg);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+}
+
+TEST_CASE("autodiff: reshards and the one-collective forms transpose their collectives", "[autodiff][grad]") {
+  const int P = world_size();
+  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  grid2 m(MPI_COMM_WORLD, sizes);
+  parameters ps(m, 3);
+  using bm = sharding<split<0, "data">, split<1, "model">>;
+  param<tensor<double, 2, grid2, bm, "BM">> x(ps, "x", {2 * index_t(P), 2 * index_t(P)}, init::normal(1.0));
+  param<tensor<double, 2, grid2, replicate, "MN">> w(ps, "w", {2 * index_t(P), 2 * index_t(P)}, init::normal(1.0));
+  auto loss = [&](tape& t) {
+    auto g = all_gather<"model">(t.use(x));                              // [B{data},M]
+    auto a = reshard<rules<on<'M', "data">>>(g);                         // all_to_all over data: [B,M{data}]
+    auto h = einsum<"BM,MN->BN">(a, w);                                  // partial{data}
+    auto r = reduce_scatter<"data", 1>(std::move(h));                    // [B,N{data}]
+    auto back = all_to_all<"data", 0>(relabel<"BN">(std::move(r)));      // [B{data},N]
+    return all_reduce<"data">(against(t, back, 1)) + against(t, reshard<replicate>(g), 2);
+  };
+  const double worst = fd_check_params(ps, loss, x, w);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+  if (sizes[1] % sizes[0] != 0) {  // a reshard whose target does not divide: the same error on every rank, before any collective
+    param<tensor<double, 2, grid2, bm, "BM">> odd(ps, "odd", {2 * index_t(P), sizes[1]}, init::normal(1.0));
+    tape t(ps);
+    collective_recorder rec;
+    using to_data = rules<on<'M', "data">>;
+    GSHARD_REQUIRE_THROWS_WITH(reshard<to_data>(all_gather<"model">(t.use(odd))), shape_error,
+                               "gshard::tensor: dim 1 (M) of f64[B,M{data}] has extent " + std::to_string(sizes[1]) +
+                                   ", not divisible into " + std::to_string(sizes[0]) + " shards over {data}");
+    GSHARD_REQUIRE(rec.calls(collective::all_to_all) == 0);
+  }
+}
+
+TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[autodiff][grad]") {
+  const int P = world_size();
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 4);
+  const index_t B = 2 * P, L = 3, V = 7, M = 5;
+  param<tensor<double, 2, grid1, replicate, "VM">> table(ps, "table", {V, M}, init::normal(1.0));
+  param<tensor<double, 2, grid1, replicate, "MV">> proj(ps, "proj", {M, V}, init::normal(1.0));
+  local_tensor<std::int32_t, 2> tok(B, L), tgt(B, L);
+  for (index_t i = 0; i < tok.size(); ++i) {
+    tok.data()[i] = std::int32_t((i * 5 + 1) % V);
+    tgt.data()[i] = i % 4 == 3 ? -1 : std::int32_t((i * 3 + 2) % V);  // every fourth ignored
+  }
+  const auto tokens = relabel<"BL">(distribute<rows>(m, tok));
+  const auto targets = distribute<rows>(m, tgt);
+  auto loss = [&](tape& t) {
+    auto x = embedding(t, tokens, table);                 // [B{x},L,M]
+    return cross_entropy(einsum<"BLM,MV->BLV">(x, proj), targets);
+  };
+  const double worst = fd_check_params(ps, loss, table, proj);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+  tape t(ps, tape::no_grad);  // the mean over the targets that count: ln V for uniform logits
+  param<tensor<double, 2, grid1, replicate, "MV">> zero(ps, "zero", {M, V}, init::zeros());
+  const double uniform = loss_value(cross_entropy(einsum<"BLM,MV->BLV">(embedding(t, tokens, table), zero), targets));
+  GSHARD_REQUIRE(std::abs(uniform - std::log(double(V))) < 1e-12);
+}
+
+TEST_CASE("autodiff: uses of one value are summed while pending and reduced once", "[autodiff][collectives]") {
+  const int P = world_size();
+  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  grid2 m(MPI_COMM_WORLD, sizes);
+  parameters ps(m, 5);
+  const index_t B = 2 * P, M = 4, N = 4;
+  // h read by three projections split over "model" (attention's q, k, v).
+  param<tensor<double, 2, grid2, sharding<split<0, "data">>, "BM">> h(ps, "h", {B, M}, init::normal(1.0));
+  using wsplit = sharding<split<1, "model">>;
+  param<tensor<double, 2, grid2, wsplit, "MN">> wq(ps, "wq", {M, N}, init::normal(1.0)), wk(ps, "wk", {M, N}, init::normal(1.0)),
+      wv(ps, "wv", {M, N}, init::normal(1.0));
+  param<tensor<double, 2, grid2, replicate, "MN">> shared(ps, "shared", {M, N}, init::normal(1.0));
+  auto loss = [&](tape& t) {
+    auto hv = t.use(h);
+    auto q = einsum<"BM,MN->BN">(hv, wq), k = einsum<"BM,MN->BN">(hv, wk), v = einsum<"BM,MN->BN">(hv, wv);
+    // one replicated weight used three times with batch-split activations
+    auto u = einsum<"BM,MN->BN">(hv, shared) + einsum<"BM,MN->BN">(2.0 * hv, shared);
+    auto e = all_reduce<"model">(against(t, q, 1) + against(t, k, 2) + against(t, v, 3)) +
+             against(t, einsum<"BN,MN->BM">(u, shared), 4);
+    return all_reduce<"data">(std::move(e));
+  };
+  tape t(ps);
+  auto l = loss(t);
+  collective_recorder rec;
+  t.backward(l);
+  const auto seen = rec.tally();
+  std::string got;
+  for (const auto& [kind, n] : seen) got += kind + " x" + std::to_string(n) + " ";
+  INFO("the backward ran: " << got);
+  // h's three contributions from q, k, v are partial over "model": one all_reduce;
+  // each weight's gradient is pending over "data" until its one all_reduce.
+  GSHARD_REQUIRE(seen == std::map<std::string, int>{{"all_reduce(model)", 1}, {"all_reduce(data)", 4}});
+  GSHARD_REQUIRE(fd_check_params(ps, loss, h, wq, wk, wv, shared) < 1e-6);
+}
+
+TEST_CASE("autodiff: parameters declared once; the errors a model writer can make", "[autodiff][errors]") {
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 6), other(m, 6);
+  param<tensor<float, 2, grid1, replicate>> w(ps, "w", {3, 3}, init::normal(1.0));
+  param<tensor<float, 2, grid1, replicate>> stray(other, "stray", {3, 3}, init::normal(1.0));
+  GSHARD_REQUIRE_THROWS_WITH((param<tensor<float, 2, grid1, replicate>>(ps, "w", {2, 2}, init::zeros())), error,
+                             "gshard::tensor_set: the name 'w' is declared twice (first as f32[3,3], now as f32[2,2])");
+  tape t(ps);
+  GSHARD_REQUIRE_THROWS_WITH(t.use(stray), error,
+                             "gshard::tape: parameter 'stray' f32[3,3] is declared in another gshard::parameters");
+  // Same seed and name: the same initial values at every rank count; other names differ.
+  parameters again(m, 6);
+  param<tensor<float, 2, grid1, replicate>> w2(again, "w", {3, 3}, init::normal(1.0));
+  GSHARD_REQUIRE(equal_tensors(w.value().local(), w2.value().local()));
+  GSHARD_REQUIRE(!equal_tensors(w.value().local(), stray.value().local()));
+  // An unused parameter gets a zero gradient and has_grad false; backward runs once.
+  param<tensor<float, 2, grid1, replicate>> unused(ps, "unused", {3, 3}, init::normal(1.0));
+  auto l = reshard<replicate>(einsum<"ij,ij->">(t.use(w), w));
+  t.backward(l);
+  GSHARD_REQUIRE(ps.has_grad(w.index()) && !ps.has_grad(unused.index()));
+  GSHARD_REQUIRE_THROWS_WITH(t.backward(l), error, "gshard::tape::backward: this tape's backward has run");
+  tape frozen(ps, tape::no_grad);
+  auto l2 = reshard<replicate>(einsum<"ij,ij->">(frozen.use(w), w));
+  GSHARD_REQUIRE(!l2.tracked());
+  GSHARD_REQUIRE_THROWS_WITH(frozen.backward(l2), error, "this tape does not record");
+}
