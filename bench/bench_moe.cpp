@@ -31,9 +31,10 @@ void layer(benchmark::State& state) {
   const moe_setup cfgs;
   const index_t P = m.nranks(), G = cfgs.tokens_per_rank / cfgs.S * P, S = cfgs.S, M = cfgs.M, H = cfgs.H, E = cfgs.E;
   moe::gating_config gc;  // capacity factor 2, random second expert
-  const auto p = moe::init_params<float>(m, M, H, E, 1);
-  tensor<float, 3, grid, moe::shardings<grid>::by_group> x(m, {G, S, M});
-  moe::init_normal(x, 1.0, 2, 3);
+  parameters ps(m, 1);
+  const moe::layer<float, grid> p(ps, "moe.", M, H, E);
+  named<float, "GSM", grid, moe::layer<float, grid>::at_tokens> x(m, {G, S, M});
+  fill_normal(x, 1.0, 2, 3);
   const index_t C = moe::capacity(S, E, gc), El = E / P;
   // The baseline: the expert FFN's two GEMMs per local expert on contiguous buffers.
   const index_t rows = G * C;  // slots per expert after the all_to_all
@@ -46,7 +47,10 @@ void layer(benchmark::State& state) {
     }
   };
   std::uint64_t step = 0;
-  auto fwd = [&] { benchmark::DoNotOptimize(moe::forward(x, p, gc, step++)); };
+  auto fwd = [&] {
+    tape t(ps, tape::no_grad);
+    benchmark::DoNotOptimize(p(t.constant(x), gc, step++));
+  };
   const auto c = gshard::bench::compare(state, {gemms, fwd}, 1);
   const double expert_flop = 4.0 * double(El * rows * M * H);
   state.counters["tokens/s/rank"] = double(cfgs.tokens_per_rank) / c.median_time[1];
@@ -61,15 +65,17 @@ void block(benchmark::State& state) {
   model::config c;
   c.model = 512, c.heads = 8, c.head_dim = 64, c.hidden = 2048, c.experts = 8, c.layers = 2;
   const index_t P = m.nranks(), L = 512, B = 4 * P;  // 2048 tokens per rank
-  const auto p = model::init<float>(m, c, 1);
-  const auto& b = p.blocks[1];  // the MoE block
-  model::activation<float, grid> x(m, {B, L, c.model});
-  moe::init_normal(x, 1.0, 2, 3);
+  parameters ps(m, 1);
+  const model::transformer<float, grid> tr(ps, c);
+  const auto& b = tr.blocks()[1];  // the MoE block
+  model::transformer<float, grid>::activation x(m, {B, L, c.model});
+  fill_normal(x, 1.0, 2, 3);
   std::uint64_t step = 0;
   auto fwd = [&] {
-    auto y = x + model::attention(rms_norm(x, b.norm1), b);
-    auto r = moe::forward(rms_norm(y, b.norm2), *b.moe, c.gating, step++);
-    benchmark::DoNotOptimize(y + r.y);
+    tape t(ps, tape::no_grad);
+    auto y = t.constant(x) + tr.attention(rms_norm(t.constant(x), b.norm1), b.attn);
+    auto r = (*b.moe)(relabel<"GSM">(rms_norm(y, b.norm2)), c.gating, step++);
+    benchmark::DoNotOptimize(y + relabel<"BLM">(std::move(r.y)));
   };
   const auto cmp = gshard::bench::compare(state, {fwd}, 0);
   state.counters["tokens/s/rank"] = double(B / P * L) / cmp.median_time[0];
@@ -87,14 +93,22 @@ void attention(benchmark::State& state) {
   model::config c;
   c.model = 512, c.heads = 8, c.head_dim = 64, c.layers = 1;
   const index_t P = mb.nranks(), L = 512, B = 4 * P;
-  const auto pb = model::init<float>(mb, c, 1);
-  const auto ph = model::init<float>(mh, c, 1);
-  model::activation<float, grid> xb(mb, {B, L, c.model});
-  model::activation<float, heads_grid> xh(mh, {B, L, c.model});
-  moe::init_normal(xb, 1.0, 2, 3);
-  moe::init_normal(xh, 1.0, 2, 3);
-  auto by_batch = [&] { benchmark::DoNotOptimize(model::attention(xb, pb.blocks[0])); };
-  auto by_heads = [&] { benchmark::DoNotOptimize(model::attention(xh, ph.blocks[0])); };
+  parameters pb(mb, 1);
+  parameters ph(mh, 1);
+  const model::transformer<float, grid> tb(pb, c);
+  const model::transformer<float, heads_grid> th(ph, c);
+  model::transformer<float, grid>::activation xb(mb, {B, L, c.model});
+  model::transformer<float, heads_grid>::activation xh(mh, {B, L, c.model});
+  fill_normal(xb, 1.0, 2, 3);
+  fill_normal(xh, 1.0, 2, 3);
+  auto by_batch = [&] {
+    tape t(pb, tape::no_grad);
+    benchmark::DoNotOptimize(tb.attention(t.constant(xb), tb.blocks()[0].attn));
+  };
+  auto by_heads = [&] {
+    tape t(ph, tape::no_grad);
+    benchmark::DoNotOptimize(th.attention(t.constant(xh), th.blocks()[0].attn));
+  };
   const auto cmp = gshard::bench::compare(state, {by_batch, by_heads}, 1);
   state.counters["batch_ms"] = 1e3 * cmp.median_time[0];
   state.counters["heads_ms"] = 1e3 * cmp.median_time[1];
@@ -104,27 +118,27 @@ void attention(benchmark::State& state) {
 void dispatch(benchmark::State& state, bool einsum_form) {
   using one = mesh<axis<"data", 1>, axis<"expert", 1>>;
   static one m(MPI_COMM_SELF);
-  using S = moe::shardings<one>;
   const index_t Sg = state.range(0), M = 512, E = 8;
   moe::gating_config gc;
   const index_t C = moe::capacity(Sg, E, gc);
-  tensor<float, 3, one, S::by_group> x(m, {1, Sg, M});
-  moe::init_normal(x, 1.0, 2, 3);
+  tensor<float, 3, one, replicate> x(m, {1, Sg, M});
+  fill_normal(x, 1.0, 2, 3);
   local_tensor<float, 3> logits(1, Sg, E);
-  for (index_t i = 0; i < logits.size(); ++i) logits.data()[i] = float(moe::init_value(5, 6, std::uint64_t(i)));
+  for (index_t i = 0; i < logits.size(); ++i) logits.data()[i] = float(normal(5, 6, std::uint64_t(i)));
   moe::routing<float> r;
   moe::top2_gating<float>(logits.data(), 1, Sg, E, 0, 0, gc, r);
-  tensor<float, 4, one, S::by_group> combine(m, {1, Sg, E, C}), disp(m, {1, Sg, E, C});
-  moe::detail::dense_tensors(r, combine.data(), disp.data());
-  tensor<float, 4, one, S::egcm_by_group> xe(m, {E, 1, C, M});
-  tensor<float, 3, one, S::by_group> y(m, {1, Sg, M});
+  tensor<float, 4, one, replicate> combine(m, {1, Sg, E, C}), disp(m, {1, Sg, E, C});
+  moe::detail::dense_tensor(r, r.weight.data(), combine.data());
+  moe::detail::dense_tensor(r, static_cast<const float*>(nullptr), disp.data());
+  tensor<float, 4, one, replicate> xe(m, {E, 1, C, M});
+  tensor<float, 3, one, replicate> y(m, {1, Sg, M});
   auto run = [&] {
     if (einsum_form) {
       const auto d = einsum<"GSEC,GSM->EGCM">(disp, x);
       benchmark::DoNotOptimize(einsum<"GSEC,EGCM->GSM">(combine, d));
     } else {
       moe::detail::dispatch_rows(r, x.data(), M, xe.data());
-      moe::detail::combine_rows(r, xe.data(), M, y.data());
+      moe::detail::combine_rows(r, r.weight.data(), xe.data(), M, y.data());
     }
   };
   const auto cmp = gshard::bench::compare(state, {run}, 0);

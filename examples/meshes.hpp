@@ -1,21 +1,34 @@
-// examples/meshes.hpp — the compile-time meshes the examples can run on; the
-// first whose size equals the world is used (with_mesh), so one binary
-// serves mpirun -np 1, 2, 4 and 8. At 8 ranks the mesh is 3-D: the batch
-// over data × expert, experts over expert, and attention heads and dense
-// FFN hidden units over model.
+// examples/meshes.hpp — the meshes the examples run on, chosen by the world
+// size, so one binary serves mpirun -np 1, 2, 4 and 8: (data, expert) of
+// sizes (1,1), (1,2), (2,2), and at 8 ranks a 3-D mesh (2,2,2): the batch
+// over data × expert, experts over expert, and attention heads and dense FFN
+// hidden units over model. The axis sizes are bound at run time (one mesh
+// type for 1, 2 and 4 ranks: the model is compiled twice, not four times).
 #pragma once
 
+#include <gshard/error.hpp>
 #include <gshard/mesh.hpp>
 
-namespace examples {
-using m1 = gshard::mesh<gshard::axis<"data", 1>, gshard::axis<"expert", 1>>;
-using m2 = gshard::mesh<gshard::axis<"data", 1>, gshard::axis<"expert", 2>>;
-using m4 = gshard::mesh<gshard::axis<"data", 2>, gshard::axis<"expert", 2>>;
-using m8 = gshard::mesh<gshard::axis<"data", 2>, gshard::axis<"expert", 2>, gshard::axis<"model", 2>>;
+#include <string>
 
-// f(mesh) on the mesh that fits MPI_COMM_WORLD.
+namespace examples {
+using mesh2 = gshard::mesh<gshard::axis<"data">, gshard::axis<"expert">>;
+using mesh3 = gshard::mesh<gshard::axis<"data">, gshard::axis<"expert">, gshard::axis<"model">>;
+
+// f(mesh) on the mesh that fits MPI_COMM_WORLD; gshard::mesh_error on every
+// rank for another world size.
 template <class F>
 decltype(auto) on_fitting_mesh(F&& f) {
-  return gshard::with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, std::forward<F>(f));
+  int P = 0;
+  gshard::mpi::check(MPI_Comm_size(MPI_COMM_WORLD, &P), "MPI_Comm_size");
+  if (P == 8) {
+    const mesh3 m(MPI_COMM_WORLD, {2, 2, 2});
+    return f(m);
+  }
+  if (P != 1 && P != 2 && P != 4)
+    throw gshard::mesh_error("gshard example: no mesh fits " + std::to_string(P) +
+                             " ranks; this program supports 1, 2, 4 or 8");
+  const mesh2 m(MPI_COMM_WORLD, {P == 4 ? 2 : 1, P == 4 ? 2 : P});
+  return f(m);
 }
 }  // namespace examples

@@ -112,9 +112,11 @@ std::string load_text(const std::string& path) {
 
 // Samples `n` bytes after `prompt`. The batch holds one copy of the context
 // per rank; rank 0's copy decides each byte, which every rank then adopts.
-template <class Mesh>
-std::string sample(const Mesh& m, const model::params<float, Mesh>& p, const model::config& c, index_t L,
-                   std::string prompt, int n, std::uint64_t seed) {
+template <class Model>
+std::string sample(const Model& model, parameters<typename Model::tokens_type::mesh_type>& ps, index_t L, std::string prompt,
+                   int n, std::uint64_t seed) {
+  const auto& m = ps.mesh();
+  const model::config& c = model.cfg();
   const index_t B = m.nranks();
   for (int i = 0; i < n; ++i) {
     const std::string ctx = prompt.size() > std::size_t(L) ? prompt.substr(prompt.size() - std::size_t(L)) : prompt;
@@ -122,14 +124,15 @@ std::string sample(const Mesh& m, const model::params<float, Mesh>& p, const mod
     tok.setConstant(' ');
     for (index_t b = 0; b < B; ++b)
       for (std::size_t t = 0; t < ctx.size(); ++t) tok(b, index_t(t)) = static_cast<unsigned char>(ctx[t]);
-    const auto [logits, st] = model::forward(distribute<model::batch_split<Mesh>>(m, tok), p, c, 0);
-    const float* row = logits.data() + (index_t(ctx.size()) - 1) * c.vocab;  // this rank's copy
+    tape t(ps, tape::no_grad);
+    const auto out = model.forward(t, distribute<typename Model::tokens_type>(m, tok), 0);
+    const float* row = out.logits.value().data() + (index_t(ctx.size()) - 1) * c.vocab;  // this rank's copy
     // Temperature 0.7: softmax, then the seeded uniform picks the byte.
     std::vector<double> w(std::size_t(c.vocab));
     const float mx = *std::max_element(row, row + c.vocab);
     double sum = 0;
     for (index_t v = 0; v < c.vocab; ++v) sum += (w[std::size_t(v)] = std::exp((row[v] - mx) / 0.7));
-    double u = moe::uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
+    double u = uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
     int pick = 0;
     while (pick + 1 < c.vocab && (u -= w[std::size_t(pick)]) > 0) ++pick;
     mpi::check(MPI_Bcast(&pick, 1, MPI_INT, 0, m.comm()), "MPI_Bcast");
@@ -144,13 +147,15 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   model::config c;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
   const std::size_t split = text.size() * 9 / 10;  // the last 10% is held out
-  auto p = model::init<float>(m, c, o.seed);
+  parameters ps(m, o.seed);
+  const model::transformer<float, Mesh> tr(ps, c);
+  using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
   adam_config ac;
   ac.lr = 2e-3, ac.warmup_steps = 50, ac.total_steps = o.steps;
-  adam<model::params<float, Mesh>> opt(ac, model::zeros_like(p));
+  adam opt(ac, ps);
   int start = 0;
   if (!o.resume.empty()) {
-    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(p, opt));
+    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
     start = int(meta.at("step"));
     opt.step = start;
     if (root) std::printf("resumed %s at step %d on %s\n", o.resume.c_str(), start, m.describe().c_str());
@@ -169,18 +174,17 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   }
   const bool trace_one_step = !o.trace.empty() && !trace::enabled();
   auto save = [&](int step) {
-    save_checkpoint(o.save, m, model::checkpoint_parts(p, opt), {{"step", double(step)}});
+    save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), {{"step", double(step)}});
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   double t_window = 0, tokens_window = 0;
   for (int step = start; step < end; ++step) {
-    const auto tok = distribute<model::batch_split<Mesh>>(
-        m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
+    const auto tok = distribute<tokens_t>(m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
     const bool tracing = trace_one_step && step == o.trace_step;
     if (tracing) trace::start(o.trace, m.comm());
     MPI_Barrier(m.comm());
     const double t0 = MPI_Wtime();
-    const auto r = model::train_step(tok, p, opt, c, std::uint64_t(step));
+    const auto r = model::train_step(tr, ps, opt, tok, std::uint64_t(step));
     t_window += MPI_Wtime() - t0;
     if (tracing) {
       const std::size_t spans = trace::stop(m.comm());
@@ -194,7 +198,7 @@ int train(const Mesh& m, const options& o, const std::string& text) {
         spread = std::max(spread, s.overload());
       }
       std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  dropped %.1f%%  expert load max/mean %.2f  lr %.2e\n", step + 1,
-                  r.value.ce, r.value.aux, tokens_window / t_window, 100.0 * dropped, spread, r.lr);
+                  r.ce, r.aux, tokens_window / t_window, 100.0 * dropped, spread, r.lr);
       std::fflush(stdout);
       t_window = tokens_window = 0;
     }
@@ -205,8 +209,8 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     if (root) std::printf("stopped after step %d of %d\n", end, o.steps);
     return 0;
   }
-  const auto held_out = model::evaluate(m, p, c, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
-  const std::string continuation = sample(m, p, c, o.seq, "The licensee ", 160, o.seed);
+  const auto held_out = model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
+  const std::string continuation = sample(tr, ps, o.seq, "The licensee ", 160, o.seed);
   if (root) {
     std::printf("held-out loss %.4f nats/byte = %.3f bits per byte\n", held_out.ce, held_out.ce / std::log(2.0));
     std::string shown;

@@ -30,26 +30,29 @@ void train(const grid& m, std::string_view mode) {
   const int victim = m.nranks() - 1;
   model::config c;
   c.model = 16, c.heads = 2, c.head_dim = 8, c.hidden = 32, c.experts = 2 * m.nranks(), c.layers = 2;
-  auto p = model::init<float>(m, c, 1);
-  adam<model::params<float, grid>> opt({}, model::zeros_like(p));
+  parameters ps(m, 1);
+  const model::transformer<float, grid> tr(ps, c);
+  using tokens_t = model::transformer<float, grid>::tokens_type;
+  adam opt({}, ps);
   local_tensor<std::int32_t, 2> tok(2 * m.nranks(), 17);
   for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
-  const auto tokens = distribute<model::batch_split<grid>>(m, tok);
+  const auto tokens = distribute<tokens_t>(m, tok);
   if (mode == "bad_target" && m.rank() == victim) tok(tok.dimension(0) - 1, 16) = 300;  // a target, not an input
-  const auto bad = distribute<model::batch_split<grid>>(m, tok);
-  if (mode == "bad_target") model::train_step(bad, p, opt, c, 0);
+  const auto bad = distribute<tokens_t>(m, tok);
+  if (mode == "bad_target") model::train_step(tr, ps, opt, bad, 0);
   for (int step = 0; step < 3; ++step) {
-    if (step == 1 && mode == "train_nan" && m.rank() == victim) p.final_norm.data()[0] = std::numeric_limits<float>::quiet_NaN();
+    if (step == 1 && mode == "train_nan" && m.rank() == victim)
+      ps.values().find("final_norm")->f32()[0] = std::numeric_limits<float>::quiet_NaN();
     if (step == 1 && (mode == "train_throw" || mode == "train_kill")) {
-      model::model_cache<float, grid> keep;
-      model::forward(tokens, p, c, std::uint64_t(step), moe::dispatch_mode::index, &keep);
+      tape t(ps);
+      const auto out = tr.forward(t, tokens, std::uint64_t(step));
       if (m.rank() == victim) {
         if (mode == "train_kill") std::raise(SIGKILL);
         throw error("gshard::test: deliberate failure between the forward and the backward");
       }
-      model::backward(tokens, p, c, keep);  // the others wait in the backward's collectives
+      t.backward(out.loss);  // the others wait in the backward's collectives
     }
-    model::train_step(tokens, p, opt, c, std::uint64_t(step));
+    model::train_step(tr, ps, opt, tokens, std::uint64_t(step));
   }
 }
 

@@ -70,7 +70,7 @@ double fd_check(X& t, const G& g, F&& f, int probes = 3, double eps = 1e-5) {
 // The worst finite-difference error over every parameter of `ps` (each one a
 // param<> of the caller's), for the scalar loss(tape&) evaluated without recording.
 template <class Mesh, class Loss, class... P>
-double fd_check_params(parameters<Mesh>& ps, Loss&& loss, P&... p) {
+double fd_check_params(parameters<Mesh>& ps, Loss&& loss, P... p) {  // handles: copies refer to the same parameters
   {
     tape t(ps);
     t.backward(loss(t));

@@ -64,7 +64,7 @@ template <class V>
 auto against(tape& t, const V& y, std::uint64_t seed) {
   using X = typename V::tensor_type;
   X c(y.mesh(), y.extents());
-  detail::fill_normal(c, 1.0, seed, 7);
+  fill_normal(c, 1.0, seed, 7);
   constexpr std::string_view all = "abcdefgh";
   if constexpr (X::rank == 2) return einsum<"ab,ab->">(relabel<"">(y), t.constant(relabel<"">(std::move(c))));
   else if constexpr (X::rank == 3) return einsum<"abc,abc->">(relabel<"">(y), t.constant(relabel<"">(std::move(c))));

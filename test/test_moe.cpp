@@ -5,6 +5,8 @@
 #include <gshard/gshard.hpp>
 #include <gshard/model/transformer.hpp>
 
+#include <map>
+
 #include <cmath>
 #include <set>
 
@@ -158,22 +160,25 @@ TEST_CASE("gating: bad router logits — one expert, no tokens, NaN and Inf, tin
 namespace {
 
 // The layer on `m` with parameters and input from fixed seeds; the result
-// gathered to every rank, the stats summed.
+// gathered to every rank, the stats (summed over every group by the layer).
+// `collectives` receives all_to_all(expert) + 10 · all_reduce(model) + 100 ·
+// the rest (the one all_reduce of the routing statistics over the groups' axes).
 template <class T, class Mesh>
 std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<3> gsm, index_t H, index_t E,
                                                             const moe::gating_config& cfg, moe::dispatch_mode mode,
                                                             std::size_t* collectives = nullptr) {
-  auto p = moe::init_params<T>(m, gsm[2], H, E, 42);
-  tensor<T, 3, Mesh, typename moe::shardings<Mesh>::by_group> x(m, gsm);
-  moe::init_normal(x, 1.0, 7, 99);
+  parameters ps(m, 42);
+  const moe::layer<T, Mesh> layer(ps, "moe.", gsm[2], H, E);
+  named<T, "GSM", Mesh, typename moe::layer<T, Mesh>::at_tokens> x(m, gsm);
+  fill_normal(x, 1.0, 7, 99);
   collective_recorder rec;
-  auto out = moe::forward(x, p, cfg, 3, mode);
-  if (collectives) {  // all_to_all(expert) counts 1, all_reduce(model) 10, anything else 100
+  tape t(ps, tape::no_grad);
+  auto out = layer(t.constant(x), cfg, 3, mode);
+  if (collectives) {
     const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
     *collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
   }
-  auto st = moe::reduce(out.stats, m);
-  return {gather(out.y), st};
+  return {gather(out.y.value()), out.stats};
 }
 
 template <class T>
@@ -188,6 +193,7 @@ double max_rel_diff(const local_tensor<T, 3>& a, const local_tensor<T, 3>& b) {
 }  // namespace
 
 TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_alls", "[moe][layer]") {
+  // (and one all_reduce of the routing statistics and aux loss over the groups' axes)
   // ... and, with the experts' H split over a "model" axis, one all_reduce over it.
   const int P = world_size();
   const index_t G = 4 * P, S = 24, M = 16, H = 24;
@@ -202,14 +208,14 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
   int meshes = 0;
   auto check = [&](const auto& m, const char* name) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    constexpr std::size_t want = Mesh::index_of("model") >= 0 ? 12 : 2;
+    constexpr std::size_t want = (Mesh::index_of("model") >= 0 ? 12 : 2) + 100;
     ++meshes;
     for (auto mode : {moe::dispatch_mode::index, moe::dispatch_mode::einsum}) {
       std::size_t n = 0;
       const auto [y, st] = run_layer<double>(m, {G, S, M}, H, E, cfg, mode, &n);
       INFO(name << (mode == moe::dispatch_mode::index ? " index" : " einsum"));
       INFO("collectives signature " << n);
-      GSHARD_REQUIRE(n == want);  // exactly the two all_to_alls over 'expert' (+ the all_reduce over 'model')
+      GSHARD_REQUIRE(n == want);  // exactly the two all_to_alls over 'expert' (+ the all_reduce over 'model'), and the statistics
       GSHARD_REQUIRE(max_rel_diff(y, ref) < 1e-12);
       GSHARD_REQUIRE(st.expert_load == ref_stats.expert_load && st.dropped_first == ref_stats.dropped_first &&
                      st.dropped_second == ref_stats.dropped_second && st.skipped_second == ref_stats.skipped_second);
@@ -230,31 +236,34 @@ TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", 
   const int P = world_size();
   grid2 m(MPI_COMM_WORLD, {1, P});
   moe::gating_config cfg;
-  // No groups at all: every rank still joins both all_to_alls.
+  // No groups at all: every rank still joins both all_to_alls (and the statistics' all_reduce).
   {
     std::size_t n = 0;
     const auto [y, st] = run_layer<float>(m, {0, 8, 4}, 8, 2 * P, cfg, moe::dispatch_mode::index, &n);
-    GSHARD_REQUIRE(n == 2 && y.size() == 0 && st.tokens == 0);
+    GSHARD_REQUIRE(n == 102 && y.size() == 0 && st.tokens == 0);
   }
   // NaN in some tokens' inputs: they are routed nowhere (zero output), counted; the rest is finite.
   {
     const index_t G = 2 * P, S = 8, M = 4, E = 2 * P;
-    auto p = moe::init_params<float>(m, M, 8, E, 1);
-    tensor<float, 3, grid2, moe::shardings<grid2>::by_group> x(m, {G, S, M});
-    moe::init_normal(x, 1.0, 2, 3);
+    parameters ps(m, 1);
+    const moe::layer<float, grid2> layer(ps, "moe.", M, 8, E);
+    named<float, "GSM", grid2, moe::layer<float, grid2>::at_tokens> x(m, {G, S, M});
+    fill_normal(x, 1.0, 2, 3);
     x.data()[0] = std::numeric_limits<float>::quiet_NaN();  // token 0 of this rank's first group
-    const auto out = moe::forward(x, p, cfg, 0);
+    tape t(ps, tape::no_grad);
+    const auto out = layer(t.constant(x), cfg, 0);
     bool finite_elsewhere = true, zero_there = true;
-    for (index_t i = 0; i < out.y.local().size(); ++i) {
-      if (i < M) zero_there = zero_there && out.y.data()[i] == 0.0f;
-      else finite_elsewhere = finite_elsewhere && std::isfinite(out.y.data()[i]);
+    for (index_t i = 0; i < out.y.value().local().size(); ++i) {
+      if (i < M) zero_there = zero_there && out.y.value().data()[i] == 0.0f;
+      else finite_elsewhere = finite_elsewhere && std::isfinite(out.y.value().data()[i]);
     }
-    GSHARD_REQUIRE(out.stats.invalid == 1 && zero_there && finite_elsewhere);
-    GSHARD_REQUIRE(check_invariants(out.route).empty());
+    GSHARD_REQUIRE(out.stats.invalid == P && zero_there && finite_elsewhere);  // one per rank's groups
+    GSHARD_REQUIRE(check_invariants(*out.route).empty());
   }
   // Experts that do not divide over the expert axis: one clear error on every rank.
   if (P > 1) {
-    GSHARD_REQUIRE_THROWS_WITH((moe::init_params<float>(m, 4, 8, 2 * P + 1, 1)), shape_error,
+    parameters ps(m, 1);
+    GSHARD_REQUIRE_THROWS_WITH((moe::layer<float, grid2>(ps, "moe.", 4, 8, 2 * P + 1)), shape_error,
                                "not divisible into " + std::to_string(P) + " shards over {expert}");
   }
 }
@@ -267,29 +276,43 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
   local_tensor<std::int32_t, 2> tok(B, L + 1);
   for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
 
+  auto run = [&](const auto& m, auto* logits_out) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    using model_t = model::transformer<double, Mesh>;
+    parameters ps(m, 5);
+    const model_t tr(ps, c);
+    tape t(ps, tape::no_grad);
+    collective_recorder rec;
+    const auto tokens = distribute<typename model_t::tokens_type>(m, tok);
+    rec.reset();
+    const auto out = tr.forward(t, tokens, 1);
+    const auto ran = rec.tally();
+    if (logits_out) *logits_out = gather(out.logits.value());
+    return std::tuple{out.ce, out.aux, ran};
+  };
+  local_tensor<double, 3> ref_logits;
   grid2 self(MPI_COMM_SELF, {1, 1});
-  const auto ps = model::init<double>(self, c, 5);
-  const auto [lref, sref] = model::forward(distribute<model::batch_split<grid2>>(self, tok), ps, c, 1);
-  const auto ref = model::reduce_loss(sref, c, self);
-  const auto ref_logits = gather(lref);
+  const auto [ref_ce, ref_aux, ref_ran] = run(self, &ref_logits);
+  GSHARD_REQUIRE(ref_ce > 4.0 && ref_ce < 8.0);  // about ln 256 before training
 
   auto check = [&](const auto& m) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    const auto p = model::init<double>(m, c, 5);
-    collective_recorder rec;
-    const auto [logits, st] = model::forward(distribute<model::batch_split<Mesh>>(m, tok), p, c, 1);
-    // Two all_to_alls per MoE layer; with a "model" axis also one all_reduce
-    // over it after each attention (4), dense FFN (2) and expert FFN (2); nothing else.
+    local_tensor<double, 3> logits;
+    const auto [ce, aux, ran] = run(m, &logits);
+    // Two all_to_alls per MoE layer; over the batch axes one all_reduce for
+    // the cross-entropy and one per MoE layer for its statistics; with a
+    // "model" axis also one all_reduce over it after each attention (4),
+    // dense FFN (2) and expert FFN (2); nothing else.
     constexpr bool split_heads = Mesh::index_of("model") >= 0;
-    const std::size_t a2a = rec.calls(collective::all_to_all, "expert"),
-                      ar_model = rec.calls(collective::all_reduce, "model"),
-                      other = rec.events().size() - a2a - ar_model;
-    INFO(a2a << " all_to_all(expert), " << ar_model << " all_reduce(model), " << other << " others");
-    GSHARD_REQUIRE(a2a == 4 && ar_model == (split_heads ? 8 : 0) && other == 0);
-    const auto l = model::reduce_loss(st, c, m);
-    GSHARD_REQUIRE(std::abs(l.ce - ref.ce) < 1e-10 && std::abs(l.aux - ref.aux) < 1e-10);
-    GSHARD_REQUIRE(max_rel_diff(gather(logits), ref_logits) < 1e-10);
-    GSHARD_REQUIRE(ref.ce > 4.0 && ref.ce < 8.0);  // about ln 256 before training
+    const std::string batch = m.label(roles_on<Mesh>::batch_mask);
+    std::map<std::string, int> want{{"all_to_all(expert)", 4}, {"all_reduce(" + batch + ")", 3}};
+    if (split_heads) want["all_reduce(model)"] = 8;
+    std::string got;
+    for (const auto& [k, v] : ran) got += k + " x" + std::to_string(v) + " ";
+    INFO("ran " << got);
+    GSHARD_REQUIRE(ran == want);
+    GSHARD_REQUIRE(std::abs(ce - ref_ce) < 1e-10 && std::abs(aux - ref_aux) < 1e-10);
+    GSHARD_REQUIRE(max_rel_diff(logits, ref_logits) < 1e-10);
   };
   check(grid2(MPI_COMM_WORLD, {1, P}));
   if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}));
@@ -298,7 +321,8 @@ TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[
     grid3 m3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P));
     auto bad = c;
     bad.heads = 3;
-    GSHARD_REQUIRE_THROWS_WITH(model::init<double>(m3, bad, 5), shape_error,
-                               "gshard::model::init: config.heads = 3 is not divisible by the \"model\" axis of mesh(");
+    parameters ps(m3, 5);
+    GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid3>(ps, bad)), shape_error,
+                               "gshard::model::transformer: config.heads = 3 is not divisible by the model axes (2 ranks) of mesh(");
   }
 }

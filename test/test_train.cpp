@@ -1,19 +1,27 @@
-// Training: analytic gradients against central finite differences in double
-// (each operation, then the whole model), the exact collectives of one
-// training step, determinism across rank counts and reruns, and checkpoints
-// (resume, resume at another rank count, refusal of damaged files).
+// Training: the per-op gradient rules and the derived gradients of the
+// attention, the MoE layer and the whole model (ReLU and SwiGLU FFNs) against
+// central finite differences in double and the 1-rank result; the exact
+// collectives and bytes of one training step; determinism across rank counts
+// and reruns; axis roles under other axis names; checkpoints (resume, resume
+// at another rank count, files of the previous trainer, damaged files).
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 
+#include "gradcheck.hpp"
 #include "layouts.hpp"
 #include "testing.hpp"
 
 using namespace gshard;
+using gshard::testing::dot;
+using gshard::testing::fd_check;
+using gshard::testing::fd_check_params;
 using gshard::testing::random_tensor;
+using gshard::testing::sum_all;
 using gshard::testing::world_rank;
 using gshard::testing::world_size;
 
@@ -21,68 +29,19 @@ namespace {
 
 using grid1 = mesh<axis<"x">>;
 using grid2 = mesh<axis<"data">, axis<"expert">>;
-using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
+using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and FFN hidden units split over "model"
 using gshard::testing::data_expert_model_sizes;
-
-double sum_all(double local) {
-  double s = 0;
-  MPI_Allreduce(&local, &s, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  return s;
-}
-// Σ z·r over this rank's shard, summed over the ranks that hold distinct shards.
-template <class X>
-double dot(const X& z, const X& r) {
-  double s = 0;
-  for (index_t i = 0; i < z.local().size(); ++i) s += double(z.data()[i]) * double(r.data()[i]);
-  return sum_all(s / double(replication(z)));
-}
-
-// Central differences of f() against the analytic gradient g of tensor t, at
-// `probes` elements of each shard. A probe moves one global element: on every
-// rank that holds a copy of it (a shard is replicated over the axes that
-// split nothing), and one shard at a time. Returns the worst error relative
-// to max(|fd| + |analytic|, 1e-4) — below that scale central differences in
-// double are round-off. The same on every rank.
-template <class X, class F>
-double fd_check(X& t, const X& g, F&& f, int probes = 3, double eps = 1e-5) {
-  const auto& m = t.mesh();
-  auto holds_shard_of = [&](int q) {  // this rank's shard is rank q's
-    const auto c = m.coords_of(q);
-    for (int a = 0; a < m.naxes(); ++a)
-      if (!X::layout.is_free(a) && c[std::size_t(a)] != m.coord(a)) return false;
-    return true;
-  };
-  auto representative = [&](int q) {  // rank q is the first holder of its shard
-    const auto c = m.coords_of(q);
-    for (int a = 0; a < m.naxes(); ++a)
-      if (X::layout.is_free(a) && c[std::size_t(a)] != 0) return false;
-    return true;
-  };
-  double worst = 0;
-  for (int probe = 0; probe < probes; ++probe)
-    for (int owner = 0; owner < m.nranks(); ++owner) {
-      if (!representative(owner)) continue;
-      const index_t n = t.local().size();
-      const bool mine = n > 0 && holds_shard_of(owner);
-      const index_t i = n > 0 ? (probe * 7919 + 13) % n : 0;
-      const double orig = mine ? double(t.data()[i]) : 0;
-      if (mine) t.data()[i] = orig + eps;
-      const double plus = f();
-      if (mine) t.data()[i] = orig - eps;
-      const double minus = f();
-      if (mine) t.data()[i] = orig;
-      const double fd = (plus - minus) / (2 * eps);
-      const double an = sum_all(m.rank() == owner && n > 0 ? double(g.data()[i]) : 0.0);
-      worst = std::max(worst, std::abs(fd - an) / std::max(std::abs(fd) + std::abs(an), 1e-4));
-    }
-  return worst;
-}
 
 template <class X>
 X random_like(const X& t, std::uint64_t seed) {
   X r = t;
-  moe::init_normal(r, 1.0, seed, 77);
+  fill_normal(r, 1.0, seed, 77);
   return r;
+}
+
+template <class V>
+double scalar(const V& v) {  // a replicated rank-0 var's value
+  return double(v.value().local()());
 }
 
 }  // namespace
@@ -127,60 +86,67 @@ TEST_CASE("gradients of einsum, relu, softmax and the RMS norm match finite diff
   GSHARD_REQUIRE(worst < 1e-6);
 }
 
-TEST_CASE("gradients of attention and of the MoE layer match finite differences", "[train][grad][moe]") {
+TEST_CASE("derived gradients of attention and of the MoE layer match finite differences", "[train][grad][moe]") {
   const int P = world_size();
   grid2 m(MPI_COMM_WORLD, {1, P});
   double worst = 0;
   {  // attention, batch split, weights replicated
     model::config c;
     c.model = 6, c.heads = 2, c.head_dim = 3, c.layers = 1;
-    auto p = model::init<double>(m, c, 1);
-    auto& b = p.blocks[0];
-    model::activation<double, grid2> h(m, {P, 5, 6});
-    moe::init_normal(h, 1.0, 2, 3);
-    const auto r = random_like(h, 4);
-    model::block_cache<double, grid2> keep;
-    model::attention(h, b, &keep);
-    auto g = model::zeros_like(p);
-    const auto dh = model::attention_backward(r, h, b, keep, g.blocks[0]);
-    auto f = [&] { return dot(model::attention(h, b), r); };
-    worst = std::max({worst, fd_check(h, dh, f), fd_check(b.wq, g.blocks[0].wq, f), fd_check(b.wk, g.blocks[0].wk, f),
-                      fd_check(b.wv, g.blocks[0].wv, f), fd_check(b.wo, g.blocks[0].wo, f)});
+    parameters ps(m, 1);
+    const model::transformer<double, grid2> tr(ps, c);
+    param<model::transformer<double, grid2>::activation> h(ps, "h", {P, 5, 6}, init::normal(1.0));
+    const auto& a = tr.blocks()[0].attn;
+    const auto r = random_like(h.value(), 4);
+    auto loss = [&](tape& t) {
+      return reshard<replicate>(einsum<"BLM,BLM->">(tr.attention(t.use(h), a), t.constant(r)));
+    };
+    worst = std::max(worst, fd_check_params(ps, loss, h, a.wq, a.wk, a.wv, a.wo));
   }
-  {  // the MoE layer: experts split, router through the combine weights and the aux loss
+  for (auto ffn : {moe::ffn_kind::relu, moe::ffn_kind::swiglu}) {  // the MoE layer: through the combine weights and the aux loss
     const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
-    auto p = moe::init_params<double>(m, M, H, E, 11);
-    auto g = moe::init_params<double>(m, M, H, E, 11);
-    for (auto* t : {&g.wi, &g.wo}) t->local().setZero();
-    g.gate.local().setZero();
-    tensor<double, 3, grid2, moe::shardings<grid2>::by_group> x(m, {G, S, M});
-    moe::init_normal(x, 1.0, 12, 13);
+    parameters ps(m, 11);
+    const moe::layer<double, grid2> layer(ps, "moe.", M, H, E, ffn);
+    param<named<double, "GSM", grid2, moe::layer<double, grid2>::at_tokens>> x(ps, "x", {G, S, M}, init::normal(1.0));
     moe::gating_config cfg;
     cfg.capacity_factor = 4.0;  // no drops: the choices stay put under the probes
     cfg.second = moe::second_policy::all;
-    const double aux_coef = 0.5;
-    moe::cache<double, grid2> keep;
-    const auto out = moe::forward(x, p, cfg, 1, moe::dispatch_mode::index, &keep);
-    const auto r = random_like(out.y, 14);
-    const auto dx = moe::backward(r, x, p, out, keep, aux_coef, g);
-    auto f = [&] {
-      const auto o = moe::forward(x, p, cfg, 1);
-      return dot(o.y, r) + aux_coef * sum_all(o.aux_partial);
+    const auto r = random_like(x.value(), 14);
+    auto loss = [&](tape& t) {
+      auto out = layer(t.use(x), cfg, 1);
+      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(r))) + 0.5 * out.aux;
     };
-    worst = std::max({worst, fd_check(x, dx, f), fd_check(p.gate, g.gate, f), fd_check(p.wi, g.wi, f),
-                      fd_check(p.wo, g.wo, f)});
+    if (ffn == moe::ffn_kind::relu) worst = std::max(worst, fd_check_params(ps, loss, x, layer.gate, layer.wi, layer.wo));
+    else worst = std::max(worst, fd_check_params(ps, loss, x, layer.gate, layer.wi, *layer.wi_up, layer.wo));
+    // The einsum form of dispatch and combine: the same gradients.
+    tape ti(ps), te(ps);
+    auto li = loss(ti);
+    ti.backward(li);
+    const auto gwi = layer.wi.grad();
+    const auto ggate = layer.gate.grad();
+    auto le = [&] {
+      auto out = layer(te.use(x), cfg, 1, moe::dispatch_mode::einsum);
+      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, te.constant(r))) + 0.5 * out.aux;
+    }();
+    te.backward(le);
+    double d = 0;
+    for (index_t i = 0; i < gwi.local().size(); ++i) d = std::max(d, std::abs(gwi.data()[i] - layer.wi.grad().data()[i]));
+    for (index_t i = 0; i < ggate.local().size(); ++i)
+      d = std::max(d, std::abs(ggate.data()[i] - layer.gate.grad().data()[i]));
+    GSHARD_REQUIRE(std::abs(scalar(li) - scalar(le)) < 1e-12 && d < 1e-12);
   }
   INFO("worst relative error " << worst);
   GSHARD_REQUIRE(worst < 1e-6);
 }
 
 namespace {
-model::config tiny(int P) {
+model::config tiny(int P, moe::ffn_kind ffn = moe::ffn_kind::relu) {
   model::config c;
   c.model = 8, c.heads = 2, c.head_dim = 4, c.hidden = 12, c.experts = P == 3 ? 6 : 8, c.layers = 2;
   c.gating.capacity_factor = 4.0;
   c.gating.second = moe::second_policy::all;
   c.aux_coef = 0.1;
+  c.ffn = ffn;
   return c;
 }
 local_tensor<std::int32_t, 2> some_tokens(index_t B, index_t L) {
@@ -188,88 +154,187 @@ local_tensor<std::int32_t, 2> some_tokens(index_t B, index_t L) {
   for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
   return tok;
 }
+
+// A model, its parameters and Adam's state on one mesh.
+template <class T, class Mesh, class Roles = default_roles>
+struct trainer {
+  using model_t = model::transformer<T, Mesh, Roles>;
+  parameters<Mesh> ps;
+  model_t tr;
+  adam opt;
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac = {})
+      : ps(m, seed), tr(ps, c), opt(ac, ps) {}
+  typename model_t::tokens_type tokens(const local_tensor<std::int32_t, 2>& tok) const {
+    return distribute<typename model_t::tokens_type>(ps.mesh(), tok);
+  }
+  std::vector<double> steps(const local_tensor<std::int32_t, 2>& tok, int from, int to) {
+    std::vector<double> losses;
+    for (int step = from; step < to; ++step)
+      losses.push_back(model::train_step(tr, ps, opt, tokens(tok), std::uint64_t(step)).loss);
+    return losses;
+  }
+  std::vector<checkpoint_part> parts() { return model::checkpoint_parts(ps, opt); }
+};
 }  // namespace
 
-TEST_CASE("the whole model's gradient matches finite differences", "[train][grad][model]") {
+TEST_CASE("the whole model's derived gradient matches finite differences and the 1-rank gradient", "[train][grad][model]") {
   const int P = world_size();
-  auto check = [&](const auto& m) {
-    using Mesh = std::remove_cvref_t<decltype(m)>;
-    const auto c = tiny(P);
-    auto p = model::init<double>(m, c, 3);
-    const auto tokens = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
-    model::model_cache<double, Mesh> keep;
-    model::forward(tokens, p, c, 0, moe::dispatch_mode::index, &keep);
-    auto g = model::backward(tokens, p, c, keep);
-    auto f = [&] { return model::reduce_loss(model::forward(tokens, p, c, 0).second, c, m).total; };
-    double worst = 0;
-    int tensors = 0;
-    model::for_each_param(
-        [&](const std::string&, auto& w, auto& gw) {
-          worst = std::max(worst, fd_check(w, gw, f, 2));
-          ++tensors;
-        },
-        p, g);
-    INFO("worst relative error " << worst << " over " << tensors << " parameter tensors");
-    GSHARD_REQUIRE(tensors == 20 && worst < 1e-6);
-  };
-  check(grid2(MPI_COMM_WORLD, {1, P}));
-  if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
-  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+  for (auto ffn : {moe::ffn_kind::relu, moe::ffn_kind::swiglu}) {
+    const auto c = tiny(P, ffn);
+    const auto tok = some_tokens(2 * P, 6);
+    // The 1-rank gradients, computed on each rank alone.
+    std::map<std::string, local_tensor<double, 1>> ref;
+    {
+      grid2 self(MPI_COMM_SELF, {1, 1});
+      trainer<double, grid2> one(self, c, 3);
+      tape t(one.ps);
+      t.backward(one.tr.forward(t, one.tokens(tok), 0).loss);
+      for (std::size_t i = 0; i < one.ps.size(); ++i) {
+        auto g = one.ps.grads()[i].f64();
+        local_tensor<double, 1> flat(index_t(g.size()));
+        std::copy(g.begin(), g.end(), flat.data());
+        ref[one.ps.name(i)] = flat;
+      }
+    }
+    auto check = [&](const auto& m) {
+      using Mesh = std::remove_cvref_t<decltype(m)>;
+      trainer<double, Mesh> run(m, c, 3);
+      const auto tokens = run.tokens(tok);
+      auto loss = [&](tape& t) { return run.tr.forward(t, tokens, 0).loss; };
+      {
+        tape t(run.ps);
+        t.backward(loss(t));
+      }
+      // Every parameter's gradient, gathered, equals the 1-rank one.
+      double vs_one = 0;
+      std::size_t tensors = 0;
+      for (std::size_t i = 0; i < run.ps.size(); ++i) {
+        const std::vector<char> bytes = run.ps.grads()[i].gather_to_root();
+        if (run.ps.mesh().rank() != 0) continue;
+        const double* g = reinterpret_cast<const double*>(bytes.data());
+        const auto& r = ref.at(run.ps.name(i));
+        for (index_t k = 0; k < r.size(); ++k) vs_one = std::max(vs_one, std::abs(g[k] - r.data()[k]) / (1e-6 + std::abs(r.data()[k])));
+        ++tensors;
+      }
+      vs_one = sum_all(world_rank() == 0 ? vs_one : 0.0);
+      // Finite differences of every parameter (two probes per shard).
+      double worst = 0;
+      auto f = [&] {
+        tape t(run.ps, tape::no_grad);
+        return scalar(loss(t));
+      };
+      const auto& b0 = run.tr.blocks()[0];
+      const auto& b1 = run.tr.blocks()[1];
+      for (const auto* b : {&b0, &b1}) {
+        for (const auto* w : {&b->norm1, &b->norm2}) worst = std::max(worst, fd_check(const_cast<std::remove_cvref_t<decltype(*w)>*>(w)->value(), w->grad(), f, 2));
+        for (const auto* w : {&b->attn.wq, &b->attn.wk, &b->attn.wv})
+          worst = std::max(worst, fd_check(const_cast<std::remove_cvref_t<decltype(*w)>*>(w)->value(), w->grad(), f, 2));
+        auto wo = b->attn.wo;
+        worst = std::max(worst, fd_check(wo.value(), wo.grad(), f, 2));
+        if (b->ffn) {
+          auto w1 = b->ffn->w1, w2 = b->ffn->w2;
+          worst = std::max({worst, fd_check(w1.value(), w1.grad(), f, 2), fd_check(w2.value(), w2.grad(), f, 2)});
+          if (b->ffn->w1_up) {
+            auto w = *b->ffn->w1_up;
+            worst = std::max(worst, fd_check(w.value(), w.grad(), f, 2));
+          }
+        }
+        if (b->moe) {
+          auto gate = b->moe->gate, wi = b->moe->wi, wo2 = b->moe->wo;
+          worst = std::max({worst, fd_check(gate.value(), gate.grad(), f, 2), fd_check(wi.value(), wi.grad(), f, 2),
+                            fd_check(wo2.value(), wo2.grad(), f, 2)});
+          if (b->moe->wi_up) {
+            auto w = *b->moe->wi_up;
+            worst = std::max(worst, fd_check(w.value(), w.grad(), f, 2));
+          }
+        }
+      }
+      INFO((ffn == moe::ffn_kind::relu ? "ReLU" : "SwiGLU") << " on " << m.describe() << ": worst relative error " << worst
+                                                              << ", worst difference from 1 rank " << vs_one << " over "
+                                                              << tensors << " tensors");
+      GSHARD_REQUIRE(worst < 1e-6 && vs_one < 1e-9);
+      GSHARD_REQUIRE(run.ps.size() == (ffn == moe::ffn_kind::relu ? 20u : 22u));
+    };
+    check(grid2(MPI_COMM_WORLD, {1, P}));
+    if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
+    if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+  }
 }
 
-TEST_CASE("one training step runs exactly the collectives its types imply", "[train][collectives]") {
+TEST_CASE("one training step runs exactly the collectives its types imply, and their bytes", "[train][collectives]") {
   const int P = world_size();
   const auto c = tiny(P);  // block 0 dense, block 1 MoE
+  const index_t B = 2 * P, L = 6, V = c.vocab, M = c.model, N = c.heads, K = c.head_dim, H = c.hidden, E = c.experts;
+  const index_t C = moe::capacity(L, E, c.gating);
   auto ran = [&](const auto& m) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    auto p = model::init<float>(m, c, 3);
-    adam<model::params<float, Mesh>> opt({}, model::zeros_like(p));
-    const auto tokens = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
+    trainer<float, Mesh> run(m, c, 3);
+    const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
-    model::train_step(tokens, p, opt, c, 0);
-    const auto seen = rec.tally();
-    std::string got;
-    for (const auto& [k, v] : seen) got += k + " x" + std::to_string(v) + " ";
-    INFO("ran: " << got);
+    model::train_step(run.tr, run.ps, run.opt, tokens, 0);
+    std::map<std::string, std::pair<int, std::size_t>> seen;  // calls and bytes per kind(axes)
+    for (const auto& e : rec.events()) {
+      auto& s = seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+      ++s.first;
+      s.second += e.bytes;
+    }
     return seen;
   };
-  // all_to_all: the MoE layer's two in the forward and their transposes in the backward.
-  // all_reduce over the batch axes: the gradient of every weight not split
-  // over them (embed, unembed, final norm, per block norm1, norm2, wq, wk, wv,
-  // wo, dense w1 and w2, MoE gate) — 18; the loss; the MoE statistics. Over
-  // the whole mesh: the global norm. Over "data": the two expert weights
-  // (replicated over data only).
-  const auto seen2 = ran(grid2(MPI_COMM_WORLD, {P == 4 || P == 8 ? 2 : 1, P == 4 || P == 8 ? P / 2 : P}));
-  GSHARD_REQUIRE(seen2 == std::map<std::string, int>{
-                              {"all_to_all(expert)", 4}, {"all_reduce(data,expert)", 18 + 3}, {"all_reduce(data)", 2}});
-  // With heads and the FFNs' hidden units split over "model": one all_reduce
-  // over it after each attention (2), dense FFN (1) and expert FFN (1) in the
-  // forward, and one for each of their input gradients in the backward (4);
-  // the rest as above.
-  const auto seen3 = ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
-  GSHARD_REQUIRE(seen3 == std::map<std::string, int>{{"all_to_all(expert)", 4},
-                                                     {"all_reduce(data,expert)", 18 + 2},
-                                                     {"all_reduce(data,expert,model)", 1},
-                                                     {"all_reduce(model)", 8},
-                                                     {"all_reduce(data)", 2}});
+  auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
+    std::string t;
+    for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
+    return t;
+  };
+  // What the types imply, for ranks along data (d), expert (e), model (m):
+  // all_to_all over expert: the MoE layer's two and their transposes, each [E,B/(de),C,M].
+  // all_reduce over the batch axes: the gradient of every weight replicated
+  // over them (embed, unembed, final norm; per block norm1, norm2, wq, wk,
+  // wv, wo; dense w1, w2; the router), each once however often it is used;
+  // the cross-entropy's sum and count; the MoE layer's statistics (E + 6).
+  // Over "data": the two expert weights (replicated over data only). Over
+  // "model": after each attention (2), dense FFN and expert FFN in the
+  // forward, and their input gradients in the backward. Over the whole mesh:
+  // the global norm.
+  auto want = [&](index_t d, index_t e, index_t mm, bool model_axis) {  // (a size-1 axis still runs its collectives)
+    const std::size_t f = sizeof(float);
+    const index_t Bl = B / (d * e);
+    std::size_t weights = std::size_t(V * M + M * V + M + 2 * (2 * M + 3 * M * N * K / mm + N * K * M / mm) + M * H / mm +
+                                      H * M / mm + M * E) * f;
+    std::map<std::string, std::pair<int, std::size_t>> w;
+    w["all_to_all(expert)"] = {4, std::size_t(4 * E * Bl * C * M) * f};
+    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(E + 6) * 8};
+    w["all_reduce(data)"] = {2, std::size_t(2 * (E / e) * M * (H / mm)) * f};
+    if (model_axis) {
+      w["all_reduce(model)"] = {8, std::size_t(2 * (3 * Bl * L * M) + 2 * (E / e) * (B / d) * C * M) * f};
+      w["all_reduce(data,expert,model)"] = {1, 8};
+    } else {
+      w["all_reduce(data,expert)"].first += 1;
+      w["all_reduce(data,expert)"].second += 8;
+    }
+    return w;
+  };
+  {
+    const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
+    const auto got = ran(grid2(MPI_COMM_WORLD, {d, e})), expected = want(d, e, 1, false);
+    INFO("ran: " << text(got) << "\nwant: " << text(expected));
+    GSHARD_REQUIRE(got == expected);
+  }
+  const auto s = data_expert_model_sizes(P);
+  const auto got = ran(grid3(MPI_COMM_WORLD, s)), expected = want(s[0], s[1], s[2], true);
+  INFO("ran: " << text(got) << "\nwant: " << text(expected));
+  GSHARD_REQUIRE(got == expected);
 }
 
 TEST_CASE("the same seed gives the same losses at every rank count, and bit-identical reruns", "[train][determinism]") {
   const int P = world_size();
   const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  adam_config ac;
+  ac.lr = 1e-2, ac.warmup_steps = 1;
   auto run = [&](const auto& m, auto zero) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    using T = decltype(zero);
-    auto p = model::init<T>(m, c, 5);
-    adam_config ac;
-    ac.lr = 1e-2, ac.warmup_steps = 1;
-    adam<model::params<T, Mesh>> opt(ac, model::zeros_like(p));
-    std::vector<double> losses;
-    for (int step = 0; step < 4; ++step) {
-      const auto tok = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
-      losses.push_back(model::train_step(tok, p, opt, c, std::uint64_t(step)).value.total);
-    }
-    return losses;
+    trainer<decltype(zero), Mesh> t(m, c, 5, ac);
+    return t.steps(tok, 0, 4);
   };
   const auto one = run(grid2(MPI_COMM_SELF, {1, 1}), 0.0);
   const auto many = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0);
@@ -286,64 +351,83 @@ TEST_CASE("the same seed gives the same losses at every rank count, and bit-iden
   GSHARD_REQUIRE(f1 == f2);  // bit-identical
 }
 
+TEST_CASE("axis roles are declared: a mesh named (dp, ep, tp) trains like (data, expert, model)", "[train][roles]") {
+  const int P = world_size();
+  using named_grid = mesh<axis<"dp">, axis<"ep">, axis<"tp">>;
+  using roles = axis_roles<batch_axes<"dp", "ep">, expert_axes<"ep">, model_axes<"tp">>;
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  const auto s = data_expert_model_sizes(P);
+  grid3 m3(MPI_COMM_WORLD, s);
+  named_grid mn(MPI_COMM_WORLD, s);
+  trainer<double, grid3> ref(m3, c, 9);
+  trainer<double, named_grid, roles> other(mn, c, 9);
+  static_assert(roles_on<named_grid, roles>::at_tokens::text == "B{dp,ep} G{dp,ep} H{tp} N{tp}");
+  const auto l1 = ref.steps(tok, 0, 3), l2 = other.steps(tok, 0, 3);
+  double worst = 0;
+  for (std::size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, std::abs(l1[i] - l2[i]));
+  INFO("worst loss difference " << worst);
+  GSHARD_REQUIRE(worst < 1e-12);
+}
+
 TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse damaged files", "[train][checkpoint]") {
   const int P = world_size();
   const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
   const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_ckpt_test_" + std::to_string(P))).string();
   if (world_rank() == 0) std::filesystem::create_directories(dir);
   MPI_Barrier(MPI_COMM_WORLD);
   const std::string path = dir + "/model.ckpt";
 
-  auto steps = [&](const auto& m, auto& p, auto& opt, int from, int to) {
-    using Mesh = std::remove_cvref_t<decltype(m)>;
-    std::vector<double> losses;
-    for (int step = from; step < to; ++step) {
-      const auto tok = distribute<model::batch_split<Mesh>>(m, some_tokens(2 * P, 6));
-      losses.push_back(model::train_step(tok, p, opt, c, std::uint64_t(step)).value.total);
-    }
-    return losses;
-  };
   grid2 m(MPI_COMM_WORLD, {1, P});
-  using params_t = model::params<float, grid2>;
-  auto fresh = [&](const auto& mesh) {
-    auto p = model::init<float>(mesh, c, 7);
-    return std::pair{p, adam<std::remove_cvref_t<decltype(p)>>({}, model::zeros_like(p))};
-  };
-  auto [p0, o0] = fresh(m);
-  const auto straight = steps(m, p0, o0, 0, 4);
+  auto fresh = [&](const auto& mesh) { return std::make_unique<trainer<float, std::remove_cvref_t<decltype(mesh)>>>(mesh, c, 7); };
+  const auto straight = fresh(m)->steps(tok, 0, 4);
 
-  auto [p1, o1] = fresh(m);
-  steps(m, p1, o1, 0, 2);
-  save_checkpoint(path, m, model::checkpoint_parts(p1, o1), {{"step", 2.0}});
+  auto t1 = fresh(m);
+  t1->steps(tok, 0, 2);
+  save_checkpoint(path, m, t1->parts(), {{"step", 2.0}});
   {  // the same rank count: bit-identical continuation
-    auto [p2, o2] = fresh(m);
-    const auto meta = load_checkpoint(path, m, model::checkpoint_parts(p2, o2));
-    o2.step = int(meta.at("step"));
-    const auto resumed = steps(m, p2, o2, 2, 4);
+    auto t2 = fresh(m);
+    const auto meta = load_checkpoint(path, m, t2->parts());
+    t2->opt.step = int(meta.at("step"));
+    const auto resumed = t2->steps(tok, 2, 4);
     GSHARD_REQUIRE(meta.at("step") == 2.0 && resumed[0] == straight[2] && resumed[1] == straight[3]);
   }
   {  // one rank (each rank alone): resharded on load, the same curve within float rounding
     grid2 self(MPI_COMM_SELF, {1, 1});
-    auto [p3, o3] = fresh(self);
-    const auto meta = load_checkpoint(path, self, model::checkpoint_parts(p3, o3));
-    o3.step = int(meta.at("step"));
-    const auto resumed = steps(self, p3, o3, 2, 4);
+    auto t3 = fresh(self);
+    t3->opt.step = int(load_checkpoint(path, self, t3->parts()).at("step"));
+    const auto resumed = t3->steps(tok, 2, 4);
     GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
   }
   {  // another mesh: heads, hidden units and their moments split over "model" on load
     grid3 m3(MPI_COMM_WORLD, data_expert_model_sizes(P));
-    auto [p4, o4] = fresh(m3);
-    const auto meta = load_checkpoint(path, m3, model::checkpoint_parts(p4, o4));
-    o4.step = int(meta.at("step"));
+    auto t4 = fresh(m3);
+    t4->opt.step = int(load_checkpoint(path, m3, t4->parts()).at("step"));
     // ... and saved from there (shards split over "model"), back onto (data, expert).
     const std::string path3 = dir + "/model3.ckpt";
-    save_checkpoint(path3, m3, model::checkpoint_parts(p4, o4), {{"step", 2.0}});
-    const auto resumed = steps(m3, p4, o4, 2, 4);
+    save_checkpoint(path3, m3, t4->parts(), {{"step", 2.0}});
+    const auto resumed = t4->steps(tok, 2, 4);
     GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
-    auto [p5, o5] = fresh(m);
-    o5.step = int(load_checkpoint(path3, m, model::checkpoint_parts(p5, o5)).at("step"));
-    const auto back = steps(m, p5, o5, 2, 4);
+    auto t5 = fresh(m);
+    t5->opt.step = int(load_checkpoint(path3, m, t5->parts()).at("step"));
+    const auto back = t5->steps(tok, 2, 4);
     GSHARD_REQUIRE(std::abs(back[0] - straight[2]) < 1e-5 && std::abs(back[1] - straight[3]) < 1e-5);
+  }
+  {  // a checkpoint written by the hand-written trainer before the autodiff
+     // rewrite (test/data/v1_tiny.ckpt, commit eaec8ac, 2 steps of a tiny
+     // model at 1 rank): the same names and format; the loaded weights give
+     // the loss that trainer recorded in the file's metadata.
+    model::config old = tiny(1);
+    old.experts = 4;
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    trainer<float, grid2> t6(self, old, 0);
+    const auto meta = load_checkpoint(std::string(GSHARD_TEST_DATA) + "/v1_tiny.ckpt", self, t6.parts());
+    tape t(t6.ps, tape::no_grad);
+    const auto out = t6.tr.forward(t, t6.tokens(some_tokens(4, 6)), 2);
+    INFO("loss " << scalar(out.loss) << " vs recorded " << meta.at("check_loss"));
+    GSHARD_REQUIRE(meta.at("step") == 2.0 && std::abs(scalar(out.loss) - meta.at("check_loss")) < 1e-5 &&
+                   std::abs(out.ce - meta.at("check_ce")) < 1e-5 && std::abs(out.aux - meta.at("check_aux")) < 1e-5);
   }
 
   // Damaged files: one clear error on every rank, naming the file and the problem.
@@ -356,8 +440,8 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
     MPI_Barrier(MPI_COMM_WORLD);
     return bad;
   };
-  auto [pq, oq] = fresh(m);
-  const auto parts = model::checkpoint_parts(pq, oq);
+  auto tq = fresh(m);
+  const auto parts = tq->parts();
   const auto flipped = damaged("flipped.ckpt", [](const std::string& f) {
     std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
     io.seekp(std::streamoff(std::filesystem::file_size(f) / 2));
@@ -393,18 +477,17 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
   {  // a model of another shape
     auto other = c;
     other.model = 16;
-    auto po = model::init<float>(m, other, 7);
-    adam<params_t> oo({}, model::zeros_like(po));
-    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, model::checkpoint_parts(po, oo)), checkpoint_error,
-                               "record 'param.embed' holds 32-bit [256,8] but the program has f32[256,16]");
+    trainer<float, grid2> to(m, other, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, to.parts()), checkpoint_error,
+                               "record 'param.embed' holds 32-bit [256,8] but the program has f32[V,M]");
   }
   {  // a save that fails leaves the previous checkpoint intact
     if (world_rank() == 0) std::filesystem::create_directories(path + ".tmp");  // the temporary file cannot be opened
     MPI_Barrier(MPI_COMM_WORLD);
-    GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(path, m, model::checkpoint_parts(p0, o0), {{"step", 4.0}}), checkpoint_error,
-                               "for writing");
-    auto [p4, o4] = fresh(m);
-    GSHARD_REQUIRE(load_checkpoint(path, m, model::checkpoint_parts(p4, o4)).at("step") == 2.0);
+    auto t0 = fresh(m);
+    GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(path, m, t0->parts(), {{"step", 4.0}}), checkpoint_error, "for writing");
+    auto t4 = fresh(m);
+    GSHARD_REQUIRE(load_checkpoint(path, m, t4->parts()).at("step") == 2.0);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::filesystem::remove_all(dir);

@@ -25,6 +25,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "gshard/ad/parameters.hpp"
 #include "gshard/error.hpp"
 #include "gshard/reshard.hpp"
 
@@ -171,21 +172,19 @@ inline void agree_or_throw(const std::string& problem_on_root, const std::string
 
 }  // namespace detail
 
-// A named set of tensors to save or load: the tensors `for_each_param` visits
-// in *p, under names "<prefix><name>".
-template <class P>
+// A named set of tensors to save or load: every tensor of *set, under the
+// name "<prefix><its name>" (e.g. {"param.", &ps.values()}, {"adam.m.", &opt.moment1()}).
 struct checkpoint_part {
   std::string prefix;
-  P* p;
+  tensor_set* set;
 };
 
-template <class P, mesh_type Mesh>
-void save_checkpoint(const std::string& path, const Mesh& m, const std::vector<checkpoint_part<P>>& parts,
-                     const std::map<std::string, double>& meta = {}) {
+inline void save_checkpoint(const std::string& path, const detail::mesh_base& m, const std::vector<checkpoint_part>& parts,
+                            const std::map<std::string, double>& meta = {}) {
   const bool root = m.rank() == 0;
   detail::ckpt_writer w;
   std::uint64_t n_records = 0;
-  for (const auto& part : parts) for_each_param([&](const std::string&, auto&) { ++n_records; }, *part.p);
+  for (const auto& part : parts) n_records += part.set->size();
   if (root) {
     w.buf = "GSHARDCK";
     w.put(std::uint32_t(1));
@@ -197,22 +196,19 @@ void save_checkpoint(const std::string& path, const Mesh& m, const std::vector<c
     w.put(n_records);
   }
   for (const auto& part : parts)
-    for_each_param(
-        [&](const std::string& name, auto& t) {
-          using X = std::remove_cvref_t<decltype(t)>;
-          const auto global = gather_to_root(t);
-          if (!root) return;
-          w.put_string(part.prefix + name);
-          w.put(std::uint8_t(sizeof(typename X::value_type)));
-          w.put(std::uint32_t(X::rank));
-          for (index_t e : t.extents()) w.put(std::uint64_t(e));
-          w.put_string(std::string(X::sharding_type::text));
-          const std::size_t bytes = std::size_t(global.size()) * sizeof(typename X::value_type);
-          w.put(std::uint64_t(bytes));
-          w.buf.append(reinterpret_cast<const char*>(global.data()), bytes);
-          w.put(detail::fnv1a(reinterpret_cast<const char*>(global.data()), bytes));
-        },
-        *part.p);
+    for (auto& t : *part.set) {
+      const std::vector<char> global = t->gather_to_root();
+      if (!root) continue;
+      w.put_string(part.prefix + t->name());
+      w.put(std::uint8_t(t->element_bytes()));
+      const std::vector<index_t> extents = t->extents();
+      w.put(std::uint32_t(extents.size()));
+      for (index_t e : extents) w.put(std::uint64_t(e));
+      w.put_string(t->sharding_text());
+      w.put(std::uint64_t(global.size()));
+      w.buf.append(global.data(), global.size());
+      w.put(detail::fnv1a(global.data(), global.size()));
+    }
   std::string problem;
   if (root) {
     const std::uint64_t h = detail::fnv1a(w.buf.data(), w.buf.size());
@@ -234,9 +230,8 @@ void save_checkpoint(const std::string& path, const Mesh& m, const std::vector<c
 // Loads into `parts` (which must have the saved names, element types and
 // global shapes; their shardings may differ from the saved ones) and returns
 // the metadata.
-template <class P, mesh_type Mesh>
-std::map<std::string, double> load_checkpoint(const std::string& path, const Mesh& m,
-                                              const std::vector<checkpoint_part<P>>& parts) {
+inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
+                                                     const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;
   std::string file, problem;
   std::map<std::string, double> meta;
@@ -250,22 +245,18 @@ std::map<std::string, double> load_checkpoint(const std::string& path, const Mes
     }
     // Every tensor the program expects, with its type and shape.
     for (const auto& part : parts)
-      for_each_param(
-          [&](const std::string& name, auto& t) {
-            using X = std::remove_cvref_t<decltype(t)>;
-            if (!problem.empty()) return;
-            const auto it = records.find(part.prefix + name);
-            if (it == records.end()) {
-              problem = "no record '" + part.prefix + name + "'";
-              return;
-            }
-            const auto& r = it->second;
-            const std::vector<index_t> want(t.extents().begin(), t.extents().end());
-            if (r.elem_bytes != int(sizeof(typename X::value_type)) || r.extents != want)
-              problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
-                        detail::extents_text(r.extents) + " but the program has " + t.notation();
-          },
-          *part.p);
+      for (auto& t : *part.set) {
+        if (!problem.empty()) break;
+        const auto it = records.find(part.prefix + t->name());
+        if (it == records.end()) {
+          problem = "no record '" + part.prefix + t->name() + "'";
+          break;
+        }
+        const auto& r = it->second;
+        if (r.elem_bytes != t->element_bytes() || r.extents != t->extents())
+          problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
+                    detail::extents_text(r.extents) + " but the program has " + t->notation();
+      }
   }
   detail::agree_or_throw(problem, path, m.comm());
   std::vector<double> meta_values;
@@ -290,19 +281,8 @@ std::map<std::string, double> load_checkpoint(const std::string& path, const Mes
     pos = eol + 1;
   }
   for (const auto& part : parts)
-    for_each_param(
-        [&](const std::string& name, auto& t) {
-          using X = std::remove_cvref_t<decltype(t)>;
-          using T = typename X::value_type;
-          local_tensor<T, X::rank> global;
-          if (root) {
-            const auto& r = records.at(part.prefix + name);
-            global = local_tensor<T, X::rank>(t.extents());
-            std::memcpy(global.data(), file.data() + r.offset, r.bytes);
-          }
-          t = scatter<typename X::sharding_type>(t.mesh(), global);  // into this program's sharding
-        },
-        *part.p);
+    for (auto& t : *part.set)  // each into this program's sharding
+      t->scatter_from_root(root ? file.data() + records.at(part.prefix + t->name()).offset : nullptr);
   return out;
 }
 

@@ -149,7 +149,7 @@ struct einsum_plan {
 
   // Global extents by label letter; throws (the same on every rank) when
   // the operands disagree on a label.
-  static void label_extents(const index_t* a, const index_t* b, index_t* by_label, std::string_view dtype) {
+  GSHARD_NOINLINE static void label_extents(const index_t* a, const index_t* b, index_t* by_label, std::string_view dtype) {
     for (int d = 0; d < rank_a; ++d) by_label[int(spec.in[0][d])] = a[d];
     if constexpr (nin == 2)
       for (int d = 0; d < rank_b; ++d) {
@@ -242,7 +242,7 @@ inline einsum_program plan_einsum_program(const einsum_spec& s, const rlayout* i
 // Runs an einsum program on local shards; returns the output shard in the
 // requested layout. `out_global` receives the output's global extents.
 template <class T, int RA, int RB, int RO>
-local_tensor<T, RO> execute_einsum(const mesh_base& m, const einsum_program& p, const local_tensor<T, RA>& a,
+GSHARD_NOINLINE local_tensor<T, RO> execute_einsum(const mesh_base& m, const einsum_program& p, const local_tensor<T, RA>& a,
                                    const shape<RA>& ga, const local_tensor<T, RB>* b, const shape<RB>& gb,
                                    shape<RO>& out_global) {
   const einsum_spec& s = p.spec;

@@ -1,17 +1,20 @@
-// gshard/optim.hpp — Adam over sharded parameters: each rank updates its own
-// shards, and the moments are sharded like their parameter. Gradient clipping
-// by the global norm counts every element once: a shard held by several ranks
+// gshard/optim.hpp — Adam over a model's declared parameters: each rank
+// updates its own shards, and the moments are sharded like their parameter
+// (tensor_sets with the parameters' names and types). Gradient clipping by
+// the global norm counts every element once: a shard held by several ranks
 // (replicated over some axes) contributes 1/replication of its square sum on
-// each, so one all_reduce gives the exact norm. Learning rate: linear warm-up,
-// then cosine decay to a floor.
+// each, so one all_reduce gives the exact norm. Learning rate: linear
+// warm-up, then cosine decay to a floor.
 #pragma once
 
 #include <cmath>
 #include <numbers>
+#include <span>
+#include <utility>
 #include <vector>
 
+#include "gshard/ad/parameters.hpp"
 #include "gshard/collectives.hpp"
-#include "gshard/tensor.hpp"
 
 namespace gshard {
 
@@ -31,67 +34,63 @@ struct adam_config {
   }
 };
 
-// How many ranks hold each element of a tensor with this layout: the product
-// of the sizes of the axes that split none of its dims (and hold no pending sum).
-template <sharded_tensor X>
-index_t replication(const X& t) {
-  index_t r = 1;
-  for (int a = 0; a < t.mesh().naxes(); ++a)
-    if (X::layout.is_free(a)) r *= t.mesh().size(a);
-  return r;
-}
-
-// The global L2 norm of every tensor `for_each_param` visits in `grads`
-// (one all_reduce over the whole mesh).
-template <class P, class Mesh>
-double global_norm(P& grads, const Mesh& m) {
+// The global L2 norm of every tensor of `s` (one all_reduce over the whole mesh).
+inline double global_norm(tensor_set& s, const detail::mesh_base& m) {
   std::vector<double> sq{0.0};
-  for_each_param(
-      [&](const std::string&, auto& g) {
-        double s = 0;
-        for (index_t i = 0, n = g.local().size(); i < n; ++i) s += double(g.data()[i]) * double(g.data()[i]);
-        sq[0] += s / double(replication(g));
-      },
-      grads);
+  for (auto& e : s) {
+    double sum = 0;
+    for (float v : e->f32()) sum += double(v) * double(v);
+    for (double v : e->f64()) sum += v * v;
+    sq[0] += sum / double(e->replication());
+  }
   all_reduce<double>(m.group((1u << m.naxes()) - 1u), sq);
   return std::sqrt(sq[0]);
 }
 
-// Adam's state for parameters of type P (walked by for_each_param).
-template <class P>
-struct adam {
+// Adam's state for the parameters of one model.
+class adam {
+ public:
+  template <mesh_type Mesh>
+  adam(const adam_config& c, parameters<Mesh>& ps) : cfg(c), m_(ps.values().zeros_like()), v_(ps.values().zeros_like()) {}
+
   adam_config cfg;
-  P m, v;       // first and second moments, sharded like the parameters
   int step = 0;  // updates done
 
-  adam(const adam_config& c, const P& zeros) : cfg(c), m(zeros), v(zeros) {}
+  tensor_set& moment1() { return m_; }
+  tensor_set& moment2() { return v_; }
 
-  // One update; returns {the gradients' global norm before clipping, the learning rate used}.
-  template <class Mesh>
-  std::pair<double, double> update(P& params, P& grads, const Mesh& mesh) {
-    const double norm = global_norm(grads, mesh);
+  // One update of every parameter from its gradient; returns {the gradients'
+  // global norm before clipping, the learning rate used}.
+  template <mesh_type Mesh>
+  std::pair<double, double> update(parameters<Mesh>& ps) {
+    const double norm = global_norm(ps.grads(), ps.mesh());
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
     const double lr = cfg.lr_at(step);
     ++step;
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
-    for_each_param(
-        [&](const std::string&, auto& w, auto& g, auto& m1, auto& m2) {
-          using T = typename std::remove_cvref_t<decltype(w)>::value_type;
-          T* pw = w.data();
-          const T* pg = g.data();
-          T* pm = m1.data();
-          T* pv = m2.data();
-          for (index_t i = 0, n = w.local().size(); i < n; ++i) {
-            const double gi = double(pg[i]) * clip;
-            pm[i] = T(cfg.beta1 * double(pm[i]) + (1.0 - cfg.beta1) * gi);
-            pv[i] = T(cfg.beta2 * double(pv[i]) + (1.0 - cfg.beta2) * gi * gi);
-            const double update = (double(pm[i]) / c1) / (std::sqrt(double(pv[i]) / c2) + cfg.eps);
-            pw[i] = T(double(pw[i]) - lr * (update + cfg.weight_decay * double(pw[i])));
-          }
-        },
-        params, grads, m, v);
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      auto& w = ps.values()[i];
+      auto& g = ps.grads()[i];
+      update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
+      update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
+    }
     return {norm, lr};
   }
+
+ private:
+  template <class T>
+  void update_one(std::span<T> w, std::span<T> g, std::span<T> m1, std::span<T> m2, double clip, double lr, double c1,
+                  double c2) const {
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      const double gi = double(g[i]) * clip;
+      m1[i] = T(cfg.beta1 * double(m1[i]) + (1.0 - cfg.beta1) * gi);
+      m2[i] = T(cfg.beta2 * double(m2[i]) + (1.0 - cfg.beta2) * gi * gi);
+      const double update = (double(m1[i]) / c1) / (std::sqrt(double(m2[i]) / c2) + cfg.eps);
+      w[i] = T(double(w[i]) - lr * (update + cfg.weight_decay * double(w[i])));
+    }
+  }
+
+  tensor_set m_, v_;
 };
 
 }  // namespace gshard

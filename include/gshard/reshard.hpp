@@ -71,7 +71,7 @@ void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, 
 
 // Runs one step; `before` is the layout of `in`, and the result has `after`.
 template <class T, int Rank>
-local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
                                const local_tensor<T, Rank>& in, const shape<Rank>& global) {
   const shape<Rank> e = local_extents<Rank>(before, global, m);
   const shape<Rank> eo = local_extents<Rank>(after, global, m);
@@ -158,7 +158,7 @@ local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const 
 // Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
 // work in place, the other steps write a fresh shard.
 template <class T, int Rank>
-local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
                                       const shape<Rank>& global, int first = 0) {
   for (int i = first; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
@@ -175,7 +175,7 @@ local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p
 
 // Runs a plan on a shard it only reads: the first step writes a fresh shard.
 template <class T, int Rank>
-local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
                                       const shape<Rank>& global) {
   if (p.n == 0) return local;
   return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);

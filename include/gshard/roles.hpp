@@ -99,16 +99,17 @@ struct resolved_roles {
   static constexpr std::uint32_t batch = mask_of(Roles::batch::names);
   static constexpr std::uint32_t expert = mask_of(Roles::expert::names);
   static constexpr std::uint32_t model = mask_of(Roles::model::names);
-  static constexpr role_check check = [] {
-    role_check c;
-    for (int a = 0; a < naxes && c.problem == roles_problem::none; ++a) {
+  static consteval role_check check_roles() {
+    for (int a = 0; a < naxes; ++a) {
       const std::uint32_t bit = 1u << a;
-      if (!((batch | model) & bit)) c = {roles_problem::no_role, Mesh::names[std::size_t(a)]};
-      else if ((expert & bit) && !(batch & bit)) c = {roles_problem::expert_not_batch, Mesh::names[std::size_t(a)]};
-      else if ((batch & bit) && (model & bit)) c = {roles_problem::batch_and_model, Mesh::names[std::size_t(a)]};
+      const name_t n = Mesh::names[std::size_t(a)];
+      if (!((batch | model) & bit)) return {roles_problem::no_role, n};
+      if ((expert & bit) && !(batch & bit)) return {roles_problem::expert_not_batch, n};
+      if ((batch & bit) && (model & bit)) return {roles_problem::batch_and_model, n};
     }
-    return c;
-  }();
+    return {};
+  }
+  static constexpr role_check check = check_roles();
   static_assert(check_axis_role<to_fixed<check.axis.view().size()>(check.axis.view()), check.problem>::ok);
 
   // The axes of `mask` in mesh order, those of `last` (a subset) minor-most.

@@ -12,13 +12,9 @@
 #include <type_traits>
 
 #include "gshard/fixed_string.hpp"
+#include "gshard/types.hpp"
 
 namespace gshard {
-
-using index_t = std::ptrdiff_t;
-
-inline constexpr int max_rank = 8;        // tensor dims a sharding can describe
-inline constexpr int max_mesh_axes = 6;   // axes a mesh can have
 
 // split<Dim, Major, ..., Minor>: tensor dim `Dim` is split over the named mesh
 // axes; the shard index is the row-major composite of the ranks' coordinates.

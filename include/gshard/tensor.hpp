@@ -99,7 +99,7 @@ std::string extents_string(const shape<Rank>& e) {
 
 // Every split dim divisible by its number of shards; the same error on every rank otherwise.
 template <int Rank>
-void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank>& global, const mesh_base& m,
+GSHARD_NOINLINE void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank>& global, const mesh_base& m,
                      std::string_view dtype, std::string_view labels = {}) {
   for (int d = 0; d < Rank; ++d) {
     const index_t parts = dim_parts(l, d, m.sizes());
@@ -156,14 +156,7 @@ class tensor {
     validate();
     const extents_type want = local_extents();
     for (int d = 0; d < Rank; ++d)
-      if (local_.dimension(d) != want[std::size_t(d)]) {
-        extents_type got{};
-        for (int k = 0; k < Rank; ++k) got[std::size_t(k)] = local_.dimension(k);
-        mpi::abort_job(("gshard::tensor: rank " + std::to_string(m.rank()) + " was given a local shard of extents " +
-                        detail::extents_string<Rank>(got) + " but " + notation() + " places " +
-                        detail::extents_string<Rank>(want) + " there")
-                           .c_str());
-      }
+      if (local_.dimension(d) != want[std::size_t(d)]) wrong_shard(want);
   }
 
   const Mesh& mesh() const { return *mesh_; }
@@ -201,10 +194,25 @@ class tensor {
     detail::check_divisible<Rank>(layout, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>(), labels);
   }
 
+  [[noreturn]] GSHARD_NOINLINE void wrong_shard(const extents_type& want) const {
+    extents_type got{};
+    for (int k = 0; k < Rank; ++k) got[std::size_t(k)] = local_.dimension(k);
+    mpi::abort_job(("gshard::tensor: rank " + std::to_string(mesh_->rank()) + " was given a local shard of extents " +
+                    detail::extents_string<Rank>(got) + " but " + notation() + " places " +
+                    detail::extents_string<Rank>(want) + " there")
+                       .c_str());
+  }
+
   const Mesh* mesh_;
   extents_type extents_;
   local_type local_;
 };
+
+// named<float, "GSM", Mesh, Rules>: a tensor whose dims carry the labels and
+// whose sharding the rule table gives them (labels.hpp), e.g. with
+// at_groups = rules<on<'G', "data", "expert">> the type of f32[G{data,expert},S,M].
+template <class T, fixed_string Labels, mesh_type Mesh, class Rules = rules<>>
+using named = tensor<T, int(Labels.size()), Mesh, sharding_by<Rules, Labels>, Labels>;
 
 namespace detail {
 template <class X>
@@ -247,12 +255,26 @@ auto relabel(X&& x) {
     return out_t(x.mesh(), x.extents(), typename Y::local_type(x.local()));
 }
 
+namespace detail {
+template <class S, class T, int Rank, class Mesh>
+struct distributed_type {
+  using type = tensor<T, Rank, Mesh, S>;
+};
+template <class T, int Rank, class Mesh, class S, fixed_string L, class T2, int R2, class M2, index_t... E>
+struct distributed_type<tensor<T2, R2, M2, S, L, E...>, T, Rank, Mesh> {
+  static_assert(std::is_same_v<T, T2> && Rank == R2 && std::is_same_v<Mesh, M2>,
+                "gshard::distribute: the global tensor's element type, rank or mesh differ from the requested tensor type");
+  using type = tensor<T2, R2, M2, S, L, E...>;
+};
+}  // namespace detail
+
 // Every rank slices its own shard of `global` (which every rank holds); no
 // communication. For a partial sharding, coordinate 0 of each partial axis
 // holds the value and the others hold zeros.
-template <class Sharding, mesh_type Mesh, class T, int Rank>
-tensor<T, Rank, Mesh, Sharding> distribute(const Mesh& m, const local_tensor<T, Rank>& global) {
-  using out_t = tensor<T, Rank, Mesh, Sharding>;
+// distribute<X> with a tensor type X gives that type (its sharding and labels).
+template <class ShardingOrTensor, mesh_type Mesh, class T, int Rank>
+auto distribute(const Mesh& m, const local_tensor<T, Rank>& global) {
+  using out_t = typename detail::distributed_type<ShardingOrTensor, T, Rank, Mesh>::type;
   const shape<Rank> g = detail::dims_of<Rank>(global);
   out_t out(m, g);
   bool zero = false;

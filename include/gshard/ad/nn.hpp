@@ -102,7 +102,7 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   const index_t rows = logits.value().local().size() / std::max<index_t>(C, 1);
   const T* lg = logits.value().data();
   const std::int32_t* tg = targets.data();
-  using Sum = typename detail::sum_over_shards<X, 1>::type;
+  using Sum = typename detail::sum_over_shards<X, 1, double>::type;  // sums in double whatever T
   Sum sum(logits.mesh(), {2});  // [Σ -log p, count] over this rank's rows
   for (index_t r = 0; r < rows; ++r, lg += C) {
     if (tg[r] == -1) continue;

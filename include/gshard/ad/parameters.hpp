@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "gshard/error.hpp"
+#include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
 
 namespace gshard {
@@ -103,40 +104,6 @@ inline std::uint64_t name_hash(std::string_view s) {  // FNV-1a: a parameter's s
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (char c : s) h = (h ^ std::uint8_t(c)) * 0x100000001b3ull;
   return h;
-}
-
-// A uniform double in [0, 1), a pure function of its arguments (SplitMix64
-// finaliser over the mixed key): the same on every rank and at every rank count.
-inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t group, std::uint64_t token) {
-  auto mix = [](std::uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  const std::uint64_t z = mix(mix(mix(mix(seed) ^ stream) ^ group) ^ token);
-  return double(z >> 11) * 0x1.0p-53;
-}
-
-// A standard normal that depends only on (seed, stream, global index) (Box-Muller).
-inline double normal_value(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
-  const double u1 = uniform(seed, stream, index, 0x5EED), u2 = uniform(seed, stream, index, 0xF00D);
-  return std::sqrt(-2.0 * std::log(u1 + 1e-300)) * std::cos(6.283185307179586 * u2);
-}
-
-// t[i] = stddev · normal(seed, stream, global index of i): each rank fills
-// only its shard, and every rank count gives the same global tensor.
-template <class X>
-void fill_normal(X& t, double stddev, std::uint64_t seed, std::uint64_t stream) {
-  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
-  constexpr int R = X::rank;
-  std::array<index_t, std::size_t(R)> pos{};
-  for (index_t i = 0, n = t.local().size(); i < n; ++i) {
-    index_t global = 0;
-    for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
-    t.data()[i] = typename X::value_type(stddev * normal_value(seed, stream, std::uint64_t(global)));
-    for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
-  }
 }
 
 }  // namespace detail
@@ -244,7 +211,7 @@ class parameters {
     static_assert(std::is_same_v<typename X::mesh_type, Mesh>, "gshard::param: the parameter lives on another mesh type");
     static_assert(X::layout.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
     X value(*mesh_, extents);
-    if (init.how == initializer::kind::normal) detail::fill_normal(value, init.value, seed_, detail::name_hash(name));
+    if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
     else value.local().setConstant(typename X::value_type(init.value));
     X zero(*mesh_, extents);
     values_.add(name, std::move(value));

@@ -1,11 +1,12 @@
-// gshard/model/train.hpp — one training step of the MoE Transformer (forward
-// with the cache, backward, Adam) and byte batches from a text, both
-// deterministic functions of (seed, step): the same losses at any rank count,
-// bit-identical when run twice at the same one, and a resumed run continues
-// the same curve.
+// gshard/model/train.hpp — one training step of the MoE Transformer (the
+// forward on a tape, the derived backward, Adam) and byte batches from a
+// text, both deterministic functions of (seed, step): the same losses at any
+// rank count, bit-identical when run twice at the same one, and a resumed
+// run continues the same curve.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "gshard/checkpoint.hpp"
 #include "gshard/model/transformer.hpp"
@@ -23,61 +24,66 @@ inline local_tensor<std::int32_t, 2> text_batch(const std::string& text, std::si
   local_tensor<std::int32_t, 2> tok(B, L + 1);
   const std::size_t span = end - begin - std::size_t(L);
   for (index_t b = 0; b < B; ++b) {
-    const std::size_t at = begin + std::size_t(moe::uniform(seed, 0xDA7A, step, std::uint64_t(b)) * double(span));
+    const std::size_t at = begin + std::size_t(uniform(seed, 0xDA7A, step, std::uint64_t(b)) * double(span));
     for (index_t l = 0; l <= L; ++l) tok(b, l) = std::int32_t(static_cast<unsigned char>(text[at + std::size_t(l)]));
   }
   return tok;
 }
 
-template <class T, mesh_type Mesh>
 struct step_result {
-  loss value;                         // this step's loss, before the update
+  double loss = 0, ce = 0, aux = 0;    // this step's, before the update
   std::vector<moe::gating_stats> moe;  // per MoE layer, summed over every group
   double grad_norm = 0, lr = 0;
 };
 
-// Forward, backward and one Adam update on `tokens` [B{data,expert}, L+1].
-template <class T, mesh_type Mesh>
-step_result<T, Mesh> train_step(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, params<T, Mesh>& p,
-                                adam<params<T, Mesh>>& opt, const config& c, std::uint64_t step) {
-  const Mesh& m = tokens.mesh();
-  trace::span step_span("train step " + std::to_string(step), "step");
-  model_cache<T, Mesh> keep;
-  const auto fwd = [&] {
+// Forward on a tape, backward, and one Adam update.
+template <class T, mesh_type Mesh, class Roles>
+step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, adam& opt,
+                       const typename transformer<T, Mesh, Roles>::tokens_type& tokens, std::uint64_t step) {
+  std::optional<trace::span> step_span;
+  if (trace::enabled()) step_span.emplace("train step " + std::to_string(step), "step");
+  tape t(ps);
+  auto out = [&] {
     trace::span s("forward", "model");
-    return forward(tokens, p, c, step, moe::dispatch_mode::index, &keep);
+    return model.forward(t, tokens, step);
   }();
-  auto g = backward(tokens, p, c, keep);
-  step_result<T, Mesh> r;
-  r.value = reduce_loss(fwd.second, c, m);
-  if (!std::isfinite(r.value.total))  // the same on every rank: the loss is reduced
-    throw error("gshard::model::train_step: the loss at step " + std::to_string(step) + " is " +
-                std::to_string(r.value.total) + " (NaN or Inf in the inputs, the parameters or the gradients)");
+  step_result r;
+  r.loss = out.loss.value().local()(), r.ce = out.ce, r.aux = out.aux;
+  if (!std::isfinite(r.loss))  // the same on every rank: the loss is reduced
+    throw error("gshard::model::train_step: the loss at step " + std::to_string(step) + " is " + std::to_string(r.loss) +
+                " (NaN or Inf in the inputs, the parameters or the gradients)");
+  t.backward(out.loss);
   {
     trace::span s("optimizer", "model");
-    std::tie(r.grad_norm, r.lr) = opt.update(p, g, m);
+    std::tie(r.grad_norm, r.lr) = opt.update(ps);
   }
-  for (const auto& s : fwd.second.moe) r.moe.push_back(moe::reduce(s, m));
+  r.moe = std::move(out.moe);
   return r;
 }
 
-// Mean loss over `batches` batches of held-out text (no update).
-template <class T, mesh_type Mesh>
-loss evaluate(const Mesh& m, const params<T, Mesh>& p, const config& c, const std::string& text, std::size_t begin,
-              std::size_t end, index_t B, index_t L, std::uint64_t seed, int batches) {
-  loss sum{0, 0, 0};
+struct eval_result {
+  double ce = 0, aux = 0, loss = 0;
+};
+
+// Mean loss over `batches` batches of held-out text (no tape, no update).
+template <class T, mesh_type Mesh, class Roles>
+eval_result evaluate(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, const std::string& text,
+                     std::size_t begin, std::size_t end, index_t B, index_t L, std::uint64_t seed, int batches) {
+  using tokens_t = typename transformer<T, Mesh, Roles>::tokens_type;
+  eval_result sum;
   for (int i = 0; i < batches; ++i) {
-    const auto tok = distribute<batch_split<Mesh>>(m, text_batch(text, begin, end, B, L, seed ^ 0xE7A1, std::uint64_t(i)));
-    const auto l = reduce_loss(forward(tok, p, c, std::uint64_t(1) << 40).second, c, m);
-    sum.ce += l.ce / batches, sum.aux += l.aux / batches, sum.total += l.total / batches;
+    tape t(ps, tape::no_grad);
+    const auto tok = distribute<tokens_t>(ps.mesh(), text_batch(text, begin, end, B, L, seed ^ 0xE7A1, std::uint64_t(i)));
+    const auto out = model.forward(t, tok, std::uint64_t(1) << 40);
+    sum.ce += out.ce / batches, sum.aux += out.aux / batches, sum.loss += out.loss.value().local()() / batches;
   }
   return sum;
 }
 
 // Parameters and Adam's moments, as checkpoint parts.
-template <class T, mesh_type Mesh>
-std::vector<checkpoint_part<params<T, Mesh>>> checkpoint_parts(params<T, Mesh>& p, adam<params<T, Mesh>>& opt) {
-  return {{"param.", &p}, {"adam.m.", &opt.m}, {"adam.v.", &opt.v}};
+template <mesh_type Mesh>
+std::vector<checkpoint_part> checkpoint_parts(parameters<Mesh>& ps, adam& opt) {
+  return {{"param.", &ps.values()}, {"adam.m.", &opt.moment1()}, {"adam.v.", &opt.moment2()}};
 }
 
 }  // namespace gshard::model

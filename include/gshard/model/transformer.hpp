@@ -1,31 +1,30 @@
 // gshard/model/transformer.hpp — a byte-level language model of pre-norm
-// Transformer blocks: x + attention(norm(x)), then x + ffn(norm(x)), with the
-// FFN an MoE layer in every other block (blocks 1, 3, ...). The batch is
-// split over every mesh axis but "model" (the MoE layer's groups are its
-// sequences); experts are split over "expert". If the mesh has a "model"
-// axis, the attention heads and the hidden units of the dense FFNs and of
-// each expert are split over it (Megatron-style: q, k, v and w1 split their
-// output, wo and w2 their input); every other weight is replicated. Written
-// as einsums on whole tensors: the shardings decide the communication — in
-// the forward the MoE layers' all_to_alls, and with a "model" axis one
-// all_reduce over it after each attention, dense FFN and expert FFN; in the
-// backward their transposes and the all_reduces of the weights' gradients
-// over the batch axes, which come from the types (a weight replicated over
-// the ranks that split the batch).
+// Transformer blocks, x + attention(norm(x)) then x + ffn(norm(x)), the FFN
+// an MoE layer in every other block (blocks 1, 3, ...). Written forward-only:
+// its parameters are declared once (gshard::parameters) and its backward is
+// derived on a tape. Every tensor's sharding comes from the mesh's axis roles
+// (gshard/roles.hpp): the batch over the batch axes; experts over the expert
+// axes; with model axes, attention heads and the hidden units of the dense
+// FFNs and of each expert over them (Megatron-style: q, k, v and w1 split
+// their output, wo and w2 their input), every other weight replicated. The
+// communication follows: in the forward the MoE layers' all_to_alls and, with
+// model axes, one all_reduce over them after each attention, dense FFN and
+// expert FFN; in the backward their transposes and one reduction per weight
+// over the batch axes.
 #pragma once
 
 #include <cmath>
-#include <cstring>
-#include <limits>
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
-#include "gshard/einsum.hpp"
-#include "gshard/grad.hpp"
-#include "gshard/moe/backward.hpp"
+#include "gshard/ad/nn.hpp"
+#include "gshard/ad/ops.hpp"
+#include "gshard/ad/parameters.hpp"
 #include "gshard/moe/layer.hpp"
-#include "gshard/ops.hpp"
+#include "gshard/roles.hpp"
 
 namespace gshard::model {
 
@@ -39,401 +38,194 @@ struct config {
   int layers = 4;         // blocks; blocks 1, 3, ... have an MoE FFN
   double aux_coef = 0.01;
   moe::gating_config gating{};
+  moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   bool is_moe(int layer) const { return layer % 2 == 1; }
 };
 
-template <mesh_type Mesh>
-using batch_split = typename moe::shardings<Mesh>::by_group;  // [B{data,expert},...]
+template <class T, mesh_type Mesh, class Roles = default_roles>
+class transformer {
+ public:
+  using roles = roles_on<Mesh, Roles>;
+  using at_tokens = typename roles::at_tokens;
+  template <fixed_string Term>
+  using weight = param<named<T, Term, Mesh, at_tokens>>;
+  using tokens_type = named<std::int32_t, "BL", Mesh, at_tokens>;  // [B, L+1] bytes
+  using activation = named<T, "BLM", Mesh, at_tokens>;             // [B{data,expert},L,M]
 
-namespace detail {
-// Dim BatchDim (if >= 0) split over the batch axes, and dim ModelDim over
-// "model" if the mesh has that axis.
-template <class Mesh, int BatchDim, int ModelDim>
-struct model_spec {
-  static constexpr gshard::detail::layout_spec value = moe::detail::over_model<Mesh>(
-      BatchDim >= 0 ? moe::detail::split_groups<Mesh>(BatchDim, false) : gshard::detail::layout_spec{}, ModelDim);
-};
-template <class Mesh>
-struct partial_spec {  // pending sums over every axis that splits the batch
-  static constexpr gshard::detail::layout_spec value = [] {
-    gshard::detail::spec_result r;
-    for (const gshard::detail::name_t& a : Mesh::names)
-      if (moe::detail::is_batch_axis(a.view())) gshard::detail::add_partial(r, &a, 1);
-    return r.spec;
-  }();
-};
-}  // namespace detail
-// A weight's gradient before the data-parallel reduction: partial over the batch axes.
-template <mesh_type Mesh>
-using batch_partial = moe::detail::layout_of<detail::partial_spec<Mesh>::value>;
-
-// A weight with dim Dim split over "model" (replicated if the mesh has no such axis).
-template <mesh_type Mesh, int Dim>
-using over_model = moe::detail::layout_of<detail::model_spec<Mesh, -1, Dim>::value>;
-// An activation with the batch split over the batch axes and dim Dim over "model".
-template <mesh_type Mesh, int Dim>
-using batch_over_model = moe::detail::layout_of<detail::model_spec<Mesh, 0, Dim>::value>;
-
-template <class T, mesh_type Mesh>
-using rep1 = tensor<T, 1, Mesh, replicate>;
-template <class T, mesh_type Mesh>
-using rep2 = tensor<T, 2, Mesh, replicate>;
-
-template <class T, mesh_type Mesh>
-struct block_params {
-  rep1<T, Mesh> norm1, norm2;                                        // [M]
-  tensor<T, 3, Mesh, over_model<Mesh, 1>> wq, wk, wv;                // [M,N{model},K]
-  tensor<T, 3, Mesh, over_model<Mesh, 0>> wo;                        // [N{model},K,M]
-  std::optional<tensor<T, 2, Mesh, over_model<Mesh, 1>>> w1;         // dense blocks: [M,H{model}]
-  std::optional<tensor<T, 2, Mesh, over_model<Mesh, 0>>> w2;         //               [H{model},M]
-  std::optional<moe::params<T, Mesh>> moe;                           // MoE blocks
-};
-
-template <class T, mesh_type Mesh>
-struct params {
-  rep2<T, Mesh> embed;  // [V,M]
-  std::vector<block_params<T, Mesh>> blocks;
-  rep1<T, Mesh> final_norm;  // [M]
-  rep2<T, Mesh> unembed;     // [M,V]
-};
-
-// f(name, tensor of ps[0], tensor of ps[1], ...) for every parameter, in a
-// fixed order: gradients, optimizer state and checkpoints walk the same list.
-template <class F, class P, class... Ps>
-void for_each_param(F&& f, P& p, Ps&... ps) {
-  f("embed", p.embed, ps.embed...);
-  for (std::size_t l = 0; l < p.blocks.size(); ++l) {
-    const std::string b = "block" + std::to_string(l) + ".";
-    f(b + "norm1", p.blocks[l].norm1, ps.blocks[l].norm1...);
-    f(b + "wq", p.blocks[l].wq, ps.blocks[l].wq...);
-    f(b + "wk", p.blocks[l].wk, ps.blocks[l].wk...);
-    f(b + "wv", p.blocks[l].wv, ps.blocks[l].wv...);
-    f(b + "wo", p.blocks[l].wo, ps.blocks[l].wo...);
-    f(b + "norm2", p.blocks[l].norm2, ps.blocks[l].norm2...);
-    if (p.blocks[l].moe) {
-      f(b + "gate", p.blocks[l].moe->gate, ps.blocks[l].moe->gate...);
-      f(b + "wi", p.blocks[l].moe->wi, ps.blocks[l].moe->wi...);
-      f(b + "wo_experts", p.blocks[l].moe->wo, ps.blocks[l].moe->wo...);
-    } else {
-      f(b + "w1", *p.blocks[l].w1, *ps.blocks[l].w1...);
-      f(b + "w2", *p.blocks[l].w2, *ps.blocks[l].w2...);
-    }
-  }
-  f("final_norm", p.final_norm, ps.final_norm...);
-  f("unembed", p.unembed, ps.unembed...);
-}
-
-// Parameters that depend only on (config, seed): the same at every rank count.
-template <class T, mesh_type Mesh>
-params<T, Mesh> init(const Mesh& m, const config& c, std::uint64_t seed) {
-  if constexpr (Mesh::index_of("model") >= 0) {  // name the setting, not just the tensor, that does not divide
-    const index_t parts = m.size(Mesh::index_of("model"));
-    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}})
-      if (v % parts != 0)
-        throw shape_error(std::string("gshard::model::init: config.") + name + " = " + std::to_string(v) +
-                          " is not divisible by the \"model\" axis of " + m.describe() +
-                          ": the heads and the FFNs' hidden units are split over it");
-  }
-  std::uint64_t id = 1000;
-  // Each tensor draws from its own id, in this order, by global index.
-  auto normal = [&]<class X>(X t, double sd) {
-    moe::init_normal(t, sd, seed, id++);
-    return t;
+  struct attention_params {
+    weight<"MNK"> wq, wk, wv;  // [M,N{model},K]
+    weight<"NKM"> wo;          // [N{model},K,M]
   };
-  auto normal2 = [&](index_t a, index_t b, double sd) { return normal(rep2<T, Mesh>(m, {a, b}), sd); };
-  using qkv_t = tensor<T, 3, Mesh, over_model<Mesh, 1>>;
-  using wo_t = tensor<T, 3, Mesh, over_model<Mesh, 0>>;
-  auto ones = [&](index_t n) {
-    rep1<T, Mesh> t(m, {n});
-    t.local().setConstant(T(1));
-    return t;
+  struct ffn_params {
+    weight<"MH"> w1;                    // [M,H{model}]
+    std::optional<weight<"MH">> w1_up;  // SwiGLU's second input projection
+    weight<"HM"> w2;                    // [H{model},M]
   };
-  const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden;
-  params<T, Mesh> p{normal2(c.vocab, M, 1.0), {}, ones(M), normal2(M, c.vocab, 1.0 / std::sqrt(double(M)))};
-  const double sd_in = 1.0 / std::sqrt(double(M));
-  for (int l = 0; l < c.layers; ++l) {
-    block_params<T, Mesh> b{ones(M), ones(M),
-                            normal(qkv_t(m, {M, N, K}), sd_in), normal(qkv_t(m, {M, N, K}), sd_in),
-                            normal(qkv_t(m, {M, N, K}), sd_in), normal(wo_t(m, {N, K, M}), 1.0 / std::sqrt(double(N * K))),
-                            {}, {}, {}};
-    if (c.is_moe(l)) b.moe = moe::init_params<T>(m, M, H, c.experts, seed, std::uint64_t(l + 1));
-    else {
-      b.w1 = normal(tensor<T, 2, Mesh, over_model<Mesh, 1>>(m, {M, H}), sd_in);
-      b.w2 = normal(tensor<T, 2, Mesh, over_model<Mesh, 0>>(m, {H, M}), 1.0 / std::sqrt(double(H)));
-    }
-    p.blocks.push_back(std::move(b));
-  }
-  return p;
-}
+  struct block_params {
+    weight<"M"> norm1;
+    attention_params attn;
+    weight<"M"> norm2;
+    std::optional<ffn_params> ffn;                // dense blocks
+    std::optional<moe::layer<T, Mesh, Roles>> moe;  // MoE blocks
+  };
 
-// Parameters of the same shapes, all zero: a gradient or an optimizer state.
-template <class T, mesh_type Mesh>
-params<T, Mesh> zeros_like(const params<T, Mesh>& p) {
-  params<T, Mesh> z = p;
-  for_each_param([](const std::string&, auto& t) { t.local().setZero(); }, z);
-  return z;
-}
+  // Declares every parameter in `ps` (names "embed", "block0.wq", ...,
+  // "final_norm", "unembed": those of gshard's checkpoints).
+  transformer(parameters<Mesh>& ps, const config& c)
+      : c_(checked(ps.mesh(), c)),
+        embed_(ps, "embed", {c.vocab, c.model}, init::normal(1.0)),
+        blocks_(declare_blocks(ps, c)),
+        final_norm_(ps, "final_norm", {c.model}, init::ones()),
+        unembed_(ps, "unembed", {c.model, c.vocab}, init::normal(1.0 / std::sqrt(double(c.model)))) {}
 
-template <class T, mesh_type Mesh>
-using activation = tensor<T, 3, Mesh, batch_split<Mesh>>;  // [B{data,expert},L,M]
-template <class T, mesh_type Mesh>
-using heads_blnk = tensor<T, 4, Mesh, batch_over_model<Mesh, 2>>;  // [B{data,expert},L,N{model},K]
-template <class T, mesh_type Mesh>
-using heads_bnlt = tensor<T, 4, Mesh, batch_over_model<Mesh, 1>>;  // [B{data,expert},N{model},L,T]
+  const config& cfg() const { return c_; }
+  const std::vector<block_params>& blocks() const { return blocks_; }
 
-// What the backward needs from one block's forward.
-template <class T, mesh_type Mesh>
-struct block_cache {
-  std::optional<activation<T, Mesh>> x, h1, x_mid, h2;           // input, norm1(x), after attention, norm2
-  std::optional<heads_blnk<T, Mesh>> q, k, v, o;                  // attention
-  std::optional<heads_bnlt<T, Mesh>> probs;
-  std::optional<tensor<T, 3, Mesh, batch_over_model<Mesh, 2>>> r;  // dense FFN: relu(BLM,MH->BLH) [B,L,H{model}]
-  std::optional<moe::output<T, Mesh>> moe_out;                    // MoE: routing
-  moe::cache<T, Mesh> moe;
-};
+  struct output {
+    var<tensor<double, 0, Mesh, replicate>> loss;  // cross-entropy + aux_coef · Σ aux
+    double ce = 0, aux = 0;                        // mean cross-entropy; Σ over MoE layers of the aux loss
+    std::vector<moe::gating_stats> moe;            // per MoE layer, summed over every group
+    var<named<T, "BLV", Mesh, at_tokens>> logits;  // [B,L,V]
+  };
 
-// Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT
-// scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK; BLNK,NKM->BLM.
-// Each rank computes its heads; the output projection sums over heads, so
-// with a "model" axis it ends in one all_reduce over it.
-template <class T, mesh_type Mesh>
-activation<T, Mesh> attention(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
-                              block_cache<T, Mesh>* keep = nullptr) {
-  auto q = einsum<"BLM,MNK->BLNK">(h, b.wq);  // [B{data,expert},L,N{model},K]
-  auto k = einsum<"BLM,MNK->BLNK">(h, b.wk);
-  auto v = einsum<"BLM,MNK->BLNK">(h, b.wv);
-  auto logits = einsum<"BLNK,BTNK->BNLT">(q, k);  // [B{data,expert},N{model},L,T]
-  const auto le = logits.local_extents();
-  const index_t L = le[2], Tn = le[3];
-  const T scale = T(1) / std::sqrt(T(b.wq.extent(2)));
-  T* p = logits.data();
-  for (index_t bn = 0; bn < le[0] * le[1]; ++bn)
-    for (index_t l = 0; l < L; ++l, p += Tn)
-      for (index_t t = 0; t < Tn; ++t) p[t] = t <= l ? p[t] * scale : -std::numeric_limits<T>::infinity();
-  auto probs = softmax(std::move(logits));
-  auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);  // [B{data,expert},L,N{model},K]
-  auto out = einsum<"BLNK,NKM->BLM", batch_split<Mesh>>(o, b.wo);
-  if (keep) {
-    keep->q = std::move(q), keep->k = std::move(k), keep->v = std::move(v);
-    keep->probs = std::move(probs), keep->o = std::move(o);
-  }
-  return out;
-}
-
-template <class T, mesh_type Mesh>
-activation<T, Mesh> dense_ffn(const activation<T, Mesh>& h, const block_params<T, Mesh>& b,
-                              block_cache<T, Mesh>* keep = nullptr) {
-  auto r = relu(einsum<"BLM,MH->BLH">(h, *b.w1));  // [B{data,expert},L,H{model}]
-  auto y = einsum<"BLH,HM->BLM", batch_split<Mesh>>(r, *b.w2);  // with "model": an all_reduce over it
-  if (keep) keep->r = std::move(r);
-  return y;
-}
-
-// What one forward saw: this rank's partial sums (the caller reduces them,
-// with one all_reduce, when it wants the global values) and the MoE stats.
-struct forward_stats {
-  double ce_sum = 0;       // Σ over this rank's tokens of -log p(target)
-  double tokens = 0;       // this rank's predicted tokens
-  double aux_partial = 0;  // Σ over MoE layers of this rank's share of the aux loss
-  std::vector<moe::gating_stats> moe;  // per MoE layer, this rank's groups
-};
-
-// Everything the backward needs from a forward.
-template <class T, mesh_type Mesh>
-struct model_cache {
-  std::vector<block_cache<T, Mesh>> blocks;
-  std::optional<activation<T, Mesh>> x_final, h_final;  // before and after the final norm
-  std::optional<activation<T, Mesh>> logits;            // [B{..},L,V]
-};
-
-// tokens: [B{data,expert}, L+1] bytes; predicts tokens[:, 1:] from tokens[:, :-1].
-// Returns the logits [B{data,expert},L,V] and this rank's partial statistics;
-// with `keep`, also what the backward needs.
-template <class T, mesh_type Mesh>
-std::pair<tensor<T, 3, Mesh, batch_split<Mesh>>, forward_stats> forward(
-    const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, const params<T, Mesh>& p, const config& c,
-    std::uint64_t step, moe::dispatch_mode mode = moe::dispatch_mode::index, model_cache<T, Mesh>* keep = nullptr) {
-  const Mesh& m = tokens.mesh();
-  const index_t B = tokens.extent(0), L = tokens.extent(1) - 1, M = c.model, V = c.vocab;
-  if (L < 1) throw shape_error("gshard::model::forward: tokens " + tokens.notation("BL") + " need at least 2 per row");
-  const index_t Bl = tokens.local_extents()[0];
-  const std::int32_t* tok = tokens.data();
-  // Every token, inputs and targets, indexes the vocabulary. A token out of
-  // range is a fact of this rank's data alone: it ends the job with a message.
-  for (index_t i = 0; i < Bl * (L + 1); ++i)
-    if (tok[i] < 0 || tok[i] >= V)
-      mpi::abort_job(("gshard::model::forward: token " + std::to_string(tok[i]) + " (row " + std::to_string(i / (L + 1)) +
-                      " of this rank, position " + std::to_string(i % (L + 1)) + ") is outside the vocabulary of " +
-                      std::to_string(V))
-                         .c_str());
-  // Embedding: rows of the replicated table, looked up locally.
-  activation<T, Mesh> x(m, {B, L, M});
-  for (index_t b = 0; b < Bl; ++b)
-    for (index_t l = 0; l < L; ++l)
-      std::memcpy(x.data() + (b * L + l) * M, p.embed.data() + index_t(tok[b * (L + 1) + l]) * M, sizeof(T) * std::size_t(M));
-  forward_stats st;
-  if (keep) keep->blocks.assign(std::size_t(c.layers), {});
-  for (int layer = 0; layer < c.layers; ++layer) {
-    const auto& b = p.blocks[std::size_t(layer)];
-    block_cache<T, Mesh>* bc = keep ? &keep->blocks[std::size_t(layer)] : nullptr;
-    const std::string tag = "block " + std::to_string(layer);
-    trace::span block_span(tag, "model");
-    auto h1 = rms_norm(x, b.norm1);
-    auto x_mid = [&] {
-      trace::span s(tag + " attention", "model");
-      return x + attention(h1, b, bc);
-    }();
-    auto h2 = rms_norm(x_mid, b.norm2);
-    activation<T, Mesh> ffn = [&] {
-      trace::span s(tag + (c.is_moe(layer) ? " MoE" : " FFN"), "model");
-      if (!c.is_moe(layer)) return dense_ffn(h2, b, bc);
-      auto r = moe::forward(h2, *b.moe, c.gating, (step << 8) | std::uint64_t(layer), mode, bc ? &bc->moe : nullptr);
-      st.aux_partial += r.aux_partial;
-      st.moe.push_back(r.stats);
-      auto y = std::move(r.y);
-      if (bc) bc->moe_out = std::move(r);
-      return y;
-    }();
-    auto x_next = x_mid + ffn;
-    if (bc) {
-      bc->x = std::move(x), bc->h1 = std::move(h1), bc->x_mid = std::move(x_mid), bc->h2 = std::move(h2);
-    }
-    x = std::move(x_next);
-  }
-  auto h_final = rms_norm(x, p.final_norm);
-  auto logits = einsum<"BLM,MV->BLV">(h_final, p.unembed);  // [B{data,expert},L,V]
-  // Cross-entropy of the next byte, summed over this rank's tokens.
-  const T* lg = logits.data();
-  for (index_t b = 0; b < Bl; ++b)
-    for (index_t l = 0; l < L; ++l, lg += V) {
-      T mx = lg[0];
-      for (index_t v = 1; v < V; ++v) mx = std::max(mx, lg[v]);
-      double sum = 0;
-      for (index_t v = 0; v < V; ++v) sum += std::exp(double(lg[v] - mx));
-      st.ce_sum += double(mx) + std::log(sum) - double(lg[tok[b * (L + 1) + l + 1]]);
-      st.tokens += 1;
-    }
-  if (keep) {
-    keep->x_final = std::move(x), keep->h_final = std::move(h_final), keep->logits = logits;
-  }
-  return {std::move(logits), std::move(st)};
-}
-
-// The global loss pieces from the ranks' partials (one all_reduce over the
-// batch axes; ranks along "model" hold the same partials):
-// {mean cross-entropy, aux loss, total = ce + aux_coef · aux}.
-struct loss {
-  double ce, aux, total;
-};
-template <mesh_type Mesh>
-loss reduce_loss(const forward_stats& s, const config& c, const Mesh& m) {
-  std::vector<double> v{s.ce_sum, s.tokens, s.aux_partial};
-  all_reduce<double>(moe::group_axes(m), v);  // ranks along "model" hold the same partials
-  const double ce = v[1] > 0 ? v[0] / v[1] : 0.0;
-  return {ce, v[2], ce + c.aux_coef * v[2]};
-}
-
-// The attention's backward: dh for the forward attention(h, b, keep), adding
-// the weights' gradients into `g`. Every einsum's gradient is the transposed
-// einsum; the weights' come out in their shardings (an all_reduce over the
-// batch axes each). dh sums q's, k's and v's contributions while they are
-// still partial over "model", so that reduction is one all_reduce.
-template <class T, mesh_type Mesh>
-activation<T, Mesh> attention_backward(const activation<T, Mesh>& dout, const activation<T, Mesh>& h,
-                                       const block_params<T, Mesh>& b, const block_cache<T, Mesh>& keep,
-                                       block_params<T, Mesh>& g) {
-  auto [do_, dwo] = einsum_backward<"BLNK,NKM->BLM">(dout, *keep.o, b.wo);
-  g.wo.local() += dwo.local();
-  auto [dprobs, dv] = einsum_backward<"BNLT,BTNK->BLNK">(do_, *keep.probs, *keep.v);
-  auto dlog = softmax_backward(std::move(dprobs), *keep.probs);  // masked entries: probs = 0, so 0
-  dlog.local() = dlog.local() * (T(1) / std::sqrt(T(b.wq.extent(2))));
-  auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(dlog, *keep.q, *keep.k);
-  auto [dhq, dwq] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dq, h, b.wq);
-  auto [dhk, dwk] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dk, h, b.wk);
-  auto [dhv, dwv] = einsum_backward<"BLM,MNK->BLNK", natural_sharding>(dv, h, b.wv);
-  g.wq.local() += dwq.local();
-  g.wk.local() += dwk.local();
-  g.wv.local() += dwv.local();
-  return reshard<batch_split<Mesh>>(std::move(dhq) + dhk + dhv);
-}
-
-namespace detail {
-// A norm scale's gradient: this rank's summand, reduced over the batch axes.
-template <class T, mesh_type Mesh>
-void add_scale_grad(rep1<T, Mesh>& grad, tensor<T, 1, Mesh, batch_partial<Mesh>>&& summand) {
-  grad.local() += reshard<replicate>(std::move(summand)).local();  // all_reduce over the batch axes
-}
-}  // namespace detail
-
-// Gradients of total = mean cross-entropy + aux_coef · Σ aux, for the forward
-// that filled `keep` on `tokens`. Returns them in the parameters' shardings.
-template <class T, mesh_type Mesh>
-params<T, Mesh> backward(const tensor<std::int32_t, 2, Mesh, batch_split<Mesh>>& tokens, const params<T, Mesh>& p,
-                         const config& c, const model_cache<T, Mesh>& keep) {
-  const Mesh& m = tokens.mesh();
-  const index_t B = tokens.extent(0), L = tokens.extent(1) - 1, M = c.model, V = c.vocab;
-  const index_t Bl = tokens.local_extents()[0];
-  const std::int32_t* tok = tokens.data();
-  trace::span backward_span("backward", "model");
-  params<T, Mesh> g = zeros_like(p);
-  auto scale_summand = [&] { return tensor<T, 1, Mesh, batch_partial<Mesh>>(m, {M}); };
-
-  // Cross-entropy: (softmax − onehot) / number of predicted tokens.
-  activation<T, Mesh> dlogits(m, {B, L, V});
-  {
-    const T inv = T(1) / T(B * L);
-    const T* lg = keep.logits->data();
-    T* d = dlogits.data();
-    for (index_t b = 0; b < Bl; ++b)
-      for (index_t l = 0; l < L; ++l, lg += V, d += V) {
-        T mx = lg[0];
-        for (index_t v = 1; v < V; ++v) mx = std::max(mx, lg[v]);
-        T sum = 0;
-        for (index_t v = 0; v < V; ++v) sum += (d[v] = std::exp(lg[v] - mx));
-        for (index_t v = 0; v < V; ++v) d[v] *= inv / sum;
-        d[tok[b * (L + 1) + l + 1]] -= inv;
+  // tokens [B, L+1]: predicts tokens[:, 1:] from tokens[:, :-1]. `step` keys
+  // the random routing. On a tape made with tape::no_grad nothing is kept.
+  output forward(tape& t, const tokens_type& tokens, std::uint64_t step,
+                 moe::dispatch_mode mode = moe::dispatch_mode::index) const {
+    auto [inputs, targets] = split_tokens(tokens);
+    auto x = embedding(t, inputs, embed_);  // [B{data,expert},L,M]
+    std::vector<var<tensor<double, 0, Mesh, replicate>>> aux;
+    std::vector<moe::gating_stats> stats;
+    for (int layer = 0; layer < c_.layers; ++layer) {
+      const block_params& b = blocks_[std::size_t(layer)];
+      std::optional<trace::span> block_span, sub;  // named only when tracing
+      const auto named_span = [&](std::optional<trace::span>& s, const char* what) {
+        s.reset();
+        if (trace::enabled()) s.emplace("block " + std::to_string(layer) + what, "model");
+      };
+      named_span(block_span, "");
+      named_span(sub, " attention");
+      x = x + attention(rms_norm(x, b.norm1), b.attn);
+      named_span(sub, b.moe ? " MoE" : " FFN");
+      auto h = rms_norm(x, b.norm2);
+      if (b.moe) {  // the groups are the sequences: G = B, S = L
+        auto r = (*b.moe)(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(layer), mode);
+        x = x + relabel<"BLM">(std::move(r.y));
+        aux.push_back(std::move(r.aux));
+        stats.push_back(std::move(r.stats));
+      } else {
+        x = x + ffn(std::move(h), *b.ffn);
       }
-  }
-  auto [dh_final, dunembed] = einsum_backward<"BLM,MV->BLV">(dlogits, *keep.h_final, p.unembed);
-  g.unembed.local() += dunembed.local();
-  auto ds = scale_summand();
-  auto dx = rms_norm_backward(std::move(dh_final), *keep.x_final, p.final_norm, ds.data());
-  detail::add_scale_grad(g.final_norm, std::move(ds));
-
-  for (int layer = c.layers - 1; layer >= 0; --layer) {
-    const auto& b = p.blocks[std::size_t(layer)];
-    auto& gb = g.blocks[std::size_t(layer)];
-    const auto& bc = keep.blocks[std::size_t(layer)];
-    // x_next = x_mid + ffn(norm2(x_mid)): dx flows to x_mid directly and through the FFN.
-    activation<T, Mesh> dh2 = [&] {
-      if (c.is_moe(layer)) return moe::backward(dx, *bc.h2, *b.moe, *bc.moe_out, bc.moe, c.aux_coef, *gb.moe);
-      auto [dr, dw2] = einsum_backward<"BLH,HM->BLM">(dx, *bc.r, *b.w2);
-      gb.w2->local() += dw2.local();
-      auto [dh, dw1] = einsum_backward<"BLM,MH->BLH">(relu_backward(std::move(dr), *bc.r), *bc.h2, *b.w1);
-      gb.w1->local() += dw1.local();
-      return dh;
-    }();
-    auto ds2 = scale_summand();
-    dx = dx + rms_norm_backward(std::move(dh2), *bc.x_mid, b.norm2, ds2.data());
-    detail::add_scale_grad(gb.norm2, std::move(ds2));
-
-    // x_mid = x + attention(norm1(x)).
-    auto dh1 = attention_backward(dx, *bc.h1, b, bc, gb);
-    auto ds1 = scale_summand();
-    dx = dx + rms_norm_backward(std::move(dh1), *bc.x, b.norm1, ds1.data());
-    detail::add_scale_grad(gb.norm1, std::move(ds1));
-  }
-
-  // The embedding: rows of dx added into the looked-up rows, reduced over the batch axes.
-  tensor<T, 2, Mesh, batch_partial<Mesh>> dembed(m, {V, M});
-  for (index_t b = 0; b < Bl; ++b)
-    for (index_t l = 0; l < L; ++l) {
-      T* row = dembed.data() + index_t(tok[b * (L + 1) + l]) * M;
-      const T* d = dx.data() + (b * L + l) * M;
-      for (index_t i = 0; i < M; ++i) row[i] += d[i];
     }
-  g.embed.local() += reshard<replicate>(std::move(dembed)).local();  // all_reduce over the batch axes
-  return g;
-}
+    auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
+    auto ce = cross_entropy(logits, targets);
+    output out{ce, loss_value(ce), 0.0, std::move(stats), std::move(logits)};
+    for (auto& a : aux) {
+      out.aux += loss_value(a);
+      out.loss = out.loss + c_.aux_coef * a;
+    }
+    return out;
+  }
+
+  // Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT,
+  // scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK;
+  // BLNK,NKM->BLM. Each rank computes its heads; the output projection sums
+  // over them, so with model axes it ends in one all_reduce over them.
+  template <class V>
+  auto attention(const V& h, const attention_params& a) const {
+    const double scale = 1.0 / std::sqrt(double(c_.head_dim));
+    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);                     // [B{data,expert},L,N{model},K]
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));    // the keys' positions are T
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
+    auto probs = softmax(causal_mask(scale * einsum<"BLNK,BTNK->BNLT">(q, k)));  // [B{data,expert},N{model},L,T]
+    auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);
+    return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
+  }
+
+  // The dense FFN: relu(h·w1)·w2, or SwiGLU (silu(h·w1) ⊙ (h·w1_up))·w2.
+  template <class V>
+  auto ffn(V&& h, const ffn_params& f) const {
+    auto a = [&] {  // [B{data,expert},L,H{model}]
+      if (!f.w1_up) return relu(einsum<"BLM,MH->BLH">(h, f.w1));
+      return silu(einsum<"BLM,MH->BLH">(h, f.w1)) * einsum<"BLM,MH->BLH">(h, *f.w1_up);
+    }();
+    return einsum<"BLH,HM->BLM", at_tokens>(a, f.w2);  // with model axes: an all_reduce over them
+  }
+
+ private:
+  template <class L>
+  static double loss_value(const var<L>& v) {
+    return v.value().local()();
+  }
+
+  static const config& checked(const Mesh& m, const config& c) {
+    index_t parts = 1;
+    for (int a = 0; a < m.naxes(); ++a)
+      if ((roles::model_mask >> a) & 1u) parts *= m.size(a);
+    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}})
+      if (v % parts != 0)  // name the setting, not just the tensor, that does not divide
+        throw shape_error(std::string("gshard::model::transformer: config.") + name + " = " + std::to_string(v) +
+                          " is not divisible by the model axes (" + std::to_string(parts) + " ranks) of " + m.describe() +
+                          ": the heads and the FFNs' hidden units are split over them");
+    return c;
+  }
+
+  static std::vector<block_params> declare_blocks(parameters<Mesh>& ps, const config& c) {
+    const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden;
+    const double sd_in = 1.0 / std::sqrt(double(M));
+    std::vector<block_params> blocks;
+    for (int l = 0; l < c.layers; ++l) {
+      const std::string b = "block" + std::to_string(l) + ".";
+      weight<"M"> norm1(ps, b + "norm1", {M}, init::ones());
+      attention_params attn{weight<"MNK">(ps, b + "wq", {M, N, K}, init::normal(sd_in)),
+                            weight<"MNK">(ps, b + "wk", {M, N, K}, init::normal(sd_in)),
+                            weight<"MNK">(ps, b + "wv", {M, N, K}, init::normal(sd_in)),
+                            weight<"NKM">(ps, b + "wo", {N, K, M}, init::normal(1.0 / std::sqrt(double(N * K))))};
+      weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
+      block_params bp{norm1, attn, norm2, std::nullopt, std::nullopt};
+      if (c.is_moe(l)) {
+        bp.moe.emplace(ps, b, M, H, c.experts, c.ffn);
+      } else {
+        weight<"MH"> w1(ps, b + "w1", {M, H}, init::normal(sd_in));
+        std::optional<weight<"MH">> w1_up;
+        if (c.ffn == moe::ffn_kind::swiglu) w1_up.emplace(ps, b + "w1_up", shape<2>{M, H}, init::normal(sd_in));
+        bp.ffn = ffn_params{w1, w1_up, weight<"HM">(ps, b + "w2", {H, M}, init::normal(1.0 / std::sqrt(double(H))))};
+      }
+      blocks.push_back(std::move(bp));
+    }
+    return blocks;
+  }
+
+  // [B, L+1] -> inputs [B, L] and targets [B, L] (tokens[:, 1:]): local, L is
+  // never split. A token outside the vocabulary is a fact of this rank's data
+  // alone: it ends the job with its position.
+  std::pair<named<std::int32_t, "BL", Mesh, at_tokens>, tensor<std::int32_t, 2, Mesh, sharding_by<at_tokens, "BL">>>
+  split_tokens(const tokens_type& tokens) const {
+    const index_t B = tokens.extent(0), L = tokens.extent(1) - 1;
+    if (L < 1) throw shape_error("gshard::model::forward: tokens " + tokens.notation() + " need at least 2 per row");
+    const index_t Bl = tokens.local_extents()[0];
+    named<std::int32_t, "BL", Mesh, at_tokens> in(tokens.mesh(), {B, L});
+    tensor<std::int32_t, 2, Mesh, sharding_by<at_tokens, "BL">> out(tokens.mesh(), {B, L});
+    const std::int32_t* tok = tokens.data();
+    for (index_t b = 0; b < Bl; ++b)
+      for (index_t l = 0; l <= L; ++l) {
+        const std::int32_t v = tok[b * (L + 1) + l];
+        if (v < 0 || v >= c_.vocab)
+          mpi::abort_job(("gshard::model::forward: token " + std::to_string(v) + " (row " + std::to_string(b) +
+                          " of this rank, position " + std::to_string(l) + ") is outside the vocabulary of " +
+                          std::to_string(c_.vocab))
+                             .c_str());
+        if (l < L) in.data()[b * L + l] = v;
+        if (l > 0) out.data()[b * L + l - 1] = v;
+      }
+    return {std::move(in), std::move(out)};
+  }
+
+  config c_;
+  weight<"VM"> embed_;
+  std::vector<block_params> blocks_;
+  weight<"M"> final_norm_;
+  weight<"MV"> unembed_;
+};
 
 }  // namespace gshard::model

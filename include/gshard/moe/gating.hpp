@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gshard/error.hpp"
+#include "gshard/random.hpp"
 #include "gshard/sharding.hpp"
 
 namespace gshard::moe {
@@ -40,19 +41,6 @@ inline index_t capacity(index_t S, index_t E, const gating_config& cfg) {
   return std::max(cfg.min_capacity, up4);
 }
 
-// A uniform double in [0, 1), a pure function of its arguments (SplitMix64
-// finaliser over the mixed key): the same on every rank and at every rank count.
-inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t group, std::uint64_t token) {
-  auto mix = [](std::uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  const std::uint64_t z = mix(mix(mix(mix(seed) ^ stream) ^ group) ^ token);
-  return double(z >> 11) * 0x1.0p-53;
-}
-
 // Where each token of this rank's groups goes. Token t = g·S + s; choice k
 // (0: first, 1: second) at index 2·t + k. expert = -1: not routed (dropped,
 // skipped, or an invalid token).
@@ -70,7 +58,8 @@ struct routing {
   std::size_t choice(index_t g, index_t s, int k) const { return std::size_t(2 * (g * tokens + s) + k); }
 };
 
-// What one call saw, on this rank. `reduce` (in moe/layer.hpp) sums it over ranks.
+// What one call saw: on this rank from top2_gating, summed over every group
+// by moe::gate (gshard/moe/dispatch.hpp).
 struct gating_stats {
   std::vector<std::int64_t> expert_load;  // choices placed in each expert (first + second)
   std::int64_t tokens = 0;
@@ -201,5 +190,47 @@ gating_stats top2_gating(const T* logits, index_t G, index_t S, index_t E, index
   }
   return st;
 }
+
+// The gradient rule of top2_gating: d(loss)/d(logits) from the gradients of
+// the combine weights (`dweight`, one per choice) and of the aux loss
+// (`aux_grad`); none flows through the discrete choices (top-2, capacity,
+// random routing), as in GShard.
+// w1 = g1/D, w2 = g2/D with D = g1 + g2 + 1e-9 (g_k = gates[wanted_k]);
+// aux = (E / G_total) · Σ_g Σ_e (count1_e / S) · mean_S(gates_e), so
+// ∂aux/∂gates[g,s,e] = E · count1_e[g] / (G_total · S²).
+template <class T>
+void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double aux_grad, index_t G_total, T* dlogits) {
+  const index_t G = r.groups, S = r.tokens, E = r.experts;
+  std::vector<double> count1(static_cast<std::size_t>(E));
+  std::vector<T> dg(static_cast<std::size_t>(E));
+  for (index_t g = 0; g < G; ++g) {
+    std::fill(count1.begin(), count1.end(), 0.0);
+    for (index_t s = 0; s < S; ++s) {
+      const int e1 = r.wanted[r.choice(g, s, 0)];
+      if (e1 >= 0) count1[std::size_t(e1)] += 1.0;
+    }
+    for (index_t s = 0; s < S; ++s) {
+      T* dl = dlogits + (g * S + s) * E;
+      const std::size_t c0 = r.choice(g, s, 0);
+      const int e1 = r.wanted[c0], e2 = r.wanted[c0 + 1];
+      if (e1 < 0) {  // an invalid token: no gradient
+        std::fill(dl, dl + E, T(0));
+        continue;
+      }
+      const T* gates = r.gates.data() + (g * S + s) * E;
+      for (index_t e = 0; e < E; ++e)
+        dg[std::size_t(e)] = T(aux_grad * double(E) * count1[std::size_t(e)] / (double(G_total) * double(S) * double(S)));
+      const T g1 = gates[e1], g2 = e2 >= 0 ? gates[e2] : T(0);
+      const T D = g1 + g2 + T(1e-9), D2 = D * D;
+      const T dw1 = dweight[c0], dw2 = dweight[c0 + 1];
+      dg[std::size_t(e1)] += dw1 * (g2 + T(1e-9)) / D2 - dw2 * g2 / D2;
+      if (e2 >= 0) dg[std::size_t(e2)] += -dw1 * g1 / D2 + dw2 * (g1 + T(1e-9)) / D2;
+      T dot = 0;
+      for (index_t e = 0; e < E; ++e) dot += dg[std::size_t(e)] * gates[e];
+      for (index_t e = 0; e < E; ++e) dl[e] = gates[e] * (dg[std::size_t(e)] - dot);
+    }
+  }
+}
+
 
 }  // namespace gshard::moe

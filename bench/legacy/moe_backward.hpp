@@ -1,4 +1,4 @@
-// gshard/moe/backward.hpp — the MoE layer's backward. The collectives are the
+// bench/legacy/ (frozen copy of gshard/moe/backward.hpp — the MoE layer's backward. The collectives are the
 // forward's transposed: the two all_to_alls run in the other order, the
 // gating weights' gradient is a pending sum over the ranks that split the
 // groups (one all_reduce), and the experts' gradients stay on their ranks
@@ -8,9 +8,10 @@
 #pragma once
 
 #include "gshard/grad.hpp"
-#include "gshard/moe/layer.hpp"
+#include "moe_layer.hpp"
 
-namespace gshard::moe {
+namespace legacy::moe {
+using namespace gshard;
 
 namespace detail {
 
@@ -135,4 +136,4 @@ tensor<T, 3, Mesh, typename shardings<Mesh>::by_group> backward(
   return dx;
 }
 
-}  // namespace gshard::moe
+}  // namespace legacy::moe

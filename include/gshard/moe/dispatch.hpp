@@ -1,0 +1,315 @@
+// gshard/moe/dispatch.hpp — GShard's routing as operations on a tape: gate
+// (router logits -> the routing, the combine weights and the aux loss),
+// dispatch (tokens -> expert slots, at the groups) and combine (expert
+// outputs -> tokens, weighted). Each is forward code with its gradient rule:
+// the router learns through the combine weights and the aux loss, never
+// through the discrete choices. Dispatch and combine run by index; the
+// one-hot tensors of the paper (dense_dispatch, dense_combine) give the
+// executable specification the tests compare with.
+#pragma once
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gshard/ad/ops.hpp"
+#include "gshard/moe/gating.hpp"
+
+namespace gshard::moe {
+
+enum class dispatch_mode : std::uint8_t { index, einsum };
+
+namespace detail {
+using gshard::detail::rlayout;
+
+// xe[e, g, c, :] = x[g, s, :] for every placed choice; other slots zero.
+template <class T>
+void dispatch_rows(const routing<T>& r, const T* x, index_t M, T* xe) {
+  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  std::memset(xe, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
+  for (index_t g = 0; g < G; ++g)
+    for (index_t s = 0; s < S; ++s)
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t c = r.choice(g, s, k);
+        if (r.expert[c] < 0) continue;
+        std::memcpy(xe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M, x + (g * S + s) * M, sizeof(T) * std::size_t(M));
+      }
+}
+
+// The transpose of dispatch_rows: dx[g,s,:] = Σ_k dxe[e_k,g,c_k,:].
+template <class T>
+void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx) {
+  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  std::memset(dx, 0, sizeof(T) * std::size_t(G * S * M));
+  for (index_t g = 0; g < G; ++g)
+    for (index_t s = 0; s < S; ++s)
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t c = r.choice(g, s, k);
+        if (r.expert[c] < 0) continue;
+        const T* row = dxe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        T* out = dx + (g * S + s) * M;
+        for (index_t i = 0; i < M; ++i) out[i] += row[i];
+      }
+}
+
+// y[g, s, :] = Σ_k weight_k · ye[e_k, g, c_k, :].
+template <class T>
+void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, T* y) {
+  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  for (index_t g = 0; g < G; ++g)
+    for (index_t s = 0; s < S; ++s) {
+      T* out = y + (g * S + s) * M;
+      std::fill(out, out + M, T(0));
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t c = r.choice(g, s, k);
+        if (r.expert[c] < 0) continue;
+        const T w = weight[c];
+        const T* row = ye + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        for (index_t i = 0; i < M; ++i) out[i] += w * row[i];
+      }
+    }
+}
+
+// The transpose of combine_rows: dy[e,g,c,:] = w_k · dout[g,s,:] for placed
+// choices, zero elsewhere; and each combine weight's gradient
+// dw_k = <dout[g,s,:], y[e_k,g,c_k,:]>.
+template <class T>
+void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, const T* y, index_t M, T* dy, T* dweight) {
+  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  std::memset(dy, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
+  std::fill(dweight, dweight + 2 * G * S, T(0));
+  for (index_t g = 0; g < G; ++g)
+    for (index_t s = 0; s < S; ++s)
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t c = r.choice(g, s, k);
+        if (r.expert[c] < 0) continue;
+        const index_t at = ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        const T* go = dout + (g * S + s) * M;
+        T dot = 0;
+        for (index_t i = 0; i < M; ++i) {
+          dy[at + i] = weight[c] * go[i];
+          dot += go[i] * y[at + i];
+        }
+        dweight[c] = dot;
+      }
+}
+
+// The one-hot tensors of the paper: combine[g,s,e,c] = weight, dispatch = (combine ≠ 0).
+template <class T>
+void dense_tensor(const routing<T>& r, const T* weight, T* out) {
+  const index_t E = r.experts, C = r.capacity;
+  std::memset(out, 0, sizeof(T) * std::size_t(r.groups * r.tokens * E * C));
+  for (index_t g = 0; g < r.groups; ++g)
+    for (index_t s = 0; s < r.tokens; ++s)
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t c = r.choice(g, s, k);
+        if (r.expert[c] < 0) continue;
+        out[((g * r.tokens + s) * E + r.expert[c]) * C + r.slot[c]] = weight ? weight[c] : T(1);
+      }
+}
+
+// Layouts: a [G,S,...] tensor's group split moved to dim `to` of a rank-R tensor.
+template <class X, int From, int To, int R, fixed_string Labels>
+struct moved_groups {
+  static constexpr rlayout value = [] {
+    rlayout l{};
+    l.dims[To] = X::layout.dims[From];
+    return l;
+  }();
+  static constexpr gshard::detail::layout_spec spec = gshard::detail::unresolve(value, X::mesh_type::names);
+  using sharding = layout<gshard::detail::text_of<gshard::detail::render(spec).n>(spec)>;
+  static constexpr auto labels = [] {
+    if constexpr (X::labels.size() == 0) return fixed_string<1>{};
+    else return Labels;
+  }();
+  using type = tensor<typename X::value_type, R, typename X::mesh_type, sharding, labels>;
+};
+
+// GShard's aux loss and the gating counters as one vector, for one all_reduce.
+inline std::vector<double> stats_vector(const gating_stats& s) {
+  std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
+  v.insert(v.end(), {double(s.tokens), double(s.dropped_first), double(s.dropped_second), double(s.skipped_second),
+                     double(s.invalid), s.aux_sum});
+  return v;
+}
+inline gating_stats stats_from(const double* v, std::size_t E) {
+  gating_stats r;
+  for (std::size_t e = 0; e < E; ++e) r.expert_load.push_back(std::int64_t(v[e]));
+  r.tokens = std::int64_t(v[E]), r.dropped_first = std::int64_t(v[E + 1]), r.dropped_second = std::int64_t(v[E + 2]);
+  r.skipped_second = std::int64_t(v[E + 3]), r.invalid = std::int64_t(v[E + 4]), r.aux_sum = v[E + 5];
+  return r;
+}
+
+}  // namespace detail
+
+// What gate() decided, for dispatch and combine: the routing (constant), the
+// combine weight of each (token, choice) [G,S,2] as a differentiable value,
+// the aux loss (replicated) and the counters of every group.
+template <class Logits>
+struct gate_output {
+  using T = typename Logits::value_type;
+  using Mesh = typename Logits::mesh_type;
+  using weights_type = tensor<T, 3, Mesh, typename Logits::sharding_type>;
+  std::shared_ptr<const routing<T>> route;
+  var<weights_type> weights;
+  var<tensor<double, 0, Mesh, replicate>> aux;
+  gating_stats stats;   // summed over every group of the mesh
+  index_t groups = 0;   // global G
+};
+
+// GShard's top-2 gating of router logits [G,S,E] (groups split, S and E
+// whole; computed in T, at least float). One all_reduce over the axes that
+// split the groups sums the counters and the aux loss, so the routing
+// statistics are global and the aux loss is replicated.
+template <class V>
+  requires var_type<V>
+auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream) {
+  using X = gshard::detail::tensor_of<V>;
+  using T = typename X::value_type;
+  using Mesh = typename X::mesh_type;
+  static_assert(X::rank == 3 && X::layout.dims[1].n == 0 && X::layout.dims[2].n == 0 && X::layout.partial == 0,
+                "gshard::moe::gate: the router logits are [G,S,E] with only G split and no pending sums");
+  const var<X> logits = std::forward<V>(logits_in);
+  tape& t = logits.on_tape();
+  const X& lg = logits.value();
+  const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
+  auto route = std::make_shared<routing<T>>();
+  gating_stats local;
+  {
+    trace::span s("top-2 gating", "moe");
+    local = top2_gating<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, *route);
+  }
+  using weights_t = typename gate_output<X>::weights_type;
+  weights_t w(lg.mesh(), {G, S, 2});
+  std::copy(route->weight.begin(), route->weight.end(), w.data());
+  // One all_reduce over the ranks that hold different groups.
+  const std::vector<double> sv = detail::stats_vector(local);
+  typename gshard::detail::sum_over_shards<X, 1, double>::type partial(lg.mesh(), {index_t(sv.size())});
+  std::copy(sv.begin(), sv.end(), partial.data());
+  const auto total = reshard<replicate>(std::move(partial));
+  tensor<double, 0, Mesh, replicate> aux(lg.mesh(), {});
+  aux.local()() = G > 0 ? total.data()[E + 5] / double(G) : 0.0;
+  gate_output<X> out{route, t.output(std::move(w), logits.tracked()), t.output(std::move(aux), logits.tracked()),
+                     detail::stats_from(total.data(), std::size_t(E)), G};
+  if (logits.tracked())
+    t.record([tp = &t, ls = logits.slot(), ws = out.weights.slot(), as = out.aux.slot(), route, G, extents = lg.extents()] {
+      auto dw = tp->slot<weights_t>(ws).template take<typename weights_t::sharding_type>();
+      auto da = tp->slot<tensor<double, 0, Mesh, replicate>>(as).template take<replicate>();
+      if (!dw && !da) return;
+      std::vector<T> dweight(route->weight.size(), T(0));
+      if (dw) std::copy(dw->data(), dw->data() + dweight.size(), dweight.begin());
+      gshard::detail::gradient_of<X> dlogits(dw ? dw->mesh() : da->mesh(), extents);
+      gating_backward(*route, dweight, da ? da->local()() : 0.0, G, dlogits.data());
+      tp->slot<X>(ls).add(std::move(dlogits));
+    });
+  return out;
+}
+
+// The tokens x [G,S,M] (groups split) into expert slots at the groups:
+// xe [E,G,C,M], G split as in x, unused slots zero. Local.
+template <class L, class V>
+  requires var_type<V>
+auto dispatch(const gate_output<L>& g, V&& x_in) {
+  using X = gshard::detail::tensor_of<V>;
+  using XE = typename detail::moved_groups<X, 0, 1, 4, "EGCM">::type;
+  static_assert(X::rank == 3 && X::layout.dims[1].n == 0 && X::layout.dims[2].n == 0 && X::layout.partial == 0,
+                "gshard::moe::dispatch: the tokens are [G,S,M] with only G split");
+  const var<X> x = std::forward<V>(x_in);
+  tape& t = x.on_tape();
+  const routing<typename X::value_type>& r = *g.route;
+  const index_t M = x.extent(2);
+  XE xe(x.mesh(), {r.experts, x.extent(0), r.capacity, M});
+  {
+    trace::span s("dispatch", "moe");
+    detail::dispatch_rows(r, x.value().data(), M, xe.data());
+  }
+  auto out = t.output(std::move(xe), x.tracked());
+  if (out.tracked())
+    t.record([tp = &t, xs = x.slot(), es = out.slot(), route = g.route, extents = x.extents(), M] {
+      auto dxe = tp->slot<XE>(es).template take<typename XE::sharding_type>();
+      if (!dxe) return;
+      gshard::detail::gradient_of<X> dx(dxe->mesh(), extents);
+      detail::dispatch_rows_backward(*route, dxe->data(), M, dx.data());
+      tp->slot<X>(xs).add(std::move(dx));
+    });
+  return out;
+}
+
+// The expert outputs y [E,G,C,M] at the groups back into tokens [G,S,M],
+// each the sum of its choices' outputs times their combine weights. Local.
+template <class L, class V>
+  requires var_type<V>
+auto combine(const gate_output<L>& g, V&& y_in) {
+  using Y = gshard::detail::tensor_of<V>;
+  using T = typename Y::value_type;
+  using O = typename detail::moved_groups<Y, 1, 0, 3, "GSM">::type;
+  using W = typename gate_output<L>::weights_type;
+  static_assert(Y::rank == 4 && Y::layout.dims[0].n == 0 && Y::layout.dims[2].n == 0 && Y::layout.dims[3].n == 0 &&
+                    Y::layout.partial == 0,
+                "gshard::moe::combine: the expert outputs are [E,G,C,M] at the groups (only G split)");
+  const var<Y> y = std::forward<V>(y_in);
+  tape& t = y.on_tape();
+  const routing<T>& r = *g.route;
+  const index_t M = y.extent(3);
+  O out_t(y.mesh(), {y.extent(1), r.tokens, M});
+  {
+    trace::span s("combine", "moe");
+    detail::combine_rows(r, g.weights.value().data(), y.value().data(), M, out_t.data());
+  }
+  auto out = t.output(std::move(out_t), y.tracked() || g.weights.tracked());
+  if (out.tracked())
+    t.record([tp = &t, os = out.slot(), ys = y.slot(), ws = g.weights.slot(), route = g.route, keep_y = y.shared(),
+              keep_w = g.weights.shared(), M] {
+      auto dout = tp->slot<O>(os).template take<typename O::sharding_type>();
+      if (!dout) return;
+      gshard::detail::gradient_of<Y> dy(keep_y->mesh(), keep_y->extents());
+      gshard::detail::gradient_of<W> dw(keep_w->mesh(), keep_w->extents());
+      detail::combine_rows_backward(*route, keep_w->data(), dout->data(), keep_y->data(), M, dy.data(), dw.data());
+      if (ys >= 0) tp->slot<Y>(ys).add(std::move(dy));
+      if (ws >= 0) tp->slot<W>(ws).add(std::move(dw));
+    });
+  return out;
+}
+
+// The paper's one-hot tensors [G,S,E,C]: dispatch (a constant) and combine
+// (the combine weights at their slots, differentiable), for the einsum form
+//   einsum<"GSEC,GSM->EGCM">(dispatch, x), einsum<"GSEC,EGCM->GSM">(combine, y).
+template <class L>
+auto dense_dispatch(const gate_output<L>& g) {
+  using D = typename detail::moved_groups<L, 0, 0, 4, "GSEC">::type;
+  const auto& w = g.weights;
+  const routing<typename L::value_type>& r = *g.route;
+  D d(w.mesh(), {w.extent(0), r.tokens, r.experts, r.capacity});
+  detail::dense_tensor(r, static_cast<const typename L::value_type*>(nullptr), d.data());
+  return w.on_tape().constant(std::move(d));
+}
+template <class L>
+auto dense_combine(const gate_output<L>& g) {
+  using T = typename L::value_type;
+  using D = typename detail::moved_groups<L, 0, 0, 4, "GSEC">::type;
+  using W = typename gate_output<L>::weights_type;
+  const auto& w = g.weights;
+  tape& t = w.on_tape();
+  const routing<T>& r = *g.route;
+  D d(w.mesh(), {w.extent(0), r.tokens, r.experts, r.capacity});
+  detail::dense_tensor(r, w.value().data(), d.data());
+  auto out = t.output(std::move(d), w.tracked());
+  if (out.tracked())
+    t.record([tp = &t, ds = out.slot(), ws = w.slot(), route = g.route, extents = w.extents()] {
+      auto dd = tp->slot<D>(ds).template take<typename D::sharding_type>();
+      if (!dd) return;
+      const routing<T>& r = *route;
+      gshard::detail::gradient_of<W> dw(dd->mesh(), extents);
+      for (index_t gi = 0; gi < r.groups; ++gi)
+        for (index_t s = 0; s < r.tokens; ++s)
+          for (int k = 0; k < 2; ++k) {
+            const std::size_t c = r.choice(gi, s, k);
+            if (r.expert[c] >= 0)
+              dw.data()[c] = dd->data()[((gi * r.tokens + s) * r.experts + r.expert[c]) * r.capacity + r.slot[c]];
+          }
+      tp->slot<W>(ws).add(std::move(dw));
+    });
+  return out;
+}
+
+}  // namespace gshard::moe
