@@ -122,6 +122,8 @@ void step_vs_legacy(benchmark::State& state) {
 template <bool Legacy>
 void step_memory(benchmark::State& state) {
   both b;
+  for (int i = 0; i < 3; ++i) Legacy ? b.legacy_step() : b.step();  // steady state
+  const long f0 = minor_faults();
   for (auto _ : state) {
     const double t = gshard::bench::slowest([&] {
       if constexpr (Legacy) b.legacy_step();
@@ -130,6 +132,7 @@ void step_memory(benchmark::State& state) {
     state.SetIterationTime(t);
   }
   state.counters["max_rss_MiB"] = gshard::bench::max_over_ranks(max_rss_mib());
+  state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
 }
 
 void moe_layer(benchmark::State& state) {

@@ -1,5 +1,12 @@
-// gshard/gshard.hpp — the whole library: meshes, shardings, sharded tensors,
-// collectives, resharding and einsum. Each piece also compiles on its own.
+// gshard/gshard.hpp — the whole public library. Each header also compiles on
+// its own; include the narrow ones to compile less:
+//   the core        mesh, sharding, labels (rules), roles, tensor, collectives,
+//                   reshard, einsum, counters, trace, error, types, random
+//   training        ad/parameters, ad/tape, ad/ops, ad/nn (the tape and its
+//                   operations), grad (the per-op gradient rules), ops, optim,
+//                   checkpoint
+//   the MoE layer   moe/gating, moe/dispatch, moe/layer
+//   the model       model/transformer, model/train
 #pragma once
 
 #include "gshard/collectives.hpp"
@@ -7,9 +14,29 @@
 #include "gshard/einsum.hpp"
 #include "gshard/error.hpp"
 #include "gshard/fixed_string.hpp"
+#include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/mpi.hpp"
+#include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/reshard_plan.hpp"
+#include "gshard/roles.hpp"
 #include "gshard/sharding.hpp"
 #include "gshard/tensor.hpp"
+#include "gshard/types.hpp"
+
+#include "gshard/ad/nn.hpp"
+#include "gshard/ad/ops.hpp"
+#include "gshard/ad/parameters.hpp"
+#include "gshard/ad/tape.hpp"
+#include "gshard/checkpoint.hpp"
+#include "gshard/grad.hpp"
+#include "gshard/ops.hpp"
+#include "gshard/optim.hpp"
+
+#include "gshard/moe/dispatch.hpp"
+#include "gshard/moe/gating.hpp"
+#include "gshard/moe/layer.hpp"
+
+#include "gshard/model/train.hpp"
+#include "gshard/model/transformer.hpp"

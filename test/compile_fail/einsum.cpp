@@ -36,6 +36,18 @@ void f(const t<2, sharding<split<1, "data", "model">>>& a, const t<2, sharding<s
 }
 #elif defined(GSHARD_CASE_different_types)
 void f(const t<2, rep>& a, const tensor<double, 2, grid, rep>& b) { (void)einsum<"ij,jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_empty_input)
+void f(const t<2, rep>& a, const t<2, rep>& b) { (void)einsum<",jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_term_too_long)
+void f(const t<2, rep>& a, const t<2, rep>& b) { (void)einsum<"abcdefghi,jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_operand_count)
+void f(const t<2, rep>& a) { (void)einsum<"ij,jk->ik">(a); }
+#elif defined(GSHARD_CASE_different_meshes)
+using other = mesh<axis<"data", 2>>;
+void f(const t<2, rep>& a, const tensor<float, 2, other, rep>& b) { (void)einsum<"ij,jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_labels_differ)
+using blnk = tensor<float, 4, grid, sharding<split<0, "data">>, "BLNK">;
+void f(const blnk& q, const blnk& k) { (void)einsum<"BLNK,BTNK->BNLT">(q, k); }
 #else
 #error "no GSHARD_CASE_ given"
 #endif

@@ -208,7 +208,8 @@ class parameters {
   template <class X>
     requires sharded_tensor<X>
   std::size_t declare(std::string name, const typename X::extents_type& extents, initializer init) {
-    static_assert(std::is_same_v<typename X::mesh_type, Mesh>, "gshard::param: the parameter lives on another mesh type");
+    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
+                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
     static_assert(X::layout.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
     X value(*mesh_, extents);
     if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
@@ -245,7 +246,8 @@ class param {
   static constexpr auto label_string = X::label_string;
   static constexpr std::string_view labels = X::labels;
 
-  param(parameters<mesh_type>& ps, std::string name, const typename X::extents_type& extents, initializer init)
+  template <class M>
+  param(parameters<M>& ps, std::string name, const typename X::extents_type& extents, initializer init)
       : owner_(&ps), index_(ps.template declare<X>(std::move(name), extents, init)) {}
 
   const X& value() const { return owner_->values().template at<X>(index_); }

@@ -1,0 +1,64 @@
+// The autodiff and MoE operations misused; one case per -DGSHARD_CASE_<name>.
+#include <gshard/ad/nn.hpp>
+#include <gshard/moe/layer.hpp>
+
+using namespace gshard;
+using grid = mesh<axis<"data", 2>, axis<"expert", 2>>;
+template <int R, class S, fixed_string L = "">
+using t = tensor<float, R, grid, S, L>;
+using rep = replicate;
+using rows = sharding<split<0, "data">>;
+using pend = sharding<partial<"data">>;
+
+#if defined(GSHARD_CASE_plain_tensor_with_var)
+void f(const var<t<2, rep>>& a, const t<2, rep>& w) { (void)einsum<"ij,jk->ik">(a, w); }
+#elif defined(GSHARD_CASE_params_alone)
+void f(const param<t<2, rep>>& a, const param<t<2, rep>>& b) { (void)einsum<"ij,jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_product_pending)
+void f(const var<t<1, pend>>& a) { (void)(a * a); }
+#elif defined(GSHARD_CASE_unary_pending)
+void f(const var<t<1, pend>>& a) {
+  (void)relu(a), (void)gelu(a), (void)silu(a), (void)sigmoid(a), (void)exp(a), (void)log(a), (void)tanh(a), (void)sqrt(a);
+}
+#elif defined(GSHARD_CASE_mask_rank)
+void f(const var<t<1, rep>>& a) { (void)causal_mask(a); }
+#elif defined(GSHARD_CASE_mask_split)
+void f(const var<t<2, sharding<split<1, "data">>>>& a) { (void)causal_mask(a); }
+#elif defined(GSHARD_CASE_mask_pending)
+void f(const var<t<2, pend>>& a) { (void)causal_mask(a); }
+#elif defined(GSHARD_CASE_norm_scale)
+void f(const var<t<2, rows>>& x, const var<t<1, sharding<split<0, "expert">>>>& s) { (void)rms_norm(x, s); }
+#elif defined(GSHARD_CASE_param_other_mesh)
+using other = mesh<axis<"data", 2>>;
+void f(parameters<other>& ps) { param<t<1, rep>> p(ps, "p", {2}, init::zeros()); }
+#elif defined(GSHARD_CASE_param_pending)
+void f(parameters<grid>& ps) { param<t<1, pend>> p(ps, "p", {2}, init::zeros()); }
+#elif defined(GSHARD_CASE_backward_not_scalar)
+void f(tape& tp, const var<t<1, rep>>& l) { tp.backward(l); }
+#elif defined(GSHARD_CASE_embedding_tokens)
+void f(tape& tp, const t<2, rows>& tok, const param<t<2, rep>>& table) { (void)embedding(tp, tok, table); }
+#elif defined(GSHARD_CASE_embedding_tokens_pending)
+void f(tape& tp, const tensor<std::int32_t, 2, grid, pend>& tok, const param<t<2, rep>>& table) { (void)embedding(tp, tok, table); }
+#elif defined(GSHARD_CASE_embedding_table)
+void f(tape& tp, const tensor<std::int32_t, 2, grid, rows>& tok, const param<t<2, rows>>& table) { (void)embedding(tp, tok, table); }
+#elif defined(GSHARD_CASE_ce_class_split)
+void f(const var<t<2, sharding<split<1, "data">>>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_ce_pending)
+void f(const var<t<2, pend>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_ce_targets_type)
+void f(const var<t<2, rows>>& lg, const tensor<float, 1, grid, rows>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_ce_targets_sharding)
+void f(const var<t<2, rows>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_gate_logits)
+void f(const var<t<3, sharding<split<2, "expert">>>>& lg) { (void)moe::gate(lg, {}, 0); }
+#elif defined(GSHARD_CASE_dispatch_tokens)
+void f(const moe::gate_output<t<3, rows>>& g, const var<t<3, sharding<split<2, "expert">>>>& x) { (void)moe::dispatch(g, x); }
+#elif defined(GSHARD_CASE_combine_outputs)
+void f(const moe::gate_output<t<3, rows>>& g, const var<t<4, sharding<split<0, "expert">>>>& y) { (void)moe::combine(g, y); }
+#elif defined(GSHARD_CASE_gating_type)
+void f(const std::int32_t* l, moe::routing<std::int32_t>& r) { (void)moe::top2_gating<std::int32_t>(l, 1, 1, 1, 0, 0, {}, r); }
+#elif defined(GSHARD_CASE_layer_input)
+void f(const moe::layer<float, grid>& l, const var<t<3, rows>>& x) { (void)l(x, {}, 0); }
+#else
+#error "no GSHARD_CASE_ given"
+#endif
