@@ -188,7 +188,9 @@ class tape {
   static constexpr no_grad_t no_grad{};
 
   template <mesh_type Mesh>
-  explicit tape(parameters<Mesh>& ps) : params_(&ps), recording_(true), reset_grads_(reset_grads(ps)) {}
+  explicit tape(parameters<Mesh>& ps) : params_(&ps), recording_(true), reset_grads_(reset_grads(ps)) {
+    reserve();
+  }
   template <mesh_type Mesh>
   tape(parameters<Mesh>& ps, no_grad_t) : params_(&ps), recording_(false) {}
   tape(const tape&) = delete;
@@ -222,7 +224,11 @@ class tape {
       if (trace::enabled()) span.emplace("gradient " + p.name(), "backward");
       auto g = slot<X>(id).template take<typename X::sharding_type>();  // the one reduction of its contributions
       if (!g) return;
-      ps.grads().template at<X>(p.index()).local() = std::move(g->local());
+      // Copied into the gradient's own buffer, not moved: a buffer that lives
+      // from step to step stays where it is, so the heap does not fragment
+      // around it (moving it made the heap grow every few steps).
+      auto& dst = ps.grads().template at<X>(p.index()).local();
+      std::copy(g->data(), g->data() + g->local().size(), dst.data());
       ps.set_has_grad(p.index(), true);
     });
     return {*this, std::move(view), id};
@@ -293,6 +299,14 @@ class tape {
   int new_slot(const typename X::mesh_type& m, const typename X::extents_type& e) {
     slots_.push_back(std::make_unique<detail::slot_of<X>>(m, e));
     return int(slots_.size()) - 1;
+  }
+
+  // The tape's own lists keep one size from step to step (no reallocation
+  // pattern for the heap to fragment around).
+  void reserve() {
+    slots_.reserve(1024);
+    rules_.reserve(1024);
+    finish_.reserve(256);
   }
 
   void* params_;
