@@ -287,3 +287,54 @@ TEST_CASE("reshard plans print their steps", "[reshard]") {
     GSHARD_REQUIRE(d.find("2048 B/rank") != std::string::npos);  // 8*1*4*16 floats
   }
 }
+
+namespace {
+using grid_dem = mesh<axis<"data">, axis<"expert">, axis<"model">>;
+using at_groups = rules<on<'G', "data", "expert">, on<'H', "model">>;
+using at_experts = rules<on<'E', "expert">, on<'G', "data">, on<'H', "model">>;
+// Rules resolve to the canonical positional types, whatever order they were written in.
+static_assert(std::is_same_v<sharding_by<at_groups, "GSM">, sharding<split<0, "data", "expert">>>);
+static_assert(std::is_same_v<sharding_by<at_groups, "EGCM">, sharding<split<1, "data", "expert">>>);
+static_assert(std::is_same_v<sharding_by<at_experts, "EGCM">, sharding<split<0, "expert">, split<1, "data">>>);
+static_assert(std::is_same_v<sharding_by<at_experts, "EGCH">, sharding<split<0, "expert">, split<1, "data">, split<3, "model">>>);
+static_assert(std::is_same_v<sharding_by<at_experts, "EMH">, sharding<split<0, "expert">, split<2, "model">>>);
+static_assert(std::is_same_v<sharding_by<at_groups, "ME">, replicate>);
+static_assert(std::is_same_v<sharding_by<at_groups, "GECM">, sharding<split<0, "data", "expert">>>);  // GShard's GECM: no new alias
+static_assert(std::is_same_v<at_experts, rules<on<'H', "model">, on<'G', "data">, on<'E', "expert">>>);
+static_assert(at_experts::text == "E{expert} G{data} H{model}");
+// The roles' tables: the expert axes minor-most in G whatever the mesh order.
+static_assert(roles_on<grid_dem>::at_tokens::text == "B{data,expert} G{data,expert} H{model} N{model}");
+static_assert(roles_on<mesh<axis<"expert">, axis<"data">>>::at_tokens::text == "B{data,expert} G{data,expert}");
+static_assert(roles_on<grid_dem>::at_experts::text == "B{data} E{expert} G{data} H{model} N{model}");
+static_assert(roles_on<mesh<axis<"data">, axis<"expert">>>::model_mask == 0);
+}  // namespace
+
+TEST_CASE("labels: rules give shardings by dim name, einsums label their outputs, relabel is free", "[labels]") {
+  const int P = world_size();
+  grid_dem m(MPI_COMM_WORLD, {1, P, 1});
+  using gsm = named<float, "GSM", grid_dem, at_groups>;
+  gsm x(m, {2 * index_t(P), 3, 4});
+  GSHARD_REQUIRE(x.notation() == "f32[G{data,expert},S,M]");
+  // An einsum of labelled operands is labelled with its output term, and a
+  // rules table names its output sharding.
+  named<float, "ME", grid_dem, at_groups> w(m, {4, 5});
+  const auto logits = einsum<"GSM,ME->GSE">(x, w);
+  static_assert(decltype(logits)::labels == "GSE");
+  GSHARD_REQUIRE(logits.notation() == "f32[G{data,expert},S,E]");
+  named<float, "EGCM", grid_dem, at_groups> xe(m, {2 * index_t(P), 2 * index_t(P), 3, 4});
+  collective_recorder rec;
+  const auto at_e = reshard<at_experts>(xe);  // one all_to_all over expert
+  static_assert(std::is_same_v<decltype(at_e)::sharding_type, sharding_by<at_experts, "EGCM">>);
+  GSHARD_REQUIRE(rec.calls(collective::all_to_all, "expert") == 1 && rec.events().size() == 1);
+  GSHARD_REQUIRE(at_e.notation() == "f32[E{expert},G{data},C,M]");
+  // relabel: an rvalue keeps its storage; an lvalue is copied.
+  const float* before = x.data();
+  auto y = relabel<"BLM">(std::move(x));
+  GSHARD_REQUIRE(y.data() == before && y.notation() == "f32[B{data,expert},L,M]");
+  const auto z = relabel<"">(y);
+  GSHARD_REQUIRE(z.data() != y.data() && z.notation() == "f32[" + std::to_string(2 * P) + "{data,expert},3,4]");
+  // Run-time errors name the labels.
+  if (P > 1)
+    GSHARD_REQUIRE_THROWS_WITH((gsm(m, {index_t(P) + 1, 3, 4})), shape_error,
+                               "gshard::tensor: dim 0 (G) of f32[G{data,expert},S,M] has extent " + std::to_string(P + 1));
+}
