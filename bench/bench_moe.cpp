@@ -126,7 +126,7 @@ void dispatch(benchmark::State& state, bool einsum_form) {
   local_tensor<float, 3> logits(1, Sg, E);
   for (index_t i = 0; i < logits.size(); ++i) logits.data()[i] = float(normal(5, 6, std::uint64_t(i)));
   moe::routing<float> r;
-  moe::top2_gating<float>(logits.data(), 1, Sg, E, 0, 0, gc, r);
+  moe::route_tokens<float>(logits.data(), 1, Sg, E, 0, 0, gc, r);
   tensor<float, 4, one, replicate> combine(m, {1, Sg, E, C}), disp(m, {1, Sg, E, C});
   moe::detail::dense_tensor(r, r.weight.data(), combine.data());
   moe::detail::dense_tensor(r, static_cast<const float*>(nullptr), disp.data());

@@ -34,7 +34,7 @@ def main() -> int:
         for r in range(ranks):
             mine = [e for e in spans if e["pid"] == r]
             count = Counter(e["name"] for e in mine)
-            for want in ["train step 1", "forward", "backward", "optimizer", "block 1 MoE", "top-2 gating", "dispatch",
+            for want in ["train step 1", "forward", "backward", "optimizer", "block 1 MoE", "gating", "dispatch",
                          "combine"]:
                 if count[want] < 1:
                     problems.append(f"rank {r}: no span '{want}'")

@@ -25,7 +25,10 @@ using grid1 = mesh<axis<"expert">>;
 using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
 using grid2r = mesh<axis<"expert">, axis<"data">>;  // axis order must not change the communication
 
-// Checks the design's invariants on one routing; returns "" or what broke.
+// Checks the design's invariants on one routing; returns "" or what broke:
+// each slot holds at most one token; a token reaches at most k distinct
+// experts; its combine weights sum to at most 1; the slots used in each
+// expert of a group are 0..count-1, the j-th choices after every (j-1)-th.
 template <class T>
 std::string check_invariants(const moe::routing<T>& r) {
   const index_t G = r.groups, S = r.tokens, E = r.experts, C = r.capacity;
@@ -34,10 +37,12 @@ std::string check_invariants(const moe::routing<T>& r) {
     for (index_t s = 0; s < S; ++s) {
       T sum = 0;
       std::set<int> experts;
-      for (int k = 0; k < 2; ++k) {
+      int routed = 0;
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         const int e = r.expert[c];
         if (e < 0) continue;
+        ++routed;
         if (e >= E) return "expert id out of range";
         if (r.slot[c] < 0 || r.slot[c] >= C) return "slot out of range";
         const std::size_t at = std::size_t(e * C + r.slot[c]);
@@ -47,20 +52,20 @@ std::string check_invariants(const moe::routing<T>& r) {
         experts.insert(e);
         sum += r.weight[c];
       }
-      if (experts.size() != std::size_t(std::count_if(r.expert.begin() + std::ptrdiff_t(r.choice(g, s, 0)),
-                                                         r.expert.begin() + std::ptrdiff_t(r.choice(g, s, 0) + 2),
-                                                         [](int e) { return e >= 0; })))
-        return "a token reaches one expert twice";
+      if (int(experts.size()) != routed) return "a token reaches one expert twice";
       if (sum > T(1) + T(1e-6)) return "combine sums to more than 1";
     }
-    for (index_t e = 0; e < E; ++e) {  // slots 0..count-1 used, first choices first
-      bool hole = false, second_seen = false;
+    for (index_t e = 0; e < E; ++e) {  // slots 0..count-1 used, the j-th choices after the (j-1)-th
+      bool hole = false;
+      int last_kind = 0;
       for (index_t c = 0; c < C; ++c) {
         const std::size_t at = std::size_t(e * C + c);
         if (owner[at] < 0) hole = true;
         else if (hole) return "an unused slot before a used one";
-        if (kind[at] == 1) second_seen = true;
-        else if (kind[at] == 0 && second_seen) return "a first choice after a second choice";
+        if (owner[at] >= 0) {
+          if (kind[at] < last_kind) return "a choice placed before an earlier choice";
+          last_kind = kind[at];
+        }
       }
     }
   }
@@ -85,19 +90,19 @@ TEST_CASE("gating: capacity, invariants, balanced aux loss, determinism", "[moe]
     const index_t G = 3, S = 64, E = 8;
     const auto logits = random_tensor<3, float>({G, S, E}, 5);
     moe::routing<float> r;
-    const auto st = moe::top2_gating<float>(logits.data(), G, S, E, 0, 7, c, r);
+    const auto st = moe::route_tokens<float>(logits.data(), G, S, E, 0, 7, c, r);
     const std::string broken = check_invariants(r);
     GSHARD_REQUIRE_MSG(broken.empty(), broken);
     std::int64_t placed = 0;
     for (auto v : st.expert_load) placed += v;
-    const std::int64_t wanted = 2 * G * S - st.skipped_second;
-    GSHARD_REQUIRE(placed + st.dropped_first + st.dropped_second == wanted);
-    GSHARD_REQUIRE(st.dropped_first + st.dropped_second > 0);
-    if (policy == moe::second_policy::all) GSHARD_REQUIRE(st.skipped_second == 0);
-    else GSHARD_REQUIRE(st.skipped_second > 0);
+    const std::int64_t wanted = 2 * G * S - st.skipped_at(1);
+    GSHARD_REQUIRE(placed + st.dropped_at(0) + st.dropped_at(1) == wanted);
+    GSHARD_REQUIRE(st.dropped_at(0) + st.dropped_at(1) > 0);
+    if (policy == moe::second_policy::all) GSHARD_REQUIRE(st.skipped_at(1) == 0);
+    else GSHARD_REQUIRE(st.skipped_at(1) > 0);
     // The same call again: bit-identical routing.
     moe::routing<float> r2;
-    moe::top2_gating<float>(logits.data(), G, S, E, 0, 7, c, r2);
+    moe::route_tokens<float>(logits.data(), G, S, E, 0, 7, c, r2);
     GSHARD_REQUIRE(r2.expert == r.expert && r2.slot == r.slot && r2.weight == r.weight);
   }
 
@@ -115,7 +120,7 @@ TEST_CASE("gating: capacity, invariants, balanced aux loss, determinism", "[moe]
     moe::gating_config all;
     all.second = moe::second_policy::all;
     moe::routing<double> r;
-    const auto st = moe::top2_gating<double>(logits.data(), 1, S, E, 0, 0, all, r);
+    const auto st = moe::route_tokens<double>(logits.data(), 1, S, E, 0, 0, all, r);
     GSHARD_REQUIRE(std::abs(st.aux_sum - 1.0) < 1e-12);
     GSHARD_REQUIRE(st.overload() == 1.0);
   }
@@ -134,26 +139,29 @@ TEST_CASE("gating: bad router logits — one expert, no tokens, NaN and Inf, tin
       logits(g, s, 1) = 1.0f;
     }
   moe::routing<float> r;
-  auto st = moe::top2_gating<float>(logits.data(), G, S, E, 0, 0, cfg, r);
+  auto st = moe::route_tokens<float>(logits.data(), G, S, E, 0, 0, cfg, r);
   const index_t C = moe::capacity(S, E, cfg);
-  GSHARD_REQUIRE(st.expert_load[2] == 2 * C && st.dropped_first == 2 * (S - C));
+  GSHARD_REQUIRE(st.expert_load[2] == 2 * C && st.dropped_at(0) == 2 * (S - C));
   GSHARD_REQUIRE(st.expert_load[0] == 0 && st.expert_load[3] == 0);  // experts with no tokens
   GSHARD_REQUIRE(st.overload() > 1.0);
   GSHARD_REQUIRE(check_invariants(r).empty());
 
-  // NaN and Inf: those tokens are routed nowhere and counted; ids stay in range.
+  // NaN and +Inf: those tokens are routed nowhere and counted; ids stay in
+  // range. -Inf masks one expert: the token goes to the best of the others.
   logits(0, 3, 1) = std::numeric_limits<float>::quiet_NaN();
   logits(1, 5, 0) = std::numeric_limits<float>::infinity();
-  logits(1, 6, 3) = -std::numeric_limits<float>::infinity();
-  st = moe::top2_gating<float>(logits.data(), G, S, E, 0, 0, cfg, r);
-  GSHARD_REQUIRE(st.invalid == 3);
+  logits(1, 6, 2) = -std::numeric_limits<float>::infinity();  // its favourite
+  st = moe::route_tokens<float>(logits.data(), G, S, E, 0, 0, cfg, r);
+  GSHARD_REQUIRE(st.invalid == 2);
   GSHARD_REQUIRE(r.expert[r.choice(0, 3, 0)] == -1 && r.expert[r.choice(1, 5, 1)] == -1);
+  GSHARD_REQUIRE(r.wanted[r.choice(1, 6, 0)] == 1 && r.wanted[r.choice(1, 6, 1)] != 2);
+  GSHARD_REQUIRE(r.gates[std::size_t((1 * S + 6) * E + 2)] == 0.0f);
   GSHARD_REQUIRE(check_invariants(r).empty());
 
   // Groups smaller than the number of experts: C is the minimum, nothing breaks.
   const auto small = random_tensor<3, float>({5, 3, 8}, 9);
-  st = moe::top2_gating<float>(small.data(), 5, 3, 8, 0, 0, {}, r);
-  GSHARD_REQUIRE(r.capacity == 4 && st.dropped_first == 0);
+  st = moe::route_tokens<float>(small.data(), 5, 3, 8, 0, 0, {}, r);
+  GSHARD_REQUIRE(r.capacity == 4 && st.dropped_at(0) == 0);
   GSHARD_REQUIRE(check_invariants(r).empty());
 }
 
@@ -217,8 +225,8 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
       INFO("collectives signature " << n);
       GSHARD_REQUIRE(n == want);  // exactly the two all_to_alls over 'expert' (+ the all_reduce over 'model'), and the statistics
       GSHARD_REQUIRE(max_rel_diff(y, ref) < 1e-12);
-      GSHARD_REQUIRE(st.expert_load == ref_stats.expert_load && st.dropped_first == ref_stats.dropped_first &&
-                     st.dropped_second == ref_stats.dropped_second && st.skipped_second == ref_stats.skipped_second);
+      GSHARD_REQUIRE(st.expert_load == ref_stats.expert_load && st.dropped_at(0) == ref_stats.dropped_at(0) &&
+                     st.dropped_at(1) == ref_stats.dropped_at(1) && st.skipped_at(1) == ref_stats.skipped_at(1));
       GSHARD_REQUIRE(std::abs(st.aux_sum - ref_stats.aux_sum) < 1e-9);
       const auto [yf, stf] = run_layer<float>(m, {G, S, M}, H, E, cfg, mode);
       GSHARD_REQUIRE(max_rel_diff(yf, ref_f) < 1e-6);

@@ -290,7 +290,7 @@ TEST_CASE("one training step runs exactly the collectives its types imply, and t
   // all_reduce over the batch axes: the gradient of every weight replicated
   // over them (embed, unembed, final norm; per block norm1, norm2, wq, wk,
   // wv, wo; dense w1, w2; the router), each once however often it is used;
-  // the cross-entropy's sum and count; the MoE layer's statistics (E + 6).
+  // the cross-entropy's sum and count; the MoE layer's statistics.
   // Over "data": the two expert weights (replicated over data only). Over
   // "model": after each attention (2), dense FFN and expert FFN in the
   // forward, and their input gradients in the backward. Over the whole mesh:
@@ -302,7 +302,8 @@ TEST_CASE("one training step runs exactly the collectives its types imply, and t
                                       H * M / mm + M * E) * f;
     std::map<std::string, std::pair<int, std::size_t>> w;
     w["all_to_all(expert)"] = {4, std::size_t(4 * E * Bl * C * M) * f};
-    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(E + 6) * 8};
+    // the MoE statistics: E loads, tokens, k drops, k skips, invalid, aux, z-loss
+    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(E + 4 + 2 * c.gating.top_k) * 8};
     w["all_reduce(data)"] = {2, std::size_t(2 * (E / e) * M * (H / mm)) * f};
     if (model_axis) {
       w["all_reduce(model)"] = {8, std::size_t(2 * (3 * Bl * L * M) + 2 * (E / e) * (B / d) * C * M) * f};

@@ -67,13 +67,21 @@ inline void require_size(bool ok, const char* op, const axis_group& g, std::size
 }
 }  // namespace detail
 
-// x |-> sum over the group of x, in place.
+// How an all_reduce combines: the sum (every plan's), or the element-wise
+// maximum or minimum (agreements such as dropless routing's capacity).
+enum class reduction : std::uint8_t { sum, max, min };
+
+namespace detail {
+inline MPI_Op mpi_op(reduction op) { return op == reduction::sum ? MPI_SUM : op == reduction::max ? MPI_MAX : MPI_MIN; }
+}  // namespace detail
+
+// x |-> the sum (or max, min) over the group of x, in place.
 template <class T>
-void all_reduce(const detail::axis_group& g, std::span<T> data) {
+void all_reduce(const detail::axis_group& g, std::span<T> data, reduction op = reduction::sum) {
   const detail::timed_collective timed(
       collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()));
-  mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
-                           g.comm),
+  mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(),
+                           detail::mpi_op(op), g.comm),
              "MPI_Allreduce");
 }
 

@@ -56,7 +56,7 @@ void f(const moe::gate_output<t<3, rows>>& g, const var<t<3, sharding<split<2, "
 #elif defined(GSHARD_CASE_combine_outputs)
 void f(const moe::gate_output<t<3, rows>>& g, const var<t<4, sharding<split<0, "expert">>>>& y) { (void)moe::combine(g, y); }
 #elif defined(GSHARD_CASE_gating_type)
-void f(const std::int32_t* l, moe::routing<std::int32_t>& r) { (void)moe::top2_gating<std::int32_t>(l, 1, 1, 1, 0, 0, {}, r); }
+void f(const std::int32_t* l, moe::routing<std::int32_t>& r) { (void)moe::choose_experts<std::int32_t>(l, 1, 1, 1, 0, 0, {}, nullptr, r); }
 #elif defined(GSHARD_CASE_layer_input)
 void f(const moe::layer<float, grid>& l, const var<t<3, rows>>& x) { (void)l(x, {}, 0); }
 #else

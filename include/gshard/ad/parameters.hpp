@@ -199,6 +199,9 @@ class parameters {
   std::size_t size() const { return values_.size(); }
   tensor_set& values() { return values_; }
   tensor_set& grads() { return grads_; }
+  // State that is not trained but belongs to the model and is checkpointed
+  // (e.g. the MoE router's balancing bias).
+  tensor_set& buffers() { return buffers_; }
   const std::string& name(std::size_t i) const { return values_[i].name(); }
   // Whether parameter i received a gradient in the last backward.
   bool has_grad(std::size_t i) const { return has_grad_[i]; }
@@ -221,10 +224,23 @@ class parameters {
     return values_.size() - 1;
   }
 
+  // Declares a buffer (state the optimizer does not touch); returns its position.
+  template <class X>
+    requires sharded_tensor<X>
+  std::size_t declare_buffer(std::string name, const typename X::extents_type& extents, initializer init) {
+    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
+                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
+    X value(*mesh_, extents);
+    if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
+    else value.local().setConstant(typename X::value_type(init.value));
+    buffers_.add(std::move(name), std::move(value));
+    return buffers_.size() - 1;
+  }
+
  private:
   const Mesh* mesh_;
   std::uint64_t seed_;
-  tensor_set values_, grads_;
+  tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
 };
 
@@ -260,6 +276,23 @@ class param {
 
  private:
   parameters<mesh_type>* owner_;
+  std::size_t index_;
+};
+
+// A declared buffer of tensor type X: state of a model that checkpoints carry
+// and the optimizer does not touch.
+template <class X>
+class buffer {
+ public:
+  using tensor_type = X;
+  template <class M>
+  buffer(parameters<M>& ps, std::string name, const typename X::extents_type& extents, initializer init)
+      : set_(&ps.buffers()), index_(ps.template declare_buffer<X>(std::move(name), extents, init)) {}
+  X& value() const { return set_->template at<X>(index_); }
+  const std::string& name() const { return (*set_)[index_].name(); }
+
+ private:
+  tensor_set* set_;
   std::size_t index_;
 };
 

@@ -63,6 +63,7 @@ class grad_slot final : public grad_slot_base {
   grad_slot(const Mesh& m, const shape<R>& extents) : mesh_(&m), extents_(extents) {}
 
   bool empty() const { return !acc_.has_value(); }
+  const Mesh& mesh() const { return *mesh_; }
   std::uint32_t pending() const { return pending_; }
 
   // Adds a contribution of any sharding with the value's extents.

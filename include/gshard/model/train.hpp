@@ -80,10 +80,10 @@ eval_result evaluate(const transformer<T, Mesh, Roles>& model, parameters<Mesh>&
   return sum;
 }
 
-// Parameters and Adam's moments, as checkpoint parts.
+// Parameters, Adam's moments and the model's buffers, as checkpoint parts.
 template <mesh_type Mesh>
 std::vector<checkpoint_part> checkpoint_parts(parameters<Mesh>& ps, adam& opt) {
-  return {{"param.", &ps.values()}, {"adam.m.", &opt.moment1()}, {"adam.v.", &opt.moment2()}};
+  return {{"param.", &ps.values()}, {"adam.m.", &opt.moment1()}, {"adam.v.", &opt.moment2()}, {"buffer.", &ps.buffers()}};
 }
 
 }  // namespace gshard::model

@@ -36,9 +36,10 @@ struct config {
   index_t hidden = 128;   // H, of the dense FFNs and of each expert
   index_t experts = 8;    // E
   int layers = 4;         // blocks; blocks 1, 3, ... have an MoE FFN
-  double aux_coef = 0.01;
-  moe::gating_config gating{};
+  double aux_coef = 0.01;     // the loss adds aux_coef · Σ aux and gating.z_loss_coef · Σ z-loss over MoE layers
+  moe::gating_config gating{};  // top-k, capacity, dropless, z-loss, balancing (moe/gating.hpp)
   moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
+  int shared_experts = 0;       // per MoE layer, beside the routed ones
   bool is_moe(int layer) const { return layer % 2 == 1; }
 };
 
@@ -82,8 +83,8 @@ class transformer {
   const std::vector<block_params>& blocks() const { return blocks_; }
 
   struct output {
-    var<tensor<double, 0, Mesh, replicate>> loss;  // cross-entropy + aux_coef · Σ aux
-    double ce = 0, aux = 0;                        // mean cross-entropy; Σ over MoE layers of the aux loss
+    var<tensor<double, 0, Mesh, replicate>> loss;  // cross-entropy + aux_coef · Σ aux + z_loss_coef · Σ z
+    double ce = 0, aux = 0, z = 0;                 // mean cross-entropy; Σ over MoE layers of the aux loss and the z-loss
     std::vector<moe::gating_stats> moe;            // per MoE layer, summed over every group
     var<named<T, "BLV", Mesh, at_tokens>> logits;  // [B,L,V]
   };
@@ -94,7 +95,7 @@ class transformer {
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
     auto x = embedding(t, inputs, embed_);  // [B{data,expert},L,M]
-    std::vector<var<tensor<double, 0, Mesh, replicate>>> aux;
+    std::vector<var<tensor<double, 0, Mesh, replicate>>> aux, z;
     std::vector<moe::gating_stats> stats;
     for (int layer = 0; layer < c_.layers; ++layer) {
       const block_params& b = blocks_[std::size_t(layer)];
@@ -112,6 +113,7 @@ class transformer {
         auto r = (*b.moe)(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(layer), mode);
         x = x + relabel<"BLM">(std::move(r.y));
         aux.push_back(std::move(r.aux));
+        z.push_back(std::move(r.z_loss));
         stats.push_back(std::move(r.stats));
       } else {
         x = x + ffn(std::move(h), *b.ffn);
@@ -119,10 +121,14 @@ class transformer {
     }
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
     auto ce = cross_entropy(logits, targets);
-    output out{ce, loss_value(ce), 0.0, std::move(stats), std::move(logits)};
+    output out{ce, loss_value(ce), 0.0, 0.0, std::move(stats), std::move(logits)};
     for (auto& a : aux) {
       out.aux += loss_value(a);
-      out.loss = out.loss + c_.aux_coef * a;
+      if (c_.aux_coef != 0) out.loss = out.loss + c_.aux_coef * a;
+    }
+    for (auto& zl : z) {
+      out.z += loss_value(zl);
+      if (c_.gating.z_loss_coef != 0) out.loss = out.loss + c_.gating.z_loss_coef * zl;
     }
     return out;
   }
@@ -184,7 +190,7 @@ class transformer {
       weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
       block_params bp{norm1, attn, norm2, std::nullopt, std::nullopt};
       if (c.is_moe(l)) {
-        bp.moe.emplace(ps, b, M, H, c.experts, c.ffn);
+        bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance});
       } else {
         weight<"MH"> w1(ps, b + "w1", {M, H}, init::normal(sd_in));
         std::optional<weight<"MH">> w1_up;

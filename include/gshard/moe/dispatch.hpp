@@ -22,16 +22,16 @@ enum class dispatch_mode : std::uint8_t { index, einsum };
 namespace detail {
 using gshard::detail::rlayout;
 
-// xe[e, g, c, :] = x[g, s, :] for every placed choice; other slots zero.
+// xe[e, g, c, :] = x[g, s, :] for every dispatched choice; other slots zero.
 template <class T>
 void dispatch_rows(const routing<T>& r, const T* x, index_t M, T* xe) {
   const index_t G = r.groups, S = r.tokens, C = r.capacity;
   std::memset(xe, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
-        if (r.expert[c] < 0) continue;
+        if (!r.dispatched(c)) continue;
         std::memcpy(xe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M, x + (g * S + s) * M, sizeof(T) * std::size_t(M));
       }
 }
@@ -43,9 +43,9 @@ void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx)
   std::memset(dx, 0, sizeof(T) * std::size_t(G * S * M));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
-        if (r.expert[c] < 0) continue;
+        if (!r.dispatched(c)) continue;
         const T* row = dxe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
         T* out = dx + (g * S + s) * M;
         for (index_t i = 0; i < M; ++i) out[i] += row[i];
@@ -60,7 +60,7 @@ void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
     for (index_t s = 0; s < S; ++s) {
       T* out = y + (g * S + s) * M;
       std::fill(out, out + M, T(0));
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         if (r.expert[c] < 0) continue;
         const T w = weight[c];
@@ -77,10 +77,10 @@ template <class T>
 void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, const T* y, index_t M, T* dy, T* dweight) {
   const index_t G = r.groups, S = r.tokens, C = r.capacity;
   std::memset(dy, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
-  std::fill(dweight, dweight + 2 * G * S, T(0));
+  std::fill(dweight, dweight + r.k * G * S, T(0));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         if (r.expert[c] < 0) continue;
         const index_t at = ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
@@ -101,9 +101,9 @@ void dense_tensor(const routing<T>& r, const T* weight, T* out) {
   std::memset(out, 0, sizeof(T) * std::size_t(r.groups * r.tokens * E * C));
   for (index_t g = 0; g < r.groups; ++g)
     for (index_t s = 0; s < r.tokens; ++s)
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
-        if (r.expert[c] < 0) continue;
+        if (weight ? r.expert[c] < 0 : !r.dispatched(c)) continue;
         out[((g * r.tokens + s) * E + r.expert[c]) * C + r.slot[c]] = weight ? weight[c] : T(1);
       }
 }
@@ -125,45 +125,58 @@ struct moved_groups {
   using type = tensor<typename X::value_type, R, typename X::mesh_type, sharding, labels>;
 };
 
-// GShard's aux loss and the gating counters as one vector, for one all_reduce.
+// The gating counters, the aux loss and the z-loss as one vector, for one all_reduce.
 inline std::vector<double> stats_vector(const gating_stats& s) {
   std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
-  v.insert(v.end(), {double(s.tokens), double(s.dropped_first), double(s.dropped_second), double(s.skipped_second),
-                     double(s.invalid), s.aux_sum});
+  v.push_back(double(s.tokens));
+  v.insert(v.end(), s.dropped.begin(), s.dropped.end());
+  v.insert(v.end(), s.skipped.begin(), s.skipped.end());
+  v.insert(v.end(), {double(s.invalid), s.aux_sum, s.z_sum});
   return v;
 }
-inline gating_stats stats_from(const double* v, std::size_t E) {
+inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, index_t capacity) {
   gating_stats r;
   for (std::size_t e = 0; e < E; ++e) r.expert_load.push_back(std::int64_t(v[e]));
-  r.tokens = std::int64_t(v[E]), r.dropped_first = std::int64_t(v[E + 1]), r.dropped_second = std::int64_t(v[E + 2]);
-  r.skipped_second = std::int64_t(v[E + 3]), r.invalid = std::int64_t(v[E + 4]), r.aux_sum = v[E + 5];
+  r.tokens = std::int64_t(v[E]);
+  for (std::size_t j = 0; j < k; ++j) r.dropped.push_back(std::int64_t(v[E + 1 + j]));
+  for (std::size_t j = 0; j < k; ++j) r.skipped.push_back(std::int64_t(v[E + 1 + k + j]));
+  r.invalid = std::int64_t(v[E + 1 + 2 * k]), r.aux_sum = v[E + 2 + 2 * k], r.z_sum = v[E + 3 + 2 * k];
+  r.capacity = capacity;
   return r;
 }
 
 }  // namespace detail
 
 // What gate() decided, for dispatch and combine: the routing (constant), the
-// combine weight of each (token, choice) [G,S,2] as a differentiable value,
-// the aux loss (replicated) and the counters of every group.
+// combine weight of each (token, choice) [G,S,k] as a differentiable value,
+// the aux loss and the router z-loss (replicated) and the counters of every
+// group.
 template <class Logits>
 struct gate_output {
   using T = typename Logits::value_type;
   using Mesh = typename Logits::mesh_type;
   using weights_type = tensor<T, 3, Mesh, typename Logits::sharding_type>;
+  using scalar = var<tensor<double, 0, Mesh, replicate>>;
   std::shared_ptr<const routing<T>> route;
   var<weights_type> weights;
-  var<tensor<double, 0, Mesh, replicate>> aux;
-  gating_stats stats;   // summed over every group of the mesh
-  index_t groups = 0;   // global G
+  scalar aux;          // GShard's aux loss: 1 when balanced
+  scalar z_loss;       // mean over the valid tokens of logsumexp(logits)²
+  gating_stats stats;  // summed over every group of the mesh
+  index_t groups = 0;  // global G
 };
 
-// GShard's top-2 gating of router logits [G,S,E] (groups split, S and E
-// whole; computed in T, at least float). One all_reduce over the axes that
-// split the groups sums the counters and the aux loss, so the routing
-// statistics are global and the aux loss is replicated.
+// Top-k gating of router logits [G,S,E] (groups split, S and E whole;
+// computed in T, at least float). `bias` (E values, or null) shifts the
+// scores for the choice only (balance_mode::bias); `training` false selects
+// the evaluation capacity factor. One all_reduce over the axes that split
+// the groups sums the counters, the aux loss and the z-loss; dropless
+// routing first agrees the capacity — the largest load of any group —
+// with one all_reduce of a maximum over the same axes, so every rank moves
+// tensors of one shape.
 template <class V>
   requires var_type<V>
-auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream) {
+auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr,
+          bool training = true) {
   using X = gshard::detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
@@ -173,33 +186,50 @@ auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream) {
   tape& t = logits.on_tape();
   const X& lg = logits.value();
   const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
+  const auto& groups = lg.mesh().group(X::layout.split_mask());  // the ranks that hold different groups
   auto route = std::make_shared<routing<T>>();
   gating_stats local;
   {
-    trace::span s("top-2 gating", "moe");
-    local = top2_gating<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, *route);
+    trace::span s("gating", "moe");
+    local = choose_experts<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, *route);
+    index_t C = 0;
+    if (cfg.dropless) {
+      std::vector<double> most{double(largest_load(*route))};
+      all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank
+      C = std::max<index_t>(index_t(most[0]), 1);
+    } else {
+      C = capacity(S, E, cfg, !training && cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
+    }
+    place_choices(*route, C, local);
   }
   using weights_t = typename gate_output<X>::weights_type;
-  weights_t w(lg.mesh(), {G, S, 2});
+  using scalar_t = tensor<double, 0, Mesh, replicate>;
+  const int k = route->k;
+  weights_t w(lg.mesh(), {G, S, k});
   std::copy(route->weight.begin(), route->weight.end(), w.data());
   // One all_reduce over the ranks that hold different groups.
   const std::vector<double> sv = detail::stats_vector(local);
   typename gshard::detail::sum_over_shards<X, 1, double>::type partial(lg.mesh(), {index_t(sv.size())});
   std::copy(sv.begin(), sv.end(), partial.data());
   const auto total = reshard<replicate>(std::move(partial));
-  tensor<double, 0, Mesh, replicate> aux(lg.mesh(), {});
-  aux.local()() = G > 0 ? total.data()[E + 5] / double(G) : 0.0;
+  gating_stats stats = detail::stats_from(total.data(), std::size_t(E), std::size_t(k), route->capacity);
+  const double valid = double(stats.tokens - stats.invalid);
+  scalar_t aux(lg.mesh(), {}), z(lg.mesh(), {});
+  aux.local()() = G > 0 ? stats.aux_sum / double(G) : 0.0;
+  z.local()() = valid > 0 ? stats.z_sum / valid : 0.0;
   gate_output<X> out{route, t.output(std::move(w), logits.tracked()), t.output(std::move(aux), logits.tracked()),
-                     detail::stats_from(total.data(), std::size_t(E)), G};
+                     t.output(std::move(z), logits.tracked()), std::move(stats), G};
   if (logits.tracked())
-    t.record([tp = &t, ls = logits.slot(), ws = out.weights.slot(), as = out.aux.slot(), route, G, extents = lg.extents()] {
+    t.record([tp = &t, ls = logits.slot(), ws = out.weights.slot(), as = out.aux.slot(), zs = out.z_loss.slot(), route, G,
+              valid, extents = lg.extents()] {
       auto dw = tp->slot<weights_t>(ws).template take<typename weights_t::sharding_type>();
-      auto da = tp->slot<tensor<double, 0, Mesh, replicate>>(as).template take<replicate>();
-      if (!dw && !da) return;
+      auto da = tp->slot<scalar_t>(as).template take<replicate>();
+      auto dz = tp->slot<scalar_t>(zs).template take<replicate>();
+      if (!dw && !da && !dz) return;
       std::vector<T> dweight(route->weight.size(), T(0));
       if (dw) std::copy(dw->data(), dw->data() + dweight.size(), dweight.begin());
-      gshard::detail::gradient_of<X> dlogits(dw ? dw->mesh() : da->mesh(), extents);
-      gating_backward(*route, dweight, da ? da->local()() : 0.0, G, dlogits.data());
+      gshard::detail::gradient_of<X> dlogits(tp->slot<X>(ls).mesh(), extents);
+      gating_backward(*route, dweight, da ? da->local()() : 0.0, G, dz ? dz->local()() : 0.0, valid, dlogits.data());
       tp->slot<X>(ls).add(std::move(dlogits));
     });
   return out;
@@ -302,7 +332,7 @@ auto dense_combine(const gate_output<L>& g) {
       gshard::detail::gradient_of<W> dw(dd->mesh(), extents);
       for (index_t gi = 0; gi < r.groups; ++gi)
         for (index_t s = 0; s < r.tokens; ++s)
-          for (int k = 0; k < 2; ++k) {
+          for (int k = 0; k < r.k; ++k) {
             const std::size_t c = r.choice(gi, s, k);
             if (r.expert[c] >= 0)
               dw.data()[c] = dd->data()[((gi * r.tokens + s) * r.experts + r.expert[c]) * r.capacity + r.slot[c]];

@@ -1,10 +1,12 @@
-// gshard/moe/gating.hpp — GShard's top-2 gating (the design's steps 1-9) on
-// one rank's groups: softmax, top-1 and top-2, normalisation, the aux loss,
-// capacity with exclusive cumsum positions (every first choice before any
-// second choice), dropping, and random routing of the second expert keyed by
-// the global group index, so any number of ranks reproduces the 1-rank
-// routing. Produces index routing (expert, slot, weight per token and
-// choice); the dense dispatch/combine tensors are built from it. No MPI.
+// gshard/moe/gating.hpp — top-k gating on one rank's groups, with GShard's
+// top-2 (the design's steps 1-9, as Lingvo's Top2GatingOnLogits computes
+// them) as the default: softmax, the k best experts, normalisation, the aux
+// loss, random routing of the later choices keyed by the global group index
+// (so any number of ranks reproduces the 1-rank routing), and capacity with
+// exclusive-cumsum positions, every j-th choice placed after all (j-1)-th
+// choices. Routing is two steps — choose, then place with a capacity — so
+// that dropless routing can agree the capacity across ranks in between.
+// Produces index routing (expert, slot, weight per token and choice). No MPI.
 #pragma once
 
 #include <algorithm>
@@ -20,187 +22,283 @@
 
 namespace gshard::moe {
 
+// What happens to the choices after the first.
 enum class second_policy : std::uint8_t {
-  all,     // always keep the second expert (capacity permitting)
-  random,  // keep it where uniform(0,1) < g2 / threshold (GShard: 2·g2 > rnd)
+  all,     // always kept (capacity permitting)
+  random,  // kept where uniform(0,1) < weight / threshold (GShard: 2·g2 > rnd)
 };
 
+// How the router is kept balanced: GShard's aux loss (a loss term), or
+// DeepSeek-V3's aux-loss-free per-expert bias (added to the scores for the
+// choice only, moved by the sign of each expert's load error every step).
+enum class balance_mode : std::uint8_t { aux, bias };
+
 struct gating_config {
-  double capacity_factor = 2.0;  // C ≈ S·factor/E; 2 reproduces the paper's 2S/E
+  int top_k = 2;                  // k = 1 is Switch; k = 2 GShard
+  double capacity_factor = 2.0;   // C ≈ capacity_factor · (k/2) · S/E: 2 gives each expert its average load
+  double eval_capacity_factor = 0;  // at evaluation (a tape that does not record); 0: capacity_factor
   index_t min_capacity = 4;
   second_policy second = second_policy::random;
-  double threshold = 0.5;
+  double threshold = 0.5;         // of second_policy::random
+  bool dropless = false;          // C = the largest load over the groups of the mesh: no token dropped
+  double z_loss_coef = 0;         // router z-loss: coef · mean over tokens of logsumexp(logits)²
+  balance_mode balance = balance_mode::aux;
+  double bias_rate = 1e-3;        // γ of balance_mode::bias
   std::uint64_t seed = 0;
 };
 
-// C = max(min_capacity, round_up_to_multiple_of_4(floor(S·capacity_factor/E))).
-inline index_t capacity(index_t S, index_t E, const gating_config& cfg) {
+// The capacity C of a group of S tokens over E experts with k choices, as
+// Lingvo's Top2GatingOnLogits computes it for k = 2: the automatic value
+// floor(k·S·factor / 2E); if it exceeds min_capacity, rounded up to a
+// multiple of 4, else min_capacity as given. The same on every rank: it
+// depends only on the configuration and the group size.
+inline index_t capacity(index_t S, index_t E, const gating_config& cfg, double factor = -1) {
   if (E <= 0) throw shape_error("gshard::moe::capacity: the number of experts is " + std::to_string(E));
-  const index_t raw = index_t(std::floor(double(S) * cfg.capacity_factor / double(E)));
-  const index_t up4 = (raw + 3) / 4 * 4;
-  return std::max(cfg.min_capacity, up4);
+  if (factor < 0) factor = cfg.capacity_factor;
+  const index_t automatic = index_t(std::floor(double(cfg.top_k) * double(S) * factor / (2.0 * double(E))));
+  if (automatic <= cfg.min_capacity) return cfg.min_capacity;
+  return (automatic + 3) / 4 * 4;
 }
 
-// Where each token of this rank's groups goes. Token t = g·S + s; choice k
-// (0: first, 1: second) at index 2·t + k. expert = -1: not routed (dropped,
-// skipped, or an invalid token).
+// Where each token of this rank's groups goes. Token t = g·S + s; choice j
+// (0: first) at index k·t + j. expert = -1: not routed (dropped, skipped by
+// random routing, fewer than k unmasked experts, or an invalid token). A
+// choice placed with weight 0 (its gate underflowed to 0) holds its slot,
+// as in Lingvo, but is not dispatched.
 template <class T>
 struct routing {
   index_t groups = 0, tokens = 0, experts = 0, capacity = 0;
-  index_t group_offset = 0;        // global index of this rank's first group
+  int k = 2;
+  index_t group_offset = 0;          // global index of this rank's first group
   std::vector<std::int32_t> expert;
   std::vector<std::int32_t> slot;
-  std::vector<T> weight;           // normalised gate of the choice (combine weight)
-  std::vector<T> gates;            // softmax, [G·S·E] (zeros for invalid tokens)
-  std::vector<std::int32_t> wanted;  // the top-1 and top-2 experts before capacity
-                                     // and random routing (-1: none); for backward
+  std::vector<T> weight;             // the combine weight (normalised gate for k ≥ 2, the gate for k = 1)
+  std::vector<T> gates;              // softmax, [G·S·E] (zeros for invalid tokens)
+  std::vector<std::int32_t> wanted;  // the k chosen experts before capacity and random routing (-1: none)
+  std::vector<double> lse;           // logsumexp of each token's logits (for the z-loss)
 
-  std::size_t choice(index_t g, index_t s, int k) const { return std::size_t(2 * (g * tokens + s) + k); }
+  std::size_t choice(index_t g, index_t s, int j) const { return std::size_t(k * (g * tokens + s) + j); }
+  bool dispatched(std::size_t c) const { return expert[c] >= 0 && weight[c] != T(0); }
 };
 
-// What one call saw: on this rank from top2_gating, summed over every group
+// What one call saw: on this rank from route_tokens, summed over every group
 // by moe::gate (gshard/moe/dispatch.hpp).
 struct gating_stats {
-  std::vector<std::int64_t> expert_load;  // choices placed in each expert (first + second)
+  std::vector<std::int64_t> expert_load;  // choices placed in each expert
   std::int64_t tokens = 0;
-  std::int64_t dropped_first = 0;   // first choices over capacity
-  std::int64_t dropped_second = 0;  // second choices over capacity
-  std::int64_t skipped_second = 0;  // second choices not taken by random routing
-  std::int64_t invalid = 0;         // tokens whose router logits had NaN or Inf: routed nowhere
-  double aux_sum = 0;               // Σ over groups of mean_E(density·density_proxy)·E²
+  std::vector<std::int64_t> dropped;      // per choice: over capacity
+  std::vector<std::int64_t> skipped;      // per choice: not kept by random routing
+  std::int64_t invalid = 0;               // tokens whose router logits had NaN or +Inf: routed nowhere
+  double aux_sum = 0;                     // Σ over groups of mean_E(density·density_proxy)·E²
+  double z_sum = 0;                       // Σ over tokens of logsumexp(logits)²
+  index_t capacity = 0;                   // the C the groups were placed with
 
+  std::int64_t placed() const {
+    std::int64_t t = 0;
+    for (auto v : expert_load) t += v;
+    return t;
+  }
+  std::int64_t total_dropped() const {
+    std::int64_t t = 0;
+    for (auto v : dropped) t += v;
+    return t;
+  }
+  std::int64_t dropped_at(std::size_t j) const { return j < dropped.size() ? dropped[j] : 0; }
+  std::int64_t skipped_at(std::size_t j) const { return j < skipped.size() ? skipped[j] : 0; }
   // Largest expert load over the balanced load (1.0 = perfectly balanced).
   double overload() const {
-    std::int64_t total = 0, mx = 0;
-    for (auto v : expert_load) {
-      total += v;
-      mx = std::max(mx, v);
-    }
+    const std::int64_t total = placed();
+    std::int64_t mx = 0;
+    for (auto v : expert_load) mx = std::max(mx, v);
     return total == 0 ? 0.0 : double(mx) * double(expert_load.size()) / double(total);
   }
   double dropped_share() const {
-    const std::int64_t placed = [&] {
-      std::int64_t t = 0;
-      for (auto v : expert_load) t += v;
-      return t;
-    }();
-    const std::int64_t wanted = placed + dropped_first + dropped_second;
-    return wanted == 0 ? 0.0 : double(dropped_first + dropped_second) / double(wanted);
+    const std::int64_t wanted = placed() + total_dropped();
+    return wanted == 0 ? 0.0 : double(total_dropped()) / double(wanted);
+  }
+  // Experts that received no token.
+  int dead_experts() const {
+    int n = 0;
+    for (auto v : expert_load) n += v == 0 ? 1 : 0;
+    return n;
   }
 };
 
-// Top-2 gating of `G` groups of `S` tokens over `E` experts. `logits` is
-// [G, S, E] row-major; `stream` separates the random numbers of different
-// layers and steps. Gating runs in T when T is at least float.
+namespace detail {
+// The random number deciding whether choice j ≥ 1 of token s of global group
+// g is kept: for j = 1 GShard's (seed, stream, group, token).
+inline double keep_draw(std::uint64_t seed, std::uint64_t stream, std::uint64_t group, std::uint64_t s, int j) {
+  return uniform(seed, stream + std::uint64_t(j - 1) * 0x9E3779B97F4A7C15ull, group, s);
+}
+}  // namespace detail
+
+// Step 1 of top-k gating of G groups of S tokens over E experts (`logits`
+// [G,S,E] row-major, in T = float or double): softmax; the k best experts
+// by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
+// normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
+// the later choices. Fills r (without slots) and returns this rank's
+// statistics (without loads and drops).
 template <class T>
-gating_stats top2_gating(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
-                         const gating_config& cfg, routing<T>& r) {
-  static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::top2_gating: gating runs in float or double");
-  const index_t C = capacity(S, E, cfg);
-  r.groups = G, r.tokens = S, r.experts = E, r.capacity = C, r.group_offset = group_offset;
-  r.expert.assign(std::size_t(2 * G * S), -1);
-  r.slot.assign(std::size_t(2 * G * S), -1);
-  r.weight.assign(std::size_t(2 * G * S), T(0));
+gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
+                            const gating_config& cfg, const double* bias, routing<T>& r) {
+  static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::choose_experts: gating runs in float or double");
+  if (cfg.top_k < 1 || cfg.top_k > E)
+    throw error("gshard::moe::gating: top_k = " + std::to_string(cfg.top_k) + " must be between 1 and the number of experts (" +
+                std::to_string(E) + ")");
+  const int k = cfg.top_k;
+  r.groups = G, r.tokens = S, r.experts = E, r.k = k, r.group_offset = group_offset, r.capacity = 0;
+  r.expert.assign(std::size_t(k * G * S), -1);
+  r.slot.assign(std::size_t(k * G * S), -1);
+  r.weight.assign(std::size_t(k * G * S), T(0));
   r.gates.assign(std::size_t(G * S * E), T(0));
-  r.wanted.assign(std::size_t(2 * G * S), -1);
+  r.wanted.assign(std::size_t(k * G * S), -1);
+  r.lse.assign(std::size_t(G * S), 0.0);
   gating_stats st;
   st.expert_load.assign(std::size_t(E), 0);
+  st.dropped.assign(std::size_t(k), 0);
+  st.skipped.assign(std::size_t(k), 0);
   st.tokens = G * S;
 
-  std::vector<index_t> count(static_cast<std::size_t>(E));
-  std::vector<double> density(static_cast<std::size_t>(E)), proxy(static_cast<std::size_t>(E));
+  std::vector<double> density(static_cast<std::size_t>(E)), proxy(static_cast<std::size_t>(E)), score(static_cast<std::size_t>(E));
+  std::vector<char> taken(static_cast<std::size_t>(E));
   for (index_t g = 0; g < G; ++g) {
     std::fill(density.begin(), density.end(), 0.0);
     std::fill(proxy.begin(), proxy.end(), 0.0);
-    // 1-4: softmax, top-1, top-2, normalisation.
     for (index_t s = 0; s < S; ++s) {
       const T* l = logits + (g * S + s) * E;
       T* gates = r.gates.data() + (g * S + s) * E;
-      bool finite = true;
-      for (index_t e = 0; e < E; ++e) finite = finite && std::isfinite(l[e]);
-      if (!finite) {  // routed nowhere; passes through on the residual
+      // NaN or +Inf make the token invalid (routed nowhere, counted); -Inf
+      // masks that expert: its gate is 0 and it is never chosen.
+      bool valid = true, any_finite = false;
+      for (index_t e = 0; e < E; ++e) {
+        if (std::isnan(l[e]) || l[e] == std::numeric_limits<T>::infinity()) valid = false;
+        if (std::isfinite(l[e])) any_finite = true;
+      }
+      if (!valid || !any_finite) {
         ++st.invalid;
         continue;
       }
-      T mx = l[0];
-      for (index_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+      T mx = -std::numeric_limits<T>::infinity();
+      for (index_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
       T sum = 0;
-      for (index_t e = 0; e < E; ++e) sum += (gates[e] = std::exp(l[e] - mx));
+      for (index_t e = 0; e < E; ++e) sum += (gates[e] = std::isfinite(l[e]) ? std::exp(l[e] - mx) : T(0));
       for (index_t e = 0; e < E; ++e) gates[e] /= sum;
-      index_t e1 = 0;
-      for (index_t e = 1; e < E; ++e)
-        if (gates[e] > gates[e1]) e1 = e;
-      index_t e2 = -1;
-      for (index_t e = 0; e < E; ++e)
-        if (e != e1 && (e2 < 0 || gates[e] > gates[e2])) e2 = e;
-      const T g1 = gates[e1], g2 = e2 >= 0 ? gates[e2] : T(0);
-      const T denom = g1 + g2 + T(1e-9);
+      const double lse = double(mx) + std::log(double(sum));
+      r.lse[std::size_t(g * S + s)] = lse;
+      st.z_sum += lse * lse;
+      // The k best unmasked experts by score, ties to the lowest id: the
+      // first is GShard's argmax(gates), the second argmax of the gates with
+      // the first zeroed (a gate that underflowed to 0 is still a choice).
+      for (index_t e = 0; e < E; ++e) score[std::size_t(e)] = double(gates[e]) + (bias ? bias[e] : 0.0);
+      std::fill(taken.begin(), taken.end(), 0);
       const std::size_t c0 = r.choice(g, s, 0);
-      r.expert[c0] = r.wanted[c0] = std::int32_t(e1);
-      r.weight[c0] = g1 / denom;
-      if (e2 >= 0) r.wanted[c0 + 1] = std::int32_t(e2);
-      if (e2 >= 0 && g2 > T(0)) {
-        r.expert[c0 + 1] = std::int32_t(e2);
-        r.weight[c0 + 1] = g2 / denom;
+      T wsum = 0;
+      int chosen = 0;
+      for (int j = 0; j < k; ++j) {
+        index_t best = -1;
+        for (index_t e = 0; e < E; ++e)
+          if (!taken[std::size_t(e)] && std::isfinite(l[e]) && (best < 0 || score[std::size_t(e)] > score[std::size_t(best)])) best = e;
+        if (best < 0) break;  // fewer than k unmasked experts
+        taken[std::size_t(best)] = 1;
+        r.wanted[c0 + std::size_t(j)] = std::int32_t(best);
+        wsum += gates[best];
+        ++chosen;
       }
-      // 5: the aux loss's ingredients, before capacity.
-      density[std::size_t(e1)] += 1.0;
+      // Normalised over the k choices (GShard, before capacity and random
+      // routing); with k = 1 the combine weight is the gate itself (Switch).
+      const T denom = k >= 2 ? wsum + T(1e-9) : T(1);
+      for (int j = 0; j < chosen; ++j) {
+        r.expert[c0 + std::size_t(j)] = r.wanted[c0 + std::size_t(j)];
+        r.weight[c0 + std::size_t(j)] = gates[r.wanted[c0 + std::size_t(j)]] / denom;
+      }
+      // The aux loss's ingredients, before capacity.
+      density[std::size_t(r.wanted[c0])] += 1.0;
       for (index_t e = 0; e < E; ++e) proxy[std::size_t(e)] += double(gates[e]);
+      // Random routing of the later choices.
+      if (cfg.second == second_policy::random)
+        for (int j = 1; j < chosen; ++j) {
+          const std::size_t c = c0 + std::size_t(j);
+          if (!(detail::keep_draw(cfg.seed, stream, std::uint64_t(group_offset + g), std::uint64_t(s), j) <
+                double(r.weight[c]) / std::max(cfg.threshold, 1e-9))) {
+            r.expert[c] = -1;
+            r.weight[c] = T(0);
+            ++st.skipped[std::size_t(j)];
+          }
+        }
     }
     double aux = 0;
     for (index_t e = 0; e < E; ++e) aux += (density[std::size_t(e)] / double(S)) * (proxy[std::size_t(e)] / double(S));
     st.aux_sum += S > 0 ? aux * double(E * E) / double(E) : 0.0;
-
-    // 6: first choices take slots in token order; over capacity they drop.
-    std::fill(count.begin(), count.end(), 0);
-    for (index_t s = 0; s < S; ++s) {
-      const std::size_t c = r.choice(g, s, 0);
-      const int e = r.expert[c];
-      if (e < 0) continue;
-      if (count[std::size_t(e)] < C) {
-        r.slot[c] = std::int32_t(count[std::size_t(e)]++);
-        ++st.expert_load[std::size_t(e)];
-      } else {
-        r.expert[c] = -1;
-        r.weight[c] = T(0);
-        ++st.dropped_first;
-      }
-    }
-    // 7-8: second choices, randomly kept, then placed after every first choice.
-    for (index_t s = 0; s < S; ++s) {
-      const std::size_t c = r.choice(g, s, 1);
-      const int e = r.expert[c];
-      if (e < 0) continue;
-      const bool keep = cfg.second == second_policy::all ||
-                        uniform(cfg.seed, stream, std::uint64_t(group_offset + g), std::uint64_t(s)) <
-                            double(r.weight[c]) / cfg.threshold;
-      if (!keep) {
-        r.expert[c] = -1;
-        r.weight[c] = T(0);
-        ++st.skipped_second;
-      } else if (count[std::size_t(e)] < C) {
-        r.slot[c] = std::int32_t(count[std::size_t(e)]++);
-        ++st.expert_load[std::size_t(e)];
-      } else {
-        r.expert[c] = -1;
-        r.weight[c] = T(0);
-        ++st.dropped_second;
-      }
-    }
   }
   return st;
 }
 
-// The gradient rule of top2_gating: d(loss)/d(logits) from the gradients of
-// the combine weights (`dweight`, one per choice) and of the aux loss
-// (`aux_grad`); none flows through the discrete choices (top-2, capacity,
-// random routing), as in GShard.
-// w1 = g1/D, w2 = g2/D with D = g1 + g2 + 1e-9 (g_k = gates[wanted_k]);
-// aux = (E / G_total) · Σ_g Σ_e (count1_e / S) · mean_S(gates_e), so
-// ∂aux/∂gates[g,s,e] = E · count1_e[g] / (G_total · S²).
+// The largest number of choices any expert receives in one group: the
+// capacity at which nothing is dropped.
 template <class T>
-void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double aux_grad, index_t G_total, T* dlogits) {
+index_t largest_load(const routing<T>& r) {
+  index_t most = 0;
+  std::vector<index_t> count(static_cast<std::size_t>(r.experts));
+  for (index_t g = 0; g < r.groups; ++g) {
+    std::fill(count.begin(), count.end(), 0);
+    for (index_t s = 0; s < r.tokens; ++s)
+      for (int j = 0; j < r.k; ++j) {
+        const int e = r.expert[r.choice(g, s, j)];
+        if (e >= 0) most = std::max(most, ++count[std::size_t(e)]);
+      }
+  }
+  return most;
+}
+
+// Step 2: slots with capacity C. In each group the j-th choices take slots
+// in token order after every (j-1)-th choice; over capacity they drop.
+template <class T>
+void place_choices(routing<T>& r, index_t C, gating_stats& st) {
+  r.capacity = C;
+  st.capacity = C;
+  std::vector<index_t> count(static_cast<std::size_t>(r.experts));
+  for (index_t g = 0; g < r.groups; ++g) {
+    std::fill(count.begin(), count.end(), 0);
+    for (int j = 0; j < r.k; ++j)
+      for (index_t s = 0; s < r.tokens; ++s) {
+        const std::size_t c = r.choice(g, s, j);
+        const int e = r.expert[c];
+        if (e < 0) continue;
+        if (count[std::size_t(e)] < C) {
+          r.slot[c] = std::int32_t(count[std::size_t(e)]++);
+          ++st.expert_load[std::size_t(e)];
+        } else {
+          r.expert[c] = -1;
+          r.weight[c] = T(0);
+          ++st.dropped[std::size_t(j)];
+        }
+      }
+  }
+}
+
+// Both steps with the configuration's capacity (`factor`: the capacity
+// factor to use, e.g. at evaluation); no bias.
+template <class T>
+gating_stats route_tokens(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
+                          const gating_config& cfg, routing<T>& r, double factor = -1) {
+  gating_stats st = choose_experts<T>(logits, G, S, E, group_offset, stream, cfg, nullptr, r);
+  place_choices(r, capacity(S, E, cfg, factor), st);
+  return st;
+}
+
+// The gradient rule of the gating: d(loss)/d(logits) from the gradients of
+// the combine weights (`dweight`, one per choice), of the aux loss
+// (`aux_grad`) and of the mean z-loss (`z_grad`, over `z_tokens` tokens);
+// none flows through the discrete choices (top-k, capacity, random
+// routing), as in GShard. For k ≥ 2, w_j = g_j / D with D = Σ_i g_i + 1e-9
+// over the chosen (wanted) experts; for k = 1, w = g. aux = (E / G_total) ·
+// Σ_g Σ_e (count1_e / S) · mean_S(gates_e), so ∂aux/∂gates[g,s,e] =
+// E · count1_e[g] / (G_total · S²); ∂lse/∂logits = gates.
+template <class T>
+void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double aux_grad, index_t G_total, double z_grad,
+                     double z_tokens, T* dlogits) {
   const index_t G = r.groups, S = r.tokens, E = r.experts;
+  const int k = r.k;
   std::vector<double> count1(static_cast<std::size_t>(E));
   std::vector<T> dg(static_cast<std::size_t>(E));
   for (index_t g = 0; g < G; ++g) {
@@ -212,25 +310,32 @@ void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double 
     for (index_t s = 0; s < S; ++s) {
       T* dl = dlogits + (g * S + s) * E;
       const std::size_t c0 = r.choice(g, s, 0);
-      const int e1 = r.wanted[c0], e2 = r.wanted[c0 + 1];
-      if (e1 < 0) {  // an invalid token: no gradient
+      if (r.wanted[c0] < 0) {  // an invalid token: no gradient
         std::fill(dl, dl + E, T(0));
         continue;
       }
       const T* gates = r.gates.data() + (g * S + s) * E;
       for (index_t e = 0; e < E; ++e)
         dg[std::size_t(e)] = T(aux_grad * double(E) * count1[std::size_t(e)] / (double(G_total) * double(S) * double(S)));
-      const T g1 = gates[e1], g2 = e2 >= 0 ? gates[e2] : T(0);
-      const T D = g1 + g2 + T(1e-9), D2 = D * D;
-      const T dw1 = dweight[c0], dw2 = dweight[c0 + 1];
-      dg[std::size_t(e1)] += dw1 * (g2 + T(1e-9)) / D2 - dw2 * g2 / D2;
-      if (e2 >= 0) dg[std::size_t(e2)] += -dw1 * g1 / D2 + dw2 * (g1 + T(1e-9)) / D2;
+      if (k == 1) {
+        dg[std::size_t(r.wanted[c0])] += dweight[c0];
+      } else {
+        T D = T(1e-9), wdot = 0;
+        for (int j = 0; j < k; ++j)
+          if (r.wanted[c0 + std::size_t(j)] >= 0) D += gates[r.wanted[c0 + std::size_t(j)]];
+        for (int j = 0; j < k; ++j)
+          if (r.wanted[c0 + std::size_t(j)] >= 0) wdot += dweight[c0 + std::size_t(j)] * gates[r.wanted[c0 + std::size_t(j)]];
+        for (int j = 0; j < k; ++j) {
+          const int e = r.wanted[c0 + std::size_t(j)];
+          if (e >= 0) dg[std::size_t(e)] += dweight[c0 + std::size_t(j)] / D - wdot / (D * D);
+        }
+      }
       T dot = 0;
       for (index_t e = 0; e < E; ++e) dot += dg[std::size_t(e)] * gates[e];
-      for (index_t e = 0; e < E; ++e) dl[e] = gates[e] * (dg[std::size_t(e)] - dot);
+      const double dz = z_tokens > 0 ? z_grad * 2.0 * r.lse[std::size_t(g * S + s)] / z_tokens : 0.0;
+      for (index_t e = 0; e < E; ++e) dl[e] = gates[e] * (dg[std::size_t(e)] - dot) + T(dz * double(gates[e]));
     }
   }
 }
-
 
 }  // namespace gshard::moe

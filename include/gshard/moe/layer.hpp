@@ -23,6 +23,16 @@ namespace gshard::moe {
 // SwiGLU (silu(x·wi) ⊙ (x·wi_up))·wo of PaLM and Llama.
 enum class ffn_kind : std::uint8_t { relu, swiglu };
 
+// What the layer declares beyond GShard's: shared experts (DeepSeek-MoE:
+// experts every token passes through beside the routed ones, here one FFN
+// of shared_experts · H hidden units, split like the dense FFNs), and the
+// per-expert bias of aux-loss-free balancing.
+struct layer_options {
+  ffn_kind ffn = ffn_kind::relu;
+  int shared_experts = 0;
+  balance_mode balance = balance_mode::aux;
+};
+
 template <class T, mesh_type Mesh, class Roles = default_roles>
 struct layer {
   using roles = roles_on<Mesh, Roles>;
@@ -30,36 +40,62 @@ struct layer {
   using at_experts = typename roles::at_experts;  // E over the expert axes, G over the other batch axes
   template <fixed_string Term, class Rules>
   using weight = param<named<T, Term, Mesh, Rules>>;
+  using bias_type = named<double, "E", Mesh, at_tokens>;  // replicated
+
+  struct shared_params {
+    weight<"MH", at_tokens> w1;                    // [M, H{model}]
+    std::optional<weight<"MH", at_tokens>> w1_up;  // SwiGLU
+    weight<"HM", at_tokens> w2;                    // [H{model}, M]
+  };
 
   weight<"ME", at_tokens> gate;       // the router, replicated
   weight<"EMH", at_experts> wi;       // [E{expert},M,H{model}]
   std::optional<weight<"EMH", at_experts>> wi_up;  // SwiGLU's second input projection
   weight<"EHM", at_experts> wo;       // [E{expert},H{model},M]
-  ffn_kind ffn;
+  std::optional<shared_params> shared;
+  std::optional<buffer<bias_type>> bias;  // balance_mode::bias
+  layer_options options;
 
-  // Declares prefix + "gate", "wi", ("wi_up",) "wo_experts" in `ps`.
-  layer(parameters<Mesh>& ps, const std::string& prefix, index_t M, index_t H, index_t E, ffn_kind kind = ffn_kind::relu)
+  // Declares prefix + "gate", "wi", ("wi_up",) "wo_experts", (the shared
+  // experts' "shared_w1", ("shared_w1_up",) "shared_w2") in `ps`, and the
+  // buffer prefix + "router_bias" for balance_mode::bias.
+  layer(parameters<Mesh>& ps, const std::string& prefix, index_t M, index_t H, index_t E, layer_options o = {})
       : gate(ps, prefix + "gate", {M, E}, init::normal(1.0 / std::sqrt(double(M)))),
         wi(ps, prefix + "wi", {E, M, H}, init::normal(1.0 / std::sqrt(double(M)))),
-        wi_up(kind == ffn_kind::swiglu ? std::optional<weight<"EMH", at_experts>>(std::in_place, ps, prefix + "wi_up",
-                                                                                    shape<3>{E, M, H},
-                                                                                    init::normal(1.0 / std::sqrt(double(M))))
-                                       : std::nullopt),
+        wi_up(o.ffn == ffn_kind::swiglu
+                  ? std::optional<weight<"EMH", at_experts>>(std::in_place, ps, prefix + "wi_up", shape<3>{E, M, H},
+                                                             init::normal(1.0 / std::sqrt(double(M))))
+                  : std::nullopt),
         wo(ps, prefix + "wo_experts", {E, H, M}, init::normal(1.0 / std::sqrt(double(H)))),
-        ffn(kind) {}
+        options(o) {
+    if (o.shared_experts < 0)
+      throw error("gshard::moe::layer: shared_experts = " + std::to_string(o.shared_experts) + " is negative");
+    if (o.shared_experts > 0) {
+      const index_t Hs = H * o.shared_experts;
+      std::optional<weight<"MH", at_tokens>> up;
+      if (o.ffn == ffn_kind::swiglu) up.emplace(ps, prefix + "shared_w1_up", shape<2>{M, Hs}, init::normal(1.0 / std::sqrt(double(M))));
+      shared = shared_params{weight<"MH", at_tokens>(ps, prefix + "shared_w1", {M, Hs}, init::normal(1.0 / std::sqrt(double(M)))), up,
+                             weight<"HM", at_tokens>(ps, prefix + "shared_w2", {Hs, M}, init::normal(1.0 / std::sqrt(double(Hs))))};
+    }
+    if (o.balance == balance_mode::bias) bias.emplace(ps, prefix + "router_bias", shape<1>{E}, init::zeros());
+  }
+  layer(parameters<Mesh>& ps, const std::string& prefix, index_t M, index_t H, index_t E, ffn_kind kind)
+      : layer(ps, prefix, M, H, E, layer_options{kind, 0, balance_mode::aux}) {}
 
   index_t experts() const { return gate.value().extent(1); }
 
   template <class X>
   struct output {
-    X y;                                       // [G,S,M], sharded like the input
-    var<tensor<double, 0, Mesh, replicate>> aux;  // GShard's aux loss (1 when balanced)
-    gating_stats stats;                        // summed over every group
-    std::shared_ptr<const routing<T>> route;   // this rank's groups
+    X y;                                             // [G,S,M], sharded like the input
+    var<tensor<double, 0, Mesh, replicate>> aux;     // GShard's aux loss (1 when balanced)
+    var<tensor<double, 0, Mesh, replicate>> z_loss;  // the router z-loss (unscaled)
+    gating_stats stats;                              // summed over every group
+    std::shared_ptr<const routing<T>> route;         // this rank's groups
   };
 
   // x: [G,S,M] at the groups (labelled "GSM", at_tokens). `stream` keys the
-  // random routing (the layer and the step).
+  // random routing (the layer and the step). On a recording tape, with
+  // balance_mode::bias, the router bias moves after the routing.
   template <class V>
     requires var_type<V>
   auto operator()(const V& x, const gating_config& cfg, std::uint64_t stream,
@@ -69,20 +105,52 @@ struct layer {
     if (x.extent(2) != gate.value().extent(0))
       throw shape_error("gshard::moe::layer: the input " + x.notation() + " does not fit the router " +
                         gate.value().notation());
-    auto route = moe::gate(einsum<"GSM,ME->GSE">(x, gate), cfg, stream);  // router logits: local
+    if ((cfg.balance == balance_mode::bias) != bias.has_value())
+      throw error(std::string("gshard::moe::layer: the gating asks for balance_mode::") +
+                  (cfg.balance == balance_mode::bias ? "bias" : "aux") + " but the layer was declared with " +
+                  (bias ? "balance_mode::bias" : "balance_mode::aux") + " (layer_options::balance)");
+    const bool training = x.on_tape().recording();
+    auto route = moe::gate(einsum<"GSM,ME->GSE">(x, gate), cfg, stream, bias ? bias->value().data() : nullptr,
+                           training);  // router logits: local
+    if (bias && training) update_bias(route.stats, cfg.bias_rate);
     auto xe = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
       if (mode == dispatch_mode::index) return reshard<at_experts>(dispatch(route, x));
       return einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x);
     }();
     auto h = [&] {  // [E{expert},G{data},C,H{model}]: the experts live here
-      if (ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
+      if (options.ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
       return silu(einsum<"EGCM,EMH->EGCH">(xe, wi)) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
     }();
     auto ye = einsum<"EGCH,EHM->EGCM", at_experts>(h, wo);  // with model axes: one all_reduce over them
     auto y = reshard<at_tokens>(std::move(ye));               // all_to_all back: [E,G{data,expert},C,M]
     auto out = mode == dispatch_mode::index ? combine(route, std::move(y))
                                             : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
-    return output<decltype(out)>{std::move(out), route.aux, route.stats, route.route};
+    if (shared) out = std::move(out) + shared_ffn(x);
+    return output<decltype(out)>{std::move(out), route.aux, route.z_loss, route.stats, route.route};
+  }
+
+ private:
+  // The shared experts: every token, [G,S,H{model}] hidden units, one all_reduce over the model axes.
+  template <class V>
+  auto shared_ffn(const V& x) const {
+    auto a = [&] {
+      if (!shared->w1_up) return relu(einsum<"GSM,MH->GSH">(x, shared->w1));
+      return silu(einsum<"GSM,MH->GSH">(x, shared->w1)) * einsum<"GSM,MH->GSH">(x, *shared->w1_up);
+    }();
+    return einsum<"GSH,HM->GSM", at_tokens>(a, shared->w2);
+  }
+
+  // DeepSeek-V3: b_e += γ · sign(mean load - load_e), from the loads summed
+  // over every group (the same on every rank).
+  void update_bias(const gating_stats& st, double rate) const {
+    double mean = 0;
+    for (auto v : st.expert_load) mean += double(v);
+    mean /= double(std::max<std::size_t>(st.expert_load.size(), 1));
+    double* b = bias->value().data();
+    for (std::size_t e = 0; e < st.expert_load.size(); ++e) {
+      const double err = mean - double(st.expert_load[e]);
+      b[e] += rate * double((err > 0) - (err < 0));
+    }
   }
 };
 
