@@ -5,8 +5,12 @@
 //   scripts/mpirun -np 2 build/examples/train [text file] [--steps N] [--seed S]
 //       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
 //       [--log-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
+//       [--metrics FILE] [routing: --top-k K --shared-experts N --dropless
+//        --capacity-factor F --eval-capacity-factor F --z-loss C
+//        --balance aux|bias --aux-coef C --ffn relu|swiglu]
 // Prints a progress line every few steps, then the held-out loss and bits per
-// byte, and a sampled continuation of a prompt.
+// byte, and a sampled continuation of a prompt. --metrics writes one JSON
+// line per step: the losses and each MoE layer's routing (moe/metrics.hpp).
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
@@ -35,6 +39,9 @@ struct options {
   std::uint64_t seed = 1;
   std::string save, resume;
   index_t batch = 16, seq = 128;
+  std::string metrics;  // JSON lines, one per step
+  model::config model;  // the routing options land in model.gating
+  bool aux_coef_given = false, second_given = false;
   bool help = false;
 };
 
@@ -48,7 +55,37 @@ constexpr const char* usage =
     "  --save FILE        checkpoint at the end (and every --save-every N steps)\n"
     "  --resume FILE      continue from a checkpoint, at any rank count\n"
     "  --stop-after N     stop (and save) after N steps, on the schedule of --steps\n"
-    "  --trace FILE       a Chrome trace of step --trace-step N (10)\n";
+    "  --trace FILE       a Chrome trace of step --trace-step N (10), with the routing as counters\n"
+    "  --metrics FILE     one JSON line per step: losses, tokens/s, each MoE layer's loads and drops\n"
+    "routing (docs/05_moe.md):\n"
+    "  --top-k K          experts per token (2: GShard; 1: Switch)\n"
+    "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
+    "  --shared-experts N experts every token passes through, beside the routed ones (0)\n"
+    "  --dropless         capacity = the largest load over the mesh: no token dropped\n"
+    "  --capacity-factor F          C = F * (K/2) * S/E (2)\n"
+    "  --eval-capacity-factor F     the same at evaluation (default: --capacity-factor)\n"
+    "  --z-loss C         router z-loss coefficient (0; ST-MoE uses 1e-3)\n"
+    "  --balance aux|bias GShard's aux loss, or DeepSeek-V3's per-expert bias (aux)\n"
+    "  --bias-rate R      the bias step of --balance bias (1e-3)\n"
+    "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
+    "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n";
+
+// A number from the command line, or an error naming the option and the text.
+template <class N>
+N number(const std::string& option, const std::string& text, N lo) {
+  std::size_t used = 0;
+  N v{};
+  try {
+    if constexpr (std::is_floating_point_v<N>) v = N(std::stod(text, &used));
+    else v = N(std::stoll(text, &used));
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || !(v >= lo))
+    throw error("gshard train: " + option + " takes a number" + (lo > N(0) ? " >= " + std::to_string(lo) : " >= 0") +
+                ", not '" + text + "'");
+  return v;
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -62,20 +99,44 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw error("gshard train: " + a + " needs a value");
       return argv[++i];
     };
-    if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--seed") o.seed = std::stoull(next());
+    auto integer = [&](int lo) { return int(number<long long>(a, next(), lo)); };
+    auto real = [&] { return number<double>(a, next(), 0.0); };
+    moe::gating_config& g = o.model.gating;
+    if (a == "--steps") o.steps = integer(1);
+    else if (a == "--seed") o.seed = std::uint64_t(number<long long>(a, next(), 0));
     else if (a == "--save") o.save = next();
-    else if (a == "--save-every") o.save_every = std::stoi(next());
-    else if (a == "--stop-after") o.stop_after = std::stoi(next());
+    else if (a == "--save-every") o.save_every = integer(0);
+    else if (a == "--stop-after") o.stop_after = integer(0);
     else if (a == "--trace") o.trace = next();
-    else if (a == "--trace-step") o.trace_step = std::stoi(next());
+    else if (a == "--trace-step") o.trace_step = integer(0);
     else if (a == "--resume") o.resume = next();
-    else if (a == "--log-every") o.log_every = std::max(1, std::stoi(next()));
-    else if (a == "--batch") o.batch = std::stol(next());
-    else if (a == "--seq") o.seq = std::stol(next());
-    else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
+    else if (a == "--log-every") o.log_every = integer(1);
+    else if (a == "--batch") o.batch = integer(1);
+    else if (a == "--seq") o.seq = integer(1);
+    else if (a == "--metrics") o.metrics = next();
+    else if (a == "--top-k") g.top_k = integer(1);
+    else if (a == "--shared-experts") o.model.shared_experts = integer(0);
+    else if (a == "--dropless") g.dropless = true;
+    else if (a == "--capacity-factor") g.capacity_factor = real();
+    else if (a == "--eval-capacity-factor") g.eval_capacity_factor = real();
+    else if (a == "--z-loss") g.z_loss_coef = real();
+    else if (a == "--bias-rate") g.bias_rate = real();
+    else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
+    else if (a == "--balance" || a == "--ffn" || a == "--second") {
+      const std::string v = next();
+      if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
+      else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? moe::ffn_kind::relu : moe::ffn_kind::swiglu;
+      else if (a == "--second" && (v == "all" || v == "random"))
+        g.second = v == "all" ? moe::second_policy::all : moe::second_policy::random, o.second_given = true;
+      else
+        throw error("gshard train: " + a + " is " + (a == "--balance" ? "aux or bias" : a == "--ffn" ? "relu or swiglu" : "all or random") +
+                    ", not '" + v + "'");
+    } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
+  if (o.model.gating.balance == moe::balance_mode::bias && !o.aux_coef_given) o.model.aux_coef = 0;  // DeepSeek-V3
+  // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
+  if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;
 }
 
@@ -108,6 +169,26 @@ std::string load_text(const std::string& path) {
   text.resize(n[0]);
   mpi::check(MPI_Bcast(text.data(), int(n[0]), MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
   return text;
+}
+
+// The progress line's routing part, over the MoE layers: the share of
+// choices dropped (first choices, all), the largest max/mean expert load,
+// and the experts that received no token.
+std::string routing_summary(const std::vector<moe::gating_stats>& layers) {
+  double first = 0, all = 0, spread = 0;
+  int dead = 0;
+  for (const auto& s : layers) {
+    const double wanted = double(s.placed() + s.total_dropped());
+    first += wanted > 0 ? double(s.dropped_at(0)) / wanted : 0.0;
+    all += s.dropped_share();
+    spread = std::max(spread, s.overload());
+    dead += s.dead_experts();
+  }
+  const double n = double(std::max<std::size_t>(layers.size(), 1));
+  char b[160];
+  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  load max/mean %.2f  dead experts %d", 100.0 * all / n,
+                100.0 * first / n, spread, dead);
+  return b;
 }
 
 // Samples `n` bytes after `prompt`. The batch holds one copy of the context
@@ -144,7 +225,7 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
 template <class Mesh>
 int train(const Mesh& m, const options& o, const std::string& text) {
   const bool root = m.rank() == 0;
-  model::config c;
+  model::config c = o.model;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
   const std::size_t split = text.size() * 9 / 10;  // the last 10% is held out
   parameters ps(m, o.seed);
@@ -164,6 +245,16 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (MoE: E=%ld, H=%ld), batch %ld x %ld bytes\n",
                 split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, long(c.experts), long(c.hidden),
                 long(o.batch), long(o.seq));
+  if (root) {
+    char cap[64], aux[64];
+    std::snprintf(cap, sizeof cap, "capacity factor %g (eval %g)", c.gating.capacity_factor,
+                  c.gating.eval_capacity_factor > 0 ? c.gating.eval_capacity_factor : c.gating.capacity_factor);
+    std::snprintf(aux, sizeof aux, c.gating.balance == moe::balance_mode::aux ? "aux loss x %g" : "bias (rate %g)",
+                  c.gating.balance == moe::balance_mode::aux ? c.aux_coef : c.gating.bias_rate);
+    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs\n",
+                c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux, c.gating.z_loss_coef, c.shared_experts,
+                c.ffn == moe::ffn_kind::relu ? "relu" : "swiglu");
+  }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step
     if (root) std::printf("the checkpoint is at step %d; nothing to train up to step %d\n", start, end);
@@ -177,6 +268,20 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), {{"step", double(step)}});
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
+  // The metrics log: opened by rank 0; a path it cannot write stops every rank before training.
+  std::FILE* metrics = nullptr;
+  if (!o.metrics.empty()) {
+    int opened = 1;
+    if (root) opened = (metrics = std::fopen(o.metrics.c_str(), start > 0 ? "a" : "w")) != nullptr;
+    mpi::check(MPI_Bcast(&opened, 1, MPI_INT, 0, m.comm()), "MPI_Bcast");
+    if (!opened) throw error("gshard train: --metrics " + o.metrics + ": cannot open it for writing");
+  }
+  struct closer {
+    std::FILE* f;
+    ~closer() {
+      if (f) std::fclose(f);
+    }
+  } close_metrics{metrics};
   double t_window = 0, tokens_window = 0;
   for (int step = start; step < end; ++step) {
     const auto tok = distribute<tokens_t>(m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
@@ -190,16 +295,23 @@ int train(const Mesh& m, const options& o, const std::string& text) {
       const std::size_t spans = trace::stop(m.comm());
       if (root) std::printf("wrote %zu spans of step %d to %s\n", spans, step, o.trace.c_str());
     }
+    const double seconds = MPI_Wtime() - t0;
     tokens_window += double(o.batch * o.seq);
+    if (metrics) {
+      std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"loss\":" + moe::detail::json_number(r.loss) +
+                         ",\"ce\":" + moe::detail::json_number(r.ce) + ",\"aux\":" + moe::detail::json_number(r.aux) +
+                         ",\"z\":" + moe::detail::json_number(r.z) + ",\"lr\":" + moe::detail::json_number(r.lr) +
+                         ",\"seconds\":" + moe::detail::json_number(seconds) + ",\"tokens_per_s\":" +
+                         moe::detail::json_number(double(o.batch * o.seq) / seconds) + ",\"moe\":[";
+      for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
+      line += "]}\n";
+      std::fputs(line.c_str(), metrics);
+    }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
-      double dropped = 0, spread = 0;
-      for (const auto& s : r.moe) {
-        dropped += s.dropped_share() / double(r.moe.size());
-        spread = std::max(spread, s.overload());
-      }
-      std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  dropped %.1f%%  expert load max/mean %.2f  lr %.2e\n", step + 1,
-                  r.ce, r.aux, tokens_window / t_window, 100.0 * dropped, spread, r.lr);
+      std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e\n", step + 1, r.ce, r.aux,
+                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.lr);
       std::fflush(stdout);
+      if (metrics) std::fflush(metrics);
       t_window = tokens_window = 0;
     }
     if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
@@ -212,7 +324,8 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   const auto held_out = model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
   const std::string continuation = sample(tr, ps, o.seq, "The licensee ", 160, o.seed);
   if (root) {
-    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte\n", held_out.ce, held_out.ce / std::log(2.0));
+    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte  (%s)\n", held_out.ce, held_out.ce / std::log(2.0),
+                routing_summary(held_out.moe).c_str());
     std::string shown;
     for (char ch : continuation) shown += (ch == '\n' || (ch >= 32 && ch < 127)) ? ch : '?';
     std::printf("sample: %s\n", shown.c_str());

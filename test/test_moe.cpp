@@ -5,6 +5,7 @@
 #include <gshard/gshard.hpp>
 #include <gshard/model/transformer.hpp>
 
+#include <filesystem>
 #include <map>
 
 #include <cmath>
@@ -165,28 +166,151 @@ TEST_CASE("gating: bad router logits — one expert, no tokens, NaN and Inf, tin
   GSHARD_REQUIRE(check_invariants(r).empty());
 }
 
+TEST_CASE("gating: top-k for k = 1, 2, 4 — slots, weights, later choices after earlier ones", "[moe][gating][topk]") {
+  const index_t G = 3, S = 64, E = 8;
+  const auto logits = random_tensor<3, double>({G, S, E}, 21);
+  for (int k : {1, 2, 4}) {
+    INFO("k = " << k);
+    moe::gating_config c;
+    c.top_k = k;
+    c.second = moe::second_policy::all;
+    c.capacity_factor = 1.0;  // binding: drops happen
+    moe::routing<double> r;
+    const auto st = moe::route_tokens<double>(logits.data(), G, S, E, 0, 7, c, r);
+    GSHARD_REQUIRE(r.k == k && r.capacity == moe::capacity(S, E, c));
+    GSHARD_REQUIRE(moe::capacity(1024, 8, c) == 1024 * k / 16);  // C = factor · (k/2) · S/E
+    const std::string broken = check_invariants(r);
+    GSHARD_REQUIRE_MSG(broken.empty(), broken);
+    GSHARD_REQUIRE(st.placed() + st.total_dropped() == k * G * S);  // every choice placed or dropped
+    GSHARD_REQUIRE(st.total_dropped() > 0);
+    for (index_t g = 0; g < G; ++g)
+      for (index_t s = 0; s < S; ++s) {
+        const double* gate = r.gates.data() + (g * S + s) * E;
+        double wanted_sum = 0;
+        for (int j = 0; j < k; ++j) {
+          const int e = r.wanted[r.choice(g, s, j)];
+          GSHARD_REQUIRE(e >= 0);
+          wanted_sum += gate[e];
+          if (j > 0) GSHARD_REQUIRE(gate[e] <= gate[r.wanted[r.choice(g, s, j - 1)]]);  // best first
+          for (index_t o = 0; o < E; ++o) {  // no unchosen expert beats a chosen one
+            bool chosen = false;
+            for (int i = 0; i < k; ++i) chosen = chosen || r.wanted[r.choice(g, s, i)] == o;
+            if (!chosen) GSHARD_REQUIRE(gate[o] <= gate[e]);
+          }
+        }
+        for (int j = 0; j < k; ++j) {
+          const std::size_t ch = r.choice(g, s, j);
+          if (r.expert[ch] < 0) continue;
+          // k = 1: the gate itself (Switch); k >= 2: normalised over the k choices (GShard).
+          const double want = k == 1 ? gate[r.expert[ch]] : gate[r.expert[ch]] / (wanted_sum + 1e-9);
+          GSHARD_REQUIRE(std::abs(r.weight[ch] - want) < 1e-15);
+        }
+      }
+  }
+  // k out of range: named, with the number of experts.
+  moe::gating_config bad;
+  bad.top_k = 9;
+  moe::routing<double> r;
+  GSHARD_REQUIRE_THROWS_WITH(moe::route_tokens<double>(logits.data(), G, S, E, 0, 0, bad, r), error,
+                             "gshard::moe::gating_config: top_k = 9 must be between 1 and the number of experts (8)");
+  bad.top_k = 0;
+  GSHARD_REQUIRE_THROWS_WITH(moe::route_tokens<double>(logits.data(), G, S, E, 0, 0, bad, r), error, "top_k = 0");
+  bad = {};
+  bad.capacity_factor = std::numeric_limits<double>::quiet_NaN();
+  GSHARD_REQUIRE_THROWS_WITH(moe::route_tokens<double>(logits.data(), G, S, E, 0, 0, bad, r), error,
+                             "capacity_factor = nan must be finite and >= 0");
+}
+
+TEST_CASE("gating: Lingvo's edge cases — a zero second gate takes its slot, min_capacity, eval capacity", "[moe][gating][lingvo]") {
+  // Lingvo's Top2GatingOnLogits: auto = floor(S · factor / E) for top-2; if
+  // it exceeds min_capacity it is rounded up to a multiple of 4, else
+  // min_capacity is used as given.
+  moe::gating_config c;
+  c.min_capacity = 6;
+  c.capacity_factor = 1.0;
+  GSHARD_REQUIRE(moe::capacity(40, 8, c) == 6);  // auto 5 <= 6: 6, not rounded
+  GSHARD_REQUIRE(moe::capacity(48, 8, c) == 6);  // auto 6: 6
+  GSHARD_REQUIRE(moe::capacity(56, 8, c) == 8);  // auto 7 > 6: rounded up to 8
+  GSHARD_REQUIRE(moe::capacity(56, 8, c, 2.0) == 16);  // an explicit factor (evaluation): auto 14 -> 16
+
+  // Tokens 0-1 prefer expert 0 so strongly that their second gate (expert
+  // 1) is exactly 0 in float; tokens 2-7 prefer expert 2, then expert 1.
+  // Lingvo places the zero-gate seconds (weight 0) and they take expert
+  // 1's first two positions, so with C = 4 only tokens 2 and 3's seconds fit.
+  const index_t S = 8, E = 4;
+  local_tensor<float, 3> logits(1, S, E);
+  for (index_t s = 0; s < S; ++s) {
+    const float row[2][4] = {{0.0f, -200.0f, -300.0f, -300.0f}, {-300.0f, 0.0f, 1.0f, -300.0f}};
+    for (index_t e = 0; e < E; ++e) logits(0, s, e) = row[s < 2 ? 0 : 1][e];
+  }
+  moe::gating_config all;
+  all.second = moe::second_policy::all;
+  all.min_capacity = 4, all.capacity_factor = 0;  // C = 4
+  moe::routing<float> r;
+  auto st = moe::route_tokens<float>(logits.data(), 1, S, E, 0, 0, all, r);
+  GSHARD_REQUIRE(r.capacity == 4);
+  GSHARD_REQUIRE(r.gates[1] == 0.0f && r.wanted[r.choice(0, 0, 1)] == 1);                // a zero gate is still a choice
+  GSHARD_REQUIRE(r.expert[r.choice(0, 0, 1)] == 1 && r.slot[r.choice(0, 0, 1)] == 0);    // placed, with weight 0
+  GSHARD_REQUIRE(r.weight[r.choice(0, 0, 1)] == 0.0f && !r.dispatched(r.choice(0, 0, 1)));  // but not dispatched
+  GSHARD_REQUIRE(r.slot[r.choice(0, 2, 1)] == 2 && r.slot[r.choice(0, 3, 1)] == 3);
+  GSHARD_REQUIRE(r.expert[r.choice(0, 4, 1)] == -1);  // over capacity because of the zero-gate seconds
+  GSHARD_REQUIRE(st.dropped_at(0) == 2 && st.dropped_at(1) == 4);  // tokens 6, 7 first; 4-7 second
+  GSHARD_REQUIRE(check_invariants(r).empty());
+  // Random routing keeps a second choice where 2 · weight > draw: never a zero gate.
+  moe::gating_config rnd = all;
+  rnd.second = moe::second_policy::random;
+  st = moe::route_tokens<float>(logits.data(), 1, S, E, 0, 0, rnd, r);
+  GSHARD_REQUIRE(r.expert[r.choice(0, 0, 1)] == -1 && r.expert[r.choice(0, 1, 1)] == -1 && st.skipped_at(1) >= 2);
+}
+
 namespace {
 
-// The layer on `m` with parameters and input from fixed seeds; the result
-// gathered to every rank, the stats (summed over every group by the layer).
-// `collectives` receives all_to_all(expert) + 10 · all_reduce(model) + 100 ·
-// the rest (the one all_reduce of the routing statistics over the groups' axes).
+// The layer on `m` with parameters and input from fixed seeds: the result
+// gathered to every rank, the stats (summed over every group by the layer),
+// what broke in this rank's routing ("" if nothing) and the capacity's
+// smallest and largest value over the ranks. `collectives` receives
+// all_to_all(expert) + 10 · all_reduce(model) + 100 · the rest (the
+// all_reduce of the routing statistics over the groups' axes, and dropless
+// routing's all_reduce of the largest load). With balance_mode::bias the
+// router bias is set to a fixed pattern first.
+template <class T>
+struct layer_run {
+  local_tensor<T, 3> y;
+  moe::gating_stats stats;
+  std::string broken;
+  index_t capacity_min = 0, capacity_max = 0;
+  std::size_t collectives = 0;
+};
 template <class T, class Mesh>
-std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<3> gsm, index_t H, index_t E,
-                                                            const moe::gating_config& cfg, moe::dispatch_mode mode,
-                                                            std::size_t* collectives = nullptr) {
+layer_run<T> run_variant(const Mesh& m, shape<3> gsm, index_t H, index_t E, const moe::gating_config& cfg,
+                         moe::dispatch_mode mode, const moe::layer_options& opt = {}) {
   parameters ps(m, 42);
-  const moe::layer<T, Mesh> layer(ps, "moe.", gsm[2], H, E);
+  const moe::layer<T, Mesh> layer(ps, "moe.", gsm[2], H, E, opt);
+  if (layer.bias)
+    for (index_t e = 0; e < E; ++e) layer.bias->value().data()[e] = 0.2 * double(e % 3) - 0.2;
   named<T, "GSM", Mesh, typename moe::layer<T, Mesh>::at_tokens> x(m, gsm);
   fill_normal(x, 1.0, 7, 99);
   collective_recorder rec;
   tape t(ps, tape::no_grad);
   auto out = layer(t.constant(x), cfg, 3, mode);
-  if (collectives) {
-    const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
-    *collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
-  }
-  return {gather(out.y.value()), out.stats};
+  layer_run<T> r;
+  const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
+  r.collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
+  r.y = gather(out.y.value());
+  r.stats = out.stats;
+  r.broken = check_invariants(*out.route);
+  long long cap[2] = {-(long long)out.route->capacity, (long long)out.route->capacity};
+  MPI_Allreduce(MPI_IN_PLACE, cap, 2, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  r.capacity_min = index_t(-cap[0]), r.capacity_max = index_t(cap[1]);
+  return r;
+}
+template <class T, class Mesh>
+std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<3> gsm, index_t H, index_t E,
+                                                            const moe::gating_config& cfg, moe::dispatch_mode mode,
+                                                            std::size_t* collectives = nullptr) {
+  auto r = run_variant<T>(m, gsm, H, E, cfg, mode);
+  if (collectives) *collectives = r.collectives;
+  return {std::move(r.y), std::move(r.stats)};
 }
 
 template <class T>
@@ -238,6 +362,164 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
   check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
   if (P % 2 == 0) check(grid2r(MPI_COMM_WORLD, {P / 2, 2}), "mesh (expert, data)");
   GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 5 : P == 2 ? 4 : 3));
+}
+
+TEST_CASE("routing variants: top-k, dropless, shared experts and bias balancing reproduce the 1-rank result", "[moe][layer][variants]") {
+  const int P = world_size();
+  const index_t G = 4 * P, S = 24, M = 16, H = 24;
+  const index_t E = P == 3 ? 6 : 8;
+  struct variant {
+    std::string name;
+    moe::gating_config cfg;
+    moe::layer_options opt;
+  };
+  std::vector<variant> variants;
+  auto cfg_k = [](int k, bool dropless) {
+    moe::gating_config c;
+    c.capacity_factor = 1.5;  // binding: drops without dropless
+    c.top_k = k, c.dropless = dropless;
+    c.second = k == 2 ? moe::second_policy::random : moe::second_policy::all;
+    return c;
+  };
+  for (int k : {1, 2, 4}) variants.push_back({"top-" + std::to_string(k), cfg_k(k, false), {}});
+  variants.push_back({"dropless top-2", cfg_k(2, true), {}});
+  variants.push_back({"dropless top-4", cfg_k(4, true), {}});
+  variants.push_back({"top-2 + 2 shared experts", cfg_k(2, false), {moe::ffn_kind::relu, 2, moe::balance_mode::aux}});
+  variants.push_back({"top-1 + 1 shared SwiGLU expert", cfg_k(1, false), {moe::ffn_kind::swiglu, 1, moe::balance_mode::aux}});
+  auto biased = cfg_k(2, false);
+  biased.balance = moe::balance_mode::bias;
+  variants.push_back({"top-2, bias balancing", biased, {moe::ffn_kind::relu, 0, moe::balance_mode::bias}});
+
+  grid2 self(MPI_COMM_SELF, {1, 1});
+  for (const auto& v : variants) {
+    INFO(v.name);
+    const auto ref = run_variant<double>(self, {G, S, M}, H, E, v.cfg, moe::dispatch_mode::index, v.opt);
+    GSHARD_REQUIRE_MSG(ref.broken.empty(), ref.broken);
+    GSHARD_REQUIRE(ref.stats.placed() + ref.stats.total_dropped() + ref.stats.skipped_at(1) == v.cfg.top_k * G * S);
+    if (v.cfg.dropless) {
+      // Dropless = the reference with capacity S·k: nothing dropped, the same outputs.
+      auto full = v.cfg;
+      full.dropless = false, full.capacity_factor = 0, full.min_capacity = S * v.cfg.top_k;
+      const auto wide = run_variant<double>(self, {G, S, M}, H, E, full, moe::dispatch_mode::index, v.opt);
+      GSHARD_REQUIRE(wide.stats.total_dropped() == 0 && ref.stats.total_dropped() == 0);
+      GSHARD_REQUIRE(ref.capacity_max < S * v.cfg.top_k);  // the agreed capacity is the largest load, not S·k
+      GSHARD_REQUIRE(wide.stats.expert_load == ref.stats.expert_load);
+      GSHARD_REQUIRE(max_rel_diff(wide.y, ref.y) < 1e-12);
+    } else if (v.cfg.top_k < 4) {
+      GSHARD_REQUIRE(ref.stats.total_dropped() > 0);  // the capacity binds: the variants are compared where it matters
+    }
+    if (v.cfg.balance == moe::balance_mode::bias) {  // the bias moves the choices
+      auto plain = v.cfg;
+      plain.balance = moe::balance_mode::aux;
+      const auto unbiased = run_variant<double>(self, {G, S, M}, H, E, plain, moe::dispatch_mode::index, {});
+      GSHARD_REQUIRE(unbiased.stats.expert_load != ref.stats.expert_load);
+    }
+    auto check = [&](const auto& m, const char* mesh_name) {
+      using Mesh = std::remove_cvref_t<decltype(m)>;
+      INFO(mesh_name);
+      const std::size_t model_reductions = Mesh::index_of("model") >= 0 ? 1 + (v.opt.shared_experts > 0) : 0;
+      const std::size_t want = 2 + 10 * model_reductions + 100 * (1 + v.cfg.dropless);
+      const auto got = run_variant<double>(m, {G, S, M}, H, E, v.cfg, moe::dispatch_mode::index, v.opt);
+      INFO("collectives signature " << got.collectives);
+      GSHARD_REQUIRE(got.collectives == want);
+      GSHARD_REQUIRE_MSG(got.broken.empty(), got.broken);
+      GSHARD_REQUIRE(got.capacity_min == got.capacity_max);  // every rank moves tensors of one shape
+      GSHARD_REQUIRE(got.capacity_max == ref.capacity_max);
+      GSHARD_REQUIRE(max_rel_diff(got.y, ref.y) < 1e-12);
+      GSHARD_REQUIRE(got.stats.expert_load == ref.stats.expert_load && got.stats.dropped == ref.stats.dropped &&
+                     got.stats.skipped == ref.stats.skipped);
+      GSHARD_REQUIRE(std::abs(got.stats.aux_sum - ref.stats.aux_sum) < 1e-9 &&
+                     std::abs(got.stats.z_sum - ref.stats.z_sum) < 1e-9 * (1 + ref.stats.z_sum));
+    };
+    check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
+    if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}), "mesh (2,P/2)");
+    check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
+  }
+}
+
+TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; z-loss; evaluation capacity", "[moe][layer][balance]") {
+  const int P = world_size();
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  const index_t G = 2 * P, S = 16, M = 8, E = 2 * P;
+  using layer_t = moe::layer<double, grid2>;
+  named<double, "GSM", grid2, layer_t::at_tokens> x(m, {G, S, M});
+  fill_normal(x, 1.0, 5, 6);
+  moe::gating_config cfg;
+  cfg.balance = moe::balance_mode::bias;
+  cfg.bias_rate = 0.01;
+  parameters ps(m, 3);
+  const layer_t layer(ps, "moe.", M, 12, E, moe::layer_options{moe::ffn_kind::relu, 0, moe::balance_mode::bias});
+  std::vector<double> expect(std::size_t(E), 0.0);
+  for (int step = 0; step < 3; ++step) {
+    tape t(ps);  // recording: training
+    const auto out = layer(t.constant(x), cfg, std::uint64_t(step));
+    double mean = 0;
+    for (auto v : out.stats.expert_load) mean += double(v) / double(E);
+    for (index_t e = 0; e < E; ++e) {
+      const double err = mean - double(out.stats.expert_load[std::size_t(e)]);
+      expect[std::size_t(e)] += cfg.bias_rate * double((err > 0) - (err < 0));
+    }
+  }
+  for (index_t e = 0; e < E; ++e) GSHARD_REQUIRE(layer.bias->value().data()[e] == expect[std::size_t(e)]);
+  double moved = 0;
+  for (auto v : expect) moved += std::abs(v);
+  GSHARD_REQUIRE(moved > 0);
+  {  // evaluation (a tape that does not record) leaves it alone
+    tape t(ps, tape::no_grad);
+    (void)layer(t.constant(x), cfg, 9);
+    for (index_t e = 0; e < E; ++e) GSHARD_REQUIRE(layer.bias->value().data()[e] == expect[std::size_t(e)]);
+  }
+  // The bias is a buffer: saved and restored with the parameters, at another rank count too.
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("gshard_router_bias_np" + std::to_string(P) + ".ckpt")).string();
+  save_checkpoint(path, m, {{"param.", &ps.values()}, {"buffer.", &ps.buffers()}}, {});
+  {
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    parameters fresh(self, 99);
+    const moe::layer<double, grid2> again(fresh, "moe.", M, 12, E, moe::layer_options{moe::ffn_kind::relu, 0, moe::balance_mode::bias});
+    load_checkpoint(path, self, {{"param.", &fresh.values()}, {"buffer.", &fresh.buffers()}});
+    for (index_t e = 0; e < E; ++e) GSHARD_REQUIRE(again.bias->value().data()[e] == expect[std::size_t(e)]);
+  }
+  // Asking the layer for another balance mode than it was declared with: named.
+  {
+    tape t(ps, tape::no_grad);
+    GSHARD_REQUIRE_THROWS_WITH(layer(t.constant(x), moe::gating_config{}, 0), error,
+                               "the gating asks for balance_mode::aux but the layer was declared with balance_mode::bias");
+  }
+
+  // The z-loss: the mean over tokens of logsumexp(router logits)², as computed here from the router's weights.
+  {
+    parameters ps2(m, 4);
+    const layer_t plain(ps2, "moe.", M, 12, E);
+    tape t(ps2, tape::no_grad);
+    const auto out = plain(t.constant(x), moe::gating_config{}, 0);
+    const auto xg = gather(x);
+    const auto wg = gather(plain.gate.value());
+    double z = 0;
+    for (index_t g = 0; g < G; ++g)
+      for (index_t s = 0; s < S; ++s) {
+        std::vector<double> l(std::size_t(E), 0.0);
+        for (index_t e = 0; e < E; ++e)
+          for (index_t i = 0; i < M; ++i) l[std::size_t(e)] += xg(g, s, i) * wg(i, e);
+        const double mx = *std::max_element(l.begin(), l.end());
+        double sum = 0;
+        for (double v : l) sum += std::exp(v - mx);
+        z += std::pow(mx + std::log(sum), 2) / double(G * S);
+      }
+    GSHARD_REQUIRE(std::abs(out.z_loss.value().local()() - z) < 1e-12 * (1 + z));
+  }
+
+  // A separate capacity factor at evaluation: a tape that does not record uses it.
+  {
+    parameters ps3(m, 5);
+    const layer_t plain(ps3, "moe.", M, 12, E);
+    moe::gating_config c;
+    c.capacity_factor = 8.0, c.eval_capacity_factor = 1.0, c.min_capacity = 1;
+    tape train(ps3), eval(ps3, tape::no_grad);
+    GSHARD_REQUIRE(plain(train.constant(x), c, 0).stats.capacity == moe::capacity(S, E, c, 8.0));
+    GSHARD_REQUIRE(plain(eval.constant(x), c, 0).stats.capacity == moe::capacity(S, E, c, 1.0));
+    GSHARD_REQUIRE(moe::capacity(S, E, c, 8.0) != moe::capacity(S, E, c, 1.0));
+  }
 }
 
 TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", "[moe][layer][errors]") {

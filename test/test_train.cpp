@@ -103,31 +103,43 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
     };
     worst = std::max(worst, fd_check_params(ps, loss, h, a.wq, a.wk, a.wv, a.wo));
   }
-  for (auto ffn : {moe::ffn_kind::relu, moe::ffn_kind::swiglu}) {  // the MoE layer: through the combine weights and the aux loss
+  // The MoE layer, through the combine weights, the aux loss and the z-loss:
+  // GShard's top-2, SwiGLU experts, top-1 and top-4 with shared experts.
+  struct variant {
+    moe::ffn_kind ffn;
+    int k, shared;
+  };
+  for (const variant v : {variant{moe::ffn_kind::relu, 2, 0}, variant{moe::ffn_kind::swiglu, 2, 0}, variant{moe::ffn_kind::relu, 1, 1},
+                          variant{moe::ffn_kind::swiglu, 4, 2}}) {
+    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == moe::ffn_kind::relu ? "relu" : "swiglu"));
     const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
     parameters ps(m, 11);
-    const moe::layer<double, grid2> layer(ps, "moe.", M, H, E, ffn);
+    const moe::layer<double, grid2> layer(ps, "moe.", M, H, E, moe::layer_options{v.ffn, v.shared, moe::balance_mode::aux});
     param<named<double, "GSM", grid2, moe::layer<double, grid2>::at_tokens>> x(ps, "x", {G, S, M}, init::normal(1.0));
     moe::gating_config cfg;
-    cfg.capacity_factor = 4.0;  // no drops: the choices stay put under the probes
+    cfg.top_k = v.k;
+    cfg.capacity_factor = 8.0;  // no drops: the choices stay put under the probes
     cfg.second = moe::second_policy::all;
     const auto r = random_like(x.value(), 14);
-    auto loss = [&](tape& t) {
-      auto out = layer(t.use(x), cfg, 1);
-      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(r))) + 0.5 * out.aux;
+    auto loss_in = [&](tape& t, moe::dispatch_mode mode) {
+      auto out = layer(t.use(x), cfg, 1, mode);
+      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(r))) + 0.5 * out.aux + 0.03 * out.z_loss;
     };
-    if (ffn == moe::ffn_kind::relu) worst = std::max(worst, fd_check_params(ps, loss, x, layer.gate, layer.wi, layer.wo));
-    else worst = std::max(worst, fd_check_params(ps, loss, x, layer.gate, layer.wi, *layer.wi_up, layer.wo));
+    auto loss = [&](tape& t) { return loss_in(t, moe::dispatch_mode::index); };
+    double w = fd_check_params(ps, loss, x, layer.gate, layer.wi, layer.wo);
+    if (layer.wi_up) w = std::max(w, fd_check_params(ps, loss, *layer.wi_up));
+    if (layer.shared) {
+      w = std::max(w, fd_check_params(ps, loss, layer.shared->w1, layer.shared->w2));
+      if (layer.shared->w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.shared->w1_up));
+    }
+    worst = std::max(worst, w);
     // The einsum form of dispatch and combine: the same gradients.
     tape ti(ps), te(ps);
     auto li = loss(ti);
     ti.backward(li);
     const auto gwi = layer.wi.grad();
     const auto ggate = layer.gate.grad();
-    auto le = [&] {
-      auto out = layer(te.use(x), cfg, 1, moe::dispatch_mode::einsum);
-      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, te.constant(r))) + 0.5 * out.aux;
-    }();
+    auto le = loss_in(te, moe::dispatch_mode::einsum);
     te.backward(le);
     double d = 0;
     for (index_t i = 0; i < gwi.local().size(); ++i) d = std::max(d, std::abs(gwi.data()[i] - layer.wi.grad().data()[i]));

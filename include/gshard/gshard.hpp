@@ -37,6 +37,7 @@
 #include "gshard/moe/dispatch.hpp"
 #include "gshard/moe/gating.hpp"
 #include "gshard/moe/layer.hpp"
+#include "gshard/moe/metrics.hpp"
 
 #include "gshard/model/train.hpp"
 #include "gshard/model/transformer.hpp"

@@ -16,9 +16,11 @@
 #endif
 #include <mpi.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace gshard::trace {
@@ -27,6 +29,7 @@ namespace detail {
 struct record {
   std::string name, cat, args;  // args: the inside of a JSON object, or ""
   double begin, end;            // seconds on rank 0's clock
+  char phase = 'X';             // 'X': a span; 'C': counters (args: their values, at `begin`)
 };
 struct state {
   bool on = false;
@@ -63,6 +66,21 @@ inline double now() { return MPI_Wtime() + detail::st().offset; }
 inline void add(std::string_view name, std::string_view cat, double begin, double end, std::string args = {}) {
   if (!enabled()) return;
   detail::st().records.push_back({std::string(name), std::string(cat), std::move(args), begin, end});
+}
+
+// Records counters at this moment: values the trace viewer draws as a
+// track of their own, e.g. counter("block1.moe load", {{"expert 0", 96}, ...}).
+inline void counter(std::string_view name, std::string_view cat,
+                    const std::vector<std::pair<std::string, double>>& values) {
+  if (!enabled()) return;
+  std::string args;
+  for (const auto& [k, v] : values) {
+    char num[40];
+    std::snprintf(num, sizeof num, "%.17g", std::isfinite(v) ? v : 0.0);
+    args += (args.empty() ? "\"" : ",\"") + detail::escape(k) + "\":" + num;
+  }
+  const double t = now();
+  detail::st().records.push_back({std::string(name), std::string(cat), std::move(args), t, t, 'C'});
 }
 
 // A span for the lifetime of the object: trace::span s("MoE layer 1").
@@ -111,7 +129,7 @@ inline void start(const std::string& path, MPI_Comm comm = MPI_COMM_WORLD) {
 }
 
 // Stops recording and writes the file on rank 0 (collective). Returns the
-// number of spans written (on rank 0; 0 elsewhere).
+// number of events (spans and counters) written (on rank 0; 0 elsewhere).
 inline std::size_t stop(MPI_Comm comm = MPI_COMM_WORLD) {
   auto& s = detail::st();
   s.on = false;
@@ -121,8 +139,11 @@ inline std::size_t stop(MPI_Comm comm = MPI_COMM_WORLD) {
   std::string mine;
   for (const auto& r : s.records) {
     char head[160];
-    std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,\"dur\":%.3f,", rank, r.begin * 1e6,
-                  (r.end - r.begin) * 1e6);
+    if (r.phase == 'C')
+      std::snprintf(head, sizeof head, "{\"ph\":\"C\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,", rank, r.begin * 1e6);
+    else
+      std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,\"dur\":%.3f,", rank,
+                    r.begin * 1e6, (r.end - r.begin) * 1e6);
     mine += head;
     mine += "\"name\":\"" + detail::escape(r.name) + "\",\"cat\":\"" + detail::escape(r.cat) + "\"";
     if (!r.args.empty()) mine += ",\"args\":{" + r.args + "}";

@@ -31,7 +31,7 @@ inline local_tensor<std::int32_t, 2> text_batch(const std::string& text, std::si
 }
 
 struct step_result {
-  double loss = 0, ce = 0, aux = 0;    // this step's, before the update
+  double loss = 0, ce = 0, aux = 0, z = 0;  // this step's, before the update (aux, z: Σ over MoE layers)
   std::vector<moe::gating_stats> moe;  // per MoE layer, summed over every group
   double grad_norm = 0, lr = 0;
 };
@@ -48,7 +48,7 @@ step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh
     return model.forward(t, tokens, step);
   }();
   step_result r;
-  r.loss = out.loss.value().local()(), r.ce = out.ce, r.aux = out.aux;
+  r.loss = out.loss.value().local()(), r.ce = out.ce, r.aux = out.aux, r.z = out.z;
   if (!std::isfinite(r.loss))  // the same on every rank: the loss is reduced
     throw error("gshard::model::train_step: the loss at step " + std::to_string(step) + " is " + std::to_string(r.loss) +
                 " (NaN or Inf in the inputs, the parameters or the gradients)");
@@ -62,7 +62,8 @@ step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh
 }
 
 struct eval_result {
-  double ce = 0, aux = 0, loss = 0;
+  double ce = 0, aux = 0, z = 0, loss = 0;
+  std::vector<moe::gating_stats> moe;  // per MoE layer, summed over the batches
 };
 
 // Mean loss over `batches` batches of held-out text (no tape, no update).
@@ -75,7 +76,11 @@ eval_result evaluate(const transformer<T, Mesh, Roles>& model, parameters<Mesh>&
     tape t(ps, tape::no_grad);
     const auto tok = distribute<tokens_t>(ps.mesh(), text_batch(text, begin, end, B, L, seed ^ 0xE7A1, std::uint64_t(i)));
     const auto out = model.forward(t, tok, std::uint64_t(1) << 40);
-    sum.ce += out.ce / batches, sum.aux += out.aux / batches, sum.loss += out.loss.value().local()() / batches;
+    sum.ce += out.ce / batches, sum.aux += out.aux / batches, sum.z += out.z / batches;
+    sum.loss += out.loss.value().local()() / batches;
+    if (sum.moe.empty()) sum.moe = out.moe;
+    else
+      for (std::size_t l = 0; l < out.moe.size(); ++l) sum.moe[l] += out.moe[l];
   }
   return sum;
 }

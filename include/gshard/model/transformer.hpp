@@ -165,6 +165,9 @@ class transformer {
   }
 
   static const config& checked(const Mesh& m, const config& c) {
+    moe::validate(c.gating, c.experts);
+    if (c.shared_experts < 0)
+      throw error("gshard::model::transformer: config.shared_experts = " + std::to_string(c.shared_experts) + " is negative");
     index_t parts = 1;
     for (int a = 0; a < m.naxes(); ++a)
       if ((roles::model_mask >> a) & 1u) parts *= m.size(a);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gshard/error.hpp"
@@ -46,6 +47,20 @@ struct gating_config {
   double bias_rate = 1e-3;        // γ of balance_mode::bias
   std::uint64_t seed = 0;
 };
+
+// Throws gshard::error naming the setting and its value if `cfg` cannot
+// route over E experts (the same on every rank: it depends on nothing else).
+inline void validate(const gating_config& cfg, index_t E) {
+  const auto bad = [](const std::string& what) { throw error("gshard::moe::gating_config: " + what); };
+  if (cfg.top_k < 1 || cfg.top_k > E)
+    bad("top_k = " + std::to_string(cfg.top_k) + " must be between 1 and the number of experts (" + std::to_string(E) + ")");
+  for (const auto& [name, v] : {std::pair{"capacity_factor", cfg.capacity_factor}, std::pair{"eval_capacity_factor", cfg.eval_capacity_factor},
+                                std::pair{"z_loss_coef", cfg.z_loss_coef}, std::pair{"bias_rate", cfg.bias_rate}})
+    if (!std::isfinite(v) || v < 0) bad(std::string(name) + " = " + std::to_string(v) + " must be finite and >= 0");
+  if (cfg.min_capacity < 0) bad("min_capacity = " + std::to_string(cfg.min_capacity) + " is negative");
+  if (!(cfg.threshold > 0) || !std::isfinite(cfg.threshold))
+    bad("threshold = " + std::to_string(cfg.threshold) + " must be finite and > 0");
+}
 
 // The capacity C of a group of S tokens over E experts with k choices, as
 // Lingvo's Top2GatingOnLogits computes it for k = 2: the automatic value
@@ -92,6 +107,18 @@ struct gating_stats {
   double aux_sum = 0;                     // Σ over groups of mean_E(density·density_proxy)·E²
   double z_sum = 0;                       // Σ over tokens of logsumexp(logits)²
   index_t capacity = 0;                   // the C the groups were placed with
+
+  // Adds another call's counters (e.g. of the next batch); the capacity kept is the larger.
+  gating_stats& operator+=(const gating_stats& o) {
+    const auto add = [](std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
+      if (a.size() < b.size()) a.resize(b.size(), 0);
+      for (std::size_t i = 0; i < b.size(); ++i) a[i] += b[i];
+    };
+    add(expert_load, o.expert_load), add(dropped, o.dropped), add(skipped, o.skipped);
+    tokens += o.tokens, invalid += o.invalid, aux_sum += o.aux_sum, z_sum += o.z_sum;
+    capacity = std::max(capacity, o.capacity);
+    return *this;
+  }
 
   std::int64_t placed() const {
     std::int64_t t = 0;
@@ -142,9 +169,7 @@ template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
                             const gating_config& cfg, const double* bias, routing<T>& r) {
   static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::choose_experts: gating runs in float or double");
-  if (cfg.top_k < 1 || cfg.top_k > E)
-    throw error("gshard::moe::gating: top_k = " + std::to_string(cfg.top_k) + " must be between 1 and the number of experts (" +
-                std::to_string(E) + ")");
+  validate(cfg, E);
   const int k = cfg.top_k;
   r.groups = G, r.tokens = S, r.experts = E, r.k = k, r.group_offset = group_offset, r.capacity = 0;
   r.expert.assign(std::size_t(k * G * S), -1);

@@ -15,6 +15,7 @@
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
 #include "gshard/moe/dispatch.hpp"
+#include "gshard/moe/metrics.hpp"
 #include "gshard/roles.hpp"
 
 namespace gshard::moe {
@@ -55,6 +56,7 @@ struct layer {
   std::optional<shared_params> shared;
   std::optional<buffer<bias_type>> bias;  // balance_mode::bias
   layer_options options;
+  std::string name;                       // the prefix, as in the trace's counters
 
   // Declares prefix + "gate", "wi", ("wi_up",) "wo_experts", (the shared
   // experts' "shared_w1", ("shared_w1_up",) "shared_w2") in `ps`, and the
@@ -67,7 +69,8 @@ struct layer {
                                                              init::normal(1.0 / std::sqrt(double(M))))
                   : std::nullopt),
         wo(ps, prefix + "wo_experts", {E, H, M}, init::normal(1.0 / std::sqrt(double(H)))),
-        options(o) {
+        options(o),
+        name(prefix.empty() || prefix.back() != '.' ? prefix : prefix.substr(0, prefix.size() - 1)) {
     if (o.shared_experts < 0)
       throw error("gshard::moe::layer: shared_experts = " + std::to_string(o.shared_experts) + " is negative");
     if (o.shared_experts > 0) {
@@ -113,6 +116,7 @@ struct layer {
     auto route = moe::gate(einsum<"GSM,ME->GSE">(x, gate), cfg, stream, bias ? bias->value().data() : nullptr,
                            training);  // router logits: local
     if (bias && training) update_bias(route.stats, cfg.bias_rate);
+    trace_counters(name, route.stats);
     auto xe = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
       if (mode == dispatch_mode::index) return reshard<at_experts>(dispatch(route, x));
       return einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x);
