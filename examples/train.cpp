@@ -306,12 +306,12 @@ int train(const Mesh& m, const options& o, const std::string& text) {
       for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
       line += "]}\n";
       std::fputs(line.c_str(), metrics);
+      std::fflush(metrics);  // whole lines only, for a reader tailing it or a run that is stopped
     }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
       std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e\n", step + 1, r.ce, r.aux,
                   tokens_window / t_window, routing_summary(r.moe).c_str(), r.lr);
       std::fflush(stdout);
-      if (metrics) std::fflush(metrics);
       t_window = tokens_window = 0;
     }
     if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
