@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <string>
 
 
@@ -42,6 +43,7 @@ struct options {
   std::string metrics;  // JSON lines, one per step
   model::config model;  // the routing options land in model.gating
   bool aux_coef_given = false, second_given = false;
+  std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
 
@@ -62,7 +64,8 @@ constexpr const char* usage =
     "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
     "  --shared-experts N experts every token passes through, beside the routed ones (0)\n"
     "  --dropless         capacity = the largest load over the mesh: no token dropped\n"
-    "  --capacity-factor F          C = F * (K/2) * S/E (2)\n"
+    "  --capacity-factor F          C = F * (K/2) * S/E (2: each expert twice its mean load;\n"
+    "                               Switch's factor f at K = 1 is F = 2f)\n"
     "  --eval-capacity-factor F     the same at evaluation (default: --capacity-factor)\n"
     "  --z-loss C         router z-loss coefficient (0; ST-MoE uses 1e-3)\n"
     "  --balance aux|bias GShard's aux loss, or DeepSeek-V3's per-expert bias (aux)\n"
@@ -81,14 +84,19 @@ N number(const std::string& option, const std::string& text, N lo) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || text.empty() || !(v >= lo))
-    throw error("gshard train: " + option + " takes a number" + (lo > N(0) ? " >= " + std::to_string(lo) : " >= 0") +
+  bool fits = true;
+  if constexpr (std::is_floating_point_v<N>) fits = std::isfinite(v);
+  else fits = v <= N(INT_MAX);
+  if (used != text.size() || text.empty() || !(v >= lo) || !fits)
+    throw error("gshard train: " + option + " takes a " + (std::is_floating_point_v<N> ? "finite number" : "whole number") +
+                (lo > N(0) ? " >= " + std::to_string(lo) : " >= 0") + (std::is_floating_point_v<N> ? "" : " that fits an int") +
                 ", not '" + text + "'");
   return v;
 }
 
 options parse(int argc, char** argv) {
   options o;
+  bool bias_rate_given = false, capacity_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -117,10 +125,10 @@ options parse(int argc, char** argv) {
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
     else if (a == "--dropless") g.dropless = true;
-    else if (a == "--capacity-factor") g.capacity_factor = real();
-    else if (a == "--eval-capacity-factor") g.eval_capacity_factor = real();
+    else if (a == "--capacity-factor") g.capacity_factor = real(), capacity_given = true;
+    else if (a == "--eval-capacity-factor") g.eval_capacity_factor = real(), capacity_given = true;
     else if (a == "--z-loss") g.z_loss_coef = real();
-    else if (a == "--bias-rate") g.bias_rate = real();
+    else if (a == "--bias-rate") g.bias_rate = real(), bias_rate_given = true;
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second") {
       const std::string v = next();
@@ -135,6 +143,12 @@ options parse(int argc, char** argv) {
     else o.text_path = a;
   }
   if (o.model.gating.balance == moe::balance_mode::bias && !o.aux_coef_given) o.model.aux_coef = 0;  // DeepSeek-V3
+  for (const auto& [ignored, why] : {std::pair{bias_rate_given && o.model.gating.balance != moe::balance_mode::bias,
+                                               "--bias-rate has no effect without --balance bias"},
+                                     std::pair{capacity_given && o.model.gating.dropless,
+                                               "--capacity-factor and --eval-capacity-factor have no effect with --dropless"},
+                                     std::pair{o.second_given && o.model.gating.top_k == 1, "--second has no effect with --top-k 1"}})
+    if (ignored) o.notes.push_back(why);
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
   if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;
@@ -171,24 +185,40 @@ std::string load_text(const std::string& path) {
   return text;
 }
 
-// The progress line's routing part, over the MoE layers: the share of
-// choices dropped (first choices, all), the largest max/mean expert load,
-// and the experts that received no token.
+// The progress line's routing part, over the MoE layers: the share of all
+// choices dropped and of first choices, the largest max/mean expert demand
+// (before capacity), and the experts that received no token.
 std::string routing_summary(const std::vector<moe::gating_stats>& layers) {
   double first = 0, all = 0, spread = 0;
   int dead = 0;
   for (const auto& s : layers) {
-    const double wanted = double(s.placed() + s.total_dropped());
-    first += wanted > 0 ? double(s.dropped_at(0)) / wanted : 0.0;
+    const double routed = double(s.tokens - s.invalid);  // one first choice each
+    first += routed > 0 ? double(s.dropped_at(0)) / routed : 0.0;
     all += s.dropped_share();
     spread = std::max(spread, s.overload());
     dead += s.dead_experts();
   }
   const double n = double(std::max<std::size_t>(layers.size(), 1));
   char b[160];
-  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  load max/mean %.2f  dead experts %d", 100.0 * all / n,
+  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  demand max/mean %.2f  dead experts %d", 100.0 * all / n,
                 100.0 * first / n, spread, dead);
   return b;
+}
+
+// The routing settings, saved in the checkpoint's metadata beside the step,
+// so a resumed run can say when it trains another objective.
+std::map<std::string, double> routing_meta(const model::config& c) {
+  return {{"top_k", c.gating.top_k},
+          {"second_random", c.gating.second == moe::second_policy::random},
+          {"dropless", c.gating.dropless},
+          {"capacity_factor", c.gating.capacity_factor},
+          {"eval_capacity_factor", c.gating.eval_capacity_factor},
+          {"z_loss_coef", c.gating.z_loss_coef},
+          {"aux_coef", c.aux_coef},
+          {"balance_bias", c.gating.balance == moe::balance_mode::bias},
+          {"bias_rate", c.gating.bias_rate},
+          {"shared_experts", c.shared_experts},
+          {"swiglu", c.ffn == moe::ffn_kind::swiglu}};
 }
 
 // Samples `n` bytes after `prompt`. The batch holds one copy of the context
@@ -237,14 +267,20 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   int start = 0;
   if (!o.resume.empty()) {
     const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
+    if (!meta.count("step")) throw error("gshard train: " + o.resume + " has no step in its metadata (not written by this trainer)");
     start = int(meta.at("step"));
     opt.step = start;
     if (root) std::printf("resumed %s at step %d on %s\n", o.resume.c_str(), start, m.describe().c_str());
+    for (const auto& [key, now] : routing_meta(c))  // checkpoints of older trainers have none of these
+      if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
+        std::printf("note: the checkpoint was trained with %s = %g; this run uses %g\n", key.c_str(), it->second, now);
   }
   if (root)
     std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (MoE: E=%ld, H=%ld), batch %ld x %ld bytes\n",
                 split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, long(c.experts), long(c.hidden),
                 long(o.batch), long(o.seq));
+  if (root)
+    for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());
   if (root) {
     char cap[64], aux[64];
     std::snprintf(cap, sizeof cap, "capacity factor %g (eval %g)", c.gating.capacity_factor,
@@ -265,7 +301,9 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   }
   const bool trace_one_step = !o.trace.empty() && !trace::enabled();
   auto save = [&](int step) {
-    save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), {{"step", double(step)}});
+    auto meta = routing_meta(c);
+    meta["step"] = double(step);
+    save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), meta);
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   // The metrics log: opened by rank 0; a path it cannot write stops every rank before training.
@@ -290,12 +328,12 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     MPI_Barrier(m.comm());
     const double t0 = MPI_Wtime();
     const auto r = model::train_step(tr, ps, opt, tok, std::uint64_t(step));
-    t_window += MPI_Wtime() - t0;
+    const double seconds = MPI_Wtime() - t0;
+    t_window += seconds;
     if (tracing) {
       const std::size_t spans = trace::stop(m.comm());
-      if (root) std::printf("wrote %zu spans of step %d to %s\n", spans, step, o.trace.c_str());
+      if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step, o.trace.c_str());
     }
-    const double seconds = MPI_Wtime() - t0;
     tokens_window += double(o.batch * o.seq);
     if (metrics) {
       std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"loss\":" + moe::detail::json_number(r.loss) +

@@ -33,7 +33,9 @@ def check_metrics(path, steps, k, tokens, dropless):
                 problems.append(f"{path}: step {m['step']}: layer {layer}")
             if sum(layer["load"]) + sum(layer["dropped"]) + sum(layer["skipped"]) != k * tokens:
                 problems.append(f"{path}: step {m['step']}: choices do not add up: {layer}")
-            if dropless and (sum(layer["dropped"]) != 0 or layer["capacity"] < max(layer["load"]) / (tokens / 32)):
+            if sum(layer["demand"]) != sum(layer["load"]) + sum(layer["dropped"]):
+                problems.append(f"{path}: step {m['step']}: demand is not placed + dropped: {layer}")
+            if dropless and (sum(layer["dropped"]) != 0 or not 0 < layer["capacity"] <= 32 * k):
                 problems.append(f"{path}: step {m['step']}: dropless dropped: {layer}")
             if layer["dead_experts"] != sum(1 for v in layer["load"] if v == 0):
                 problems.append(f"{path}: dead experts: {layer}")
@@ -52,6 +54,7 @@ def main() -> int:
         problems += check_metrics(metrics, steps=3, k=2, tokens=4 * ranks * 32, dropless=False)
     variant = cmd + ["--top-k", "4", "--dropless", "--shared-experts", "1", "--z-loss", "1e-3", "--balance", "bias"]
     variant[variant.index(metrics)] = metrics + ".variant"
+    variant[variant.index(out)] = out + ".variant.json"  # the default run's trace is the one checked below
     vproc = subprocess.run(variant, capture_output=True, text=True, timeout=240)
     if vproc.returncode != 0:
         problems.append(f"trainer with routing variants exited {vproc.returncode}: {vproc.stderr[-2000:]}")

@@ -105,21 +105,27 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
   }
   // The MoE layer, through the combine weights, the aux loss and the z-loss:
   // GShard's top-2, SwiGLU experts, top-1 and top-4 with shared experts.
+  // With a binding capacity and random routing, the normalisation runs over
+  // every chosen expert, placed or not (the discrete choices do not move
+  // under the probes).
   struct variant {
     moe::ffn_kind ffn;
     int k, shared;
+    bool binding = false;
   };
   for (const variant v : {variant{moe::ffn_kind::relu, 2, 0}, variant{moe::ffn_kind::swiglu, 2, 0}, variant{moe::ffn_kind::relu, 1, 1},
-                          variant{moe::ffn_kind::swiglu, 4, 2}}) {
-    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == moe::ffn_kind::relu ? "relu" : "swiglu"));
+                          variant{moe::ffn_kind::swiglu, 4, 2}, variant{moe::ffn_kind::relu, 2, 0, true}}) {
+    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == moe::ffn_kind::relu ? "relu" : "swiglu")
+                << (v.binding ? ", binding capacity, random routing" : ""));
     const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
     parameters ps(m, 11);
     const moe::layer<double, grid2> layer(ps, "moe.", M, H, E, moe::layer_options{v.ffn, v.shared, moe::balance_mode::aux});
     param<named<double, "GSM", grid2, moe::layer<double, grid2>::at_tokens>> x(ps, "x", {G, S, M}, init::normal(1.0));
     moe::gating_config cfg;
     cfg.top_k = v.k;
-    cfg.capacity_factor = 8.0;  // no drops: the choices stay put under the probes
-    cfg.second = moe::second_policy::all;
+    cfg.capacity_factor = v.binding ? 0.5 : 8.0;
+    cfg.min_capacity = v.binding ? 1 : 4;
+    cfg.second = v.binding ? moe::second_policy::random : moe::second_policy::all;
     const auto r = random_like(x.value(), 14);
     auto loss_in = [&](tape& t, moe::dispatch_mode mode) {
       auto out = layer(t.use(x), cfg, 1, mode);
@@ -133,6 +139,25 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
       if (layer.shared->w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.shared->w1_up));
     }
     worst = std::max(worst, w);
+    {  // every parameter gets a gradient (a layer term left out would pass the FD check as 0 = 0)
+      tape tg(ps);
+      auto l = loss(tg);
+      tg.backward(l);
+      double least = 1e300;
+      auto norm = [](const auto& t) {
+        double n = 0;
+        for (index_t i = 0; i < t.local().size(); ++i) n += double(t.data()[i]) * double(t.data()[i]);
+        return gshard::testing::sum_all(n);
+      };
+      for (double n : {norm(layer.gate.grad()), norm(layer.wi.grad()), norm(layer.wo.grad())}) least = std::min(least, n);
+      if (layer.shared) least = std::min({least, norm(layer.shared->w1.grad()), norm(layer.shared->w2.grad())});
+      GSHARD_REQUIRE(least > 0);
+      if (v.binding) {
+        tape tn(ps, tape::no_grad);
+        const auto out = layer(tn.use(x), cfg, 1);
+        GSHARD_REQUIRE(out.stats.total_dropped() > 0 && out.stats.skipped_at(1) > 0);
+      }
+    }
     // The einsum form of dispatch and combine: the same gradients.
     tape ti(ps), te(ps);
     auto li = loss(ti);
@@ -315,7 +340,7 @@ TEST_CASE("one training step runs exactly the collectives its types imply, and t
     std::map<std::string, std::pair<int, std::size_t>> w;
     w["all_to_all(expert)"] = {4, std::size_t(4 * E * Bl * C * M) * f};
     // the MoE statistics: E loads, tokens, k drops, k skips, invalid, aux, z-loss
-    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(E + 4 + 2 * c.gating.top_k) * 8};
+    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(2 * E + 4 + 2 * c.gating.top_k) * 8};
     w["all_reduce(data)"] = {2, std::size_t(2 * (E / e) * M * (H / mm)) * f};
     if (model_axis) {
       w["all_reduce(model)"] = {8, std::size_t(2 * (3 * Bl * L * M) + 2 * (E / e) * (B / d) * C * M) * f};
@@ -493,6 +518,21 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
     trainer<float, grid2> to(m, other, 7);
     GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, to.parts()), checkpoint_error,
                                "record 'param.embed' holds 32-bit [256,8] but the program has f32[V,M]");
+  }
+  {  // a model with more weights (shared experts) or fewer (without the router bias) than the file: named
+    auto more = c;
+    more.shared_experts = 1;
+    trainer<float, grid2> tm(m, more, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, tm.parts()), checkpoint_error, "no record 'param.block1.shared_w1'");
+    auto biased = c;
+    biased.gating.balance = moe::balance_mode::bias;
+    trainer<float, grid2> tb(m, biased, 7);
+    const std::string with_bias = dir + "/bias.ckpt";
+    save_checkpoint(with_bias, m, tb.parts(), {{"step", 0.0}});
+    trainer<float, grid2> plain(m, c, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(with_bias, m, plain.parts()), checkpoint_error,
+                               "record 'buffer.block1.router_bias' is not in the program (saved by another model configuration?)");
+    load_checkpoint(with_bias, m, {{"param.", &plain.ps.values()}});  // the parameters alone: fine
   }
   {  // a save that fails leaves the previous checkpoint intact
     if (world_rank() == 0) std::filesystem::create_directories(path + ".tmp");  // the temporary file cannot be opened

@@ -229,7 +229,8 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 
 // Loads into `parts` (which must have the saved names, element types and
 // global shapes; their shardings may differ from the saved ones) and returns
-// the metadata.
+// the metadata. A record under a part's prefix that no part has is refused
+// too; records under other prefixes are not read.
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;
@@ -257,6 +258,21 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
           problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
                     detail::extents_text(r.extents) + " but the program has " + t->notation();
       }
+    // And nothing under the parts' prefixes that the program lacks: a weight
+    // of another model configuration (e.g. shared experts) is not silently
+    // left behind. Records under other prefixes (Adam's moments, when only
+    // the parameters are asked for) are fine.
+    for (const auto& [name, r] : records) {
+      if (!problem.empty()) break;
+      bool under_a_prefix = false, taken = false;
+      for (const auto& part : parts)
+        if (name.compare(0, part.prefix.size(), part.prefix) == 0) {
+          under_a_prefix = true;
+          taken = taken || part.set->find(name.substr(part.prefix.size())) != nullptr;
+        }
+      if (under_a_prefix && !taken)
+        problem = "record '" + name + "' is not in the program (saved by another model configuration?)";
+    }
   }
   detail::agree_or_throw(problem, path, m.comm());
   std::vector<double> meta_values;

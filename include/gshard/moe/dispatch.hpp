@@ -125,9 +125,11 @@ struct moved_groups {
   using type = tensor<typename X::value_type, R, typename X::mesh_type, sharding, labels>;
 };
 
-// The gating counters, the aux loss and the z-loss as one vector, for one all_reduce.
+// The gating counters, the aux loss and the z-loss as one vector (2E + 4 + 2k
+// doubles), for one all_reduce.
 inline std::vector<double> stats_vector(const gating_stats& s) {
   std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
+  v.insert(v.end(), s.expert_demand.begin(), s.expert_demand.end());
   v.push_back(double(s.tokens));
   v.insert(v.end(), s.dropped.begin(), s.dropped.end());
   v.insert(v.end(), s.skipped.begin(), s.skipped.end());
@@ -137,10 +139,12 @@ inline std::vector<double> stats_vector(const gating_stats& s) {
 inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, index_t capacity) {
   gating_stats r;
   for (std::size_t e = 0; e < E; ++e) r.expert_load.push_back(std::int64_t(v[e]));
-  r.tokens = std::int64_t(v[E]);
-  for (std::size_t j = 0; j < k; ++j) r.dropped.push_back(std::int64_t(v[E + 1 + j]));
-  for (std::size_t j = 0; j < k; ++j) r.skipped.push_back(std::int64_t(v[E + 1 + k + j]));
-  r.invalid = std::int64_t(v[E + 1 + 2 * k]), r.aux_sum = v[E + 2 + 2 * k], r.z_sum = v[E + 3 + 2 * k];
+  for (std::size_t e = 0; e < E; ++e) r.expert_demand.push_back(std::int64_t(v[E + e]));
+  v += 2 * E;
+  r.tokens = std::int64_t(v[0]);
+  for (std::size_t j = 0; j < k; ++j) r.dropped.push_back(std::int64_t(v[1 + j]));
+  for (std::size_t j = 0; j < k; ++j) r.skipped.push_back(std::int64_t(v[1 + k + j]));
+  r.invalid = std::int64_t(v[1 + 2 * k]), r.aux_sum = v[2 + 2 * k], r.z_sum = v[3 + 2 * k];
   r.capacity = capacity;
   return r;
 }

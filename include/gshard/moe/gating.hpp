@@ -99,7 +99,8 @@ struct routing {
 // What one call saw: on this rank from route_tokens, summed over every group
 // by moe::gate (gshard/moe/dispatch.hpp).
 struct gating_stats {
-  std::vector<std::int64_t> expert_load;  // choices placed in each expert
+  std::vector<std::int64_t> expert_load;    // choices placed in each expert (at most C per group)
+  std::vector<std::int64_t> expert_demand;  // choices that chose each expert, before capacity (placed + dropped)
   std::int64_t tokens = 0;
   std::vector<std::int64_t> dropped;      // per choice: over capacity
   std::vector<std::int64_t> skipped;      // per choice: not kept by random routing
@@ -114,7 +115,7 @@ struct gating_stats {
       if (a.size() < b.size()) a.resize(b.size(), 0);
       for (std::size_t i = 0; i < b.size(); ++i) a[i] += b[i];
     };
-    add(expert_load, o.expert_load), add(dropped, o.dropped), add(skipped, o.skipped);
+    add(expert_load, o.expert_load), add(expert_demand, o.expert_demand), add(dropped, o.dropped), add(skipped, o.skipped);
     tokens += o.tokens, invalid += o.invalid, aux_sum += o.aux_sum, z_sum += o.z_sum;
     capacity = std::max(capacity, o.capacity);
     return *this;
@@ -132,12 +133,13 @@ struct gating_stats {
   }
   std::int64_t dropped_at(std::size_t j) const { return j < dropped.size() ? dropped[j] : 0; }
   std::int64_t skipped_at(std::size_t j) const { return j < skipped.size() ? skipped[j] : 0; }
-  // Largest expert load over the balanced load (1.0 = perfectly balanced).
+  // The largest expert demand over the mean demand (1.0 = perfectly
+  // balanced): before capacity, so a capacity that clips the busiest expert
+  // does not hide the imbalance.
   double overload() const {
-    const std::int64_t total = placed();
-    std::int64_t mx = 0;
-    for (auto v : expert_load) mx = std::max(mx, v);
-    return total == 0 ? 0.0 : double(mx) * double(expert_load.size()) / double(total);
+    std::int64_t total = 0, mx = 0;
+    for (auto v : expert_demand) total += v, mx = std::max(mx, v);
+    return total == 0 ? 0.0 : double(mx) * double(expert_demand.size()) / double(total);
   }
   double dropped_share() const {
     const std::int64_t wanted = placed() + total_dropped();
@@ -164,7 +166,7 @@ inline double keep_draw(std::uint64_t seed, std::uint64_t stream, std::uint64_t 
 // by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
 // normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
 // the later choices. Fills r (without slots) and returns this rank's
-// statistics (without loads and drops).
+// statistics (with the demand, without loads and drops).
 template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
                             const gating_config& cfg, const double* bias, routing<T>& r) {
@@ -180,6 +182,7 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
   r.lse.assign(std::size_t(G * S), 0.0);
   gating_stats st;
   st.expert_load.assign(std::size_t(E), 0);
+  st.expert_demand.assign(std::size_t(E), 0);
   st.dropped.assign(std::size_t(k), 0);
   st.skipped.assign(std::size_t(k), 0);
   st.tokens = G * S;
@@ -250,6 +253,8 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
             ++st.skipped[std::size_t(j)];
           }
         }
+      for (int j = 0; j < chosen; ++j)
+        if (r.expert[c0 + std::size_t(j)] >= 0) ++st.expert_demand[std::size_t(r.expert[c0 + std::size_t(j)])];
     }
     double aux = 0;
     for (index_t e = 0; e < E; ++e) aux += (density[std::size_t(e)] / double(S)) * (proxy[std::size_t(e)] / double(S));

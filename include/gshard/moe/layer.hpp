@@ -98,7 +98,8 @@ struct layer {
 
   // x: [G,S,M] at the groups (labelled "GSM", at_tokens). `stream` keys the
   // random routing (the layer and the step). On a recording tape, with
-  // balance_mode::bias, the router bias moves after the routing.
+  // balance_mode::bias, the router bias moves after the routing (so a
+  // gradient check or a recomputed forward moves it too).
   template <class V>
     requires var_type<V>
   auto operator()(const V& x, const gating_config& cfg, std::uint64_t stream,
@@ -144,15 +145,17 @@ struct layer {
     return einsum<"GSH,HM->GSM", at_tokens>(a, shared->w2);
   }
 
-  // DeepSeek-V3: b_e += γ · sign(mean load - load_e), from the loads summed
-  // over every group (the same on every rank).
+  // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices
+  // each expert got before capacity, summed over every group (the same on
+  // every rank). The bias is the layer's state, not a parameter: it moves on
+  // every recording forward, even of a const layer.
   void update_bias(const gating_stats& st, double rate) const {
     double mean = 0;
-    for (auto v : st.expert_load) mean += double(v);
-    mean /= double(std::max<std::size_t>(st.expert_load.size(), 1));
+    for (auto v : st.expert_demand) mean += double(v);
+    mean /= double(std::max<std::size_t>(st.expert_demand.size(), 1));
     double* b = bias->value().data();
-    for (std::size_t e = 0; e < st.expert_load.size(); ++e) {
-      const double err = mean - double(st.expert_load[e]);
+    for (std::size_t e = 0; e < st.expert_demand.size(); ++e) {
+      const double err = mean - double(st.expert_demand[e]);
       b[e] += rate * double((err > 0) - (err < 0));
     }
   }
