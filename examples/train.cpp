@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -73,9 +74,10 @@ constexpr const char* usage =
     "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
     "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n";
 
-// A number from the command line, or an error naming the option and the text.
+// A number from the command line in [lo, hi], or an error naming the option,
+// the text and what is allowed.
 template <class N>
-N number(const std::string& option, const std::string& text, N lo) {
+N number(const std::string& option, const std::string& text, N lo, N hi = std::is_floating_point_v<N> ? std::numeric_limits<N>::max() : N(INT_MAX)) {
   std::size_t used = 0;
   N v{};
   try {
@@ -84,13 +86,13 @@ N number(const std::string& option, const std::string& text, N lo) {
   } catch (const std::exception&) {
     used = 0;
   }
-  bool fits = true;
-  if constexpr (std::is_floating_point_v<N>) fits = std::isfinite(v);
-  else fits = v <= N(INT_MAX);
-  if (used != text.size() || text.empty() || !(v >= lo) || !fits)
-    throw error("gshard train: " + option + " takes a " + (std::is_floating_point_v<N> ? "finite number" : "whole number") +
-                (lo > N(0) ? " >= " + std::to_string(lo) : " >= 0") + (std::is_floating_point_v<N> ? "" : " that fits an int") +
-                ", not '" + text + "'");
+  const bool finite = !std::is_floating_point_v<N> || std::isfinite(double(v));
+  if (used != text.size() || text.empty() || !(v >= lo && v <= hi) || !finite) {
+    const std::string kind = std::is_floating_point_v<N> ? "a finite number" : "a whole number";
+    const std::string range = std::is_floating_point_v<N> ? " >= " + (lo == N(0) ? std::string("0") : std::to_string(lo))
+                                                          : " from " + std::to_string(lo) + " to " + std::to_string(hi);
+    throw error("gshard train: " + option + " takes " + kind + range + ", not '" + text + "'");
+  }
   return v;
 }
 
@@ -111,7 +113,7 @@ options parse(int argc, char** argv) {
     auto real = [&] { return number<double>(a, next(), 0.0); };
     moe::gating_config& g = o.model.gating;
     if (a == "--steps") o.steps = integer(1);
-    else if (a == "--seed") o.seed = std::uint64_t(number<long long>(a, next(), 0));
+    else if (a == "--seed") o.seed = std::uint64_t(number<long long>(a, next(), 0, LLONG_MAX));
     else if (a == "--save") o.save = next();
     else if (a == "--save-every") o.save_every = integer(0);
     else if (a == "--stop-after") o.stop_after = integer(0);
