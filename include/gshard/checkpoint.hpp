@@ -63,6 +63,8 @@ struct ckpt_record {
 };
 
 // Parses and checks the whole file on the root; returns "" or the problem.
+// One piece: a sequential reader of the format, field after field, whose
+// lambdas carry the position and the name of what is being read.
 inline std::string parse_checkpoint(const std::string& f, std::map<std::string, double>& meta,
                                     std::map<std::string, ckpt_record>& records) {
   std::size_t at = 0;
@@ -230,7 +232,9 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 // Loads into `parts` (which must have the saved names, element types and
 // global shapes; their shardings may differ from the saved ones) and returns
 // the metadata. A record under a part's prefix that no part has is refused
-// too; records under other prefixes are not read.
+// too; records under other prefixes are not read. Kept as one piece: the
+// root's checks, the one agreement on them and the broadcasts must stay in
+// this order for every rank to throw the same error or none.
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;

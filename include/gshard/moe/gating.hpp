@@ -159,6 +159,45 @@ namespace detail {
 inline double keep_draw(std::uint64_t seed, std::uint64_t stream, std::uint64_t group, std::uint64_t s, int j) {
   return uniform(seed, stream + std::uint64_t(j - 1) * 0x9E3779B97F4A7C15ull, group, s);
 }
+// The softmax of one token's logits into `gates`, returning their
+// logsumexp; NaN (gates untouched) if the token is invalid — a NaN or +Inf
+// logit, or no finite one. -Inf masks that expert: its gate is 0.
+template <class T>
+double token_softmax(const T* l, index_t E, T* gates) {
+  bool valid = true, any_finite = false;
+  for (index_t e = 0; e < E; ++e) {
+    if (std::isnan(l[e]) || l[e] == std::numeric_limits<T>::infinity()) valid = false;
+    if (std::isfinite(l[e])) any_finite = true;
+  }
+  if (!valid || !any_finite) return std::numeric_limits<double>::quiet_NaN();
+  T mx = -std::numeric_limits<T>::infinity();
+  for (index_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
+  T sum = 0;
+  for (index_t e = 0; e < E; ++e) sum += (gates[e] = std::isfinite(l[e]) ? std::exp(l[e] - mx) : T(0));
+  for (index_t e = 0; e < E; ++e) gates[e] /= sum;
+  return double(mx) + std::log(double(sum));
+}
+// The k best unmasked experts of one token by score (gate + bias), ties to
+// the lowest id, into `wanted`; returns how many (fewer than k if fewer are
+// unmasked). The first is GShard's argmax(gates), the second the argmax with
+// the first zeroed (a gate that underflowed to 0 is still a choice).
+// `score` and `taken` are the caller's scratch of E entries.
+template <class T>
+int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std::vector<double>& score,
+          std::vector<char>& taken, std::int32_t* wanted) {
+  for (index_t e = 0; e < E; ++e) score[std::size_t(e)] = double(gates[e]) + (bias ? bias[e] : 0.0);
+  std::fill(taken.begin(), taken.end(), 0);
+  int chosen = 0;
+  for (; chosen < k; ++chosen) {
+    index_t best = -1;
+    for (index_t e = 0; e < E; ++e)
+      if (!taken[std::size_t(e)] && std::isfinite(l[e]) && (best < 0 || score[std::size_t(e)] > score[std::size_t(best)])) best = e;
+    if (best < 0) break;
+    taken[std::size_t(best)] = 1;
+    wanted[chosen] = std::int32_t(best);
+  }
+  return chosen;
+}
 }  // namespace detail
 
 // Step 1 of top-k gating of G groups of S tokens over E experts (`logits`
@@ -166,7 +205,10 @@ inline double keep_draw(std::uint64_t seed, std::uint64_t stream, std::uint64_t 
 // by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
 // normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
 // the later choices. Fills r (without slots) and returns this rank's
-// statistics (with the demand, without loads and drops).
+// statistics (with the demand, without loads and drops). One loop over the
+// tokens of a group, kept whole: the softmax and the top-k are helpers, and
+// what stays — weights, the aux sums, random routing, the demand — all
+// accumulate per group in the same pass.
 template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
                             const gating_config& cfg, const double* bias, routing<T>& r) {
@@ -195,43 +237,17 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
     for (index_t s = 0; s < S; ++s) {
       const T* l = logits + (g * S + s) * E;
       T* gates = r.gates.data() + (g * S + s) * E;
-      // NaN or +Inf make the token invalid (routed nowhere, counted); -Inf
-      // masks that expert: its gate is 0 and it is never chosen.
-      bool valid = true, any_finite = false;
-      for (index_t e = 0; e < E; ++e) {
-        if (std::isnan(l[e]) || l[e] == std::numeric_limits<T>::infinity()) valid = false;
-        if (std::isfinite(l[e])) any_finite = true;
-      }
-      if (!valid || !any_finite) {
+      const double lse = detail::token_softmax(l, E, gates);
+      if (std::isnan(lse)) {
         ++st.invalid;
         continue;
       }
-      T mx = -std::numeric_limits<T>::infinity();
-      for (index_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
-      T sum = 0;
-      for (index_t e = 0; e < E; ++e) sum += (gates[e] = std::isfinite(l[e]) ? std::exp(l[e] - mx) : T(0));
-      for (index_t e = 0; e < E; ++e) gates[e] /= sum;
-      const double lse = double(mx) + std::log(double(sum));
       r.lse[std::size_t(g * S + s)] = lse;
       st.z_sum += lse * lse;
-      // The k best unmasked experts by score, ties to the lowest id: the
-      // first is GShard's argmax(gates), the second argmax of the gates with
-      // the first zeroed (a gate that underflowed to 0 is still a choice).
-      for (index_t e = 0; e < E; ++e) score[std::size_t(e)] = double(gates[e]) + (bias ? bias[e] : 0.0);
-      std::fill(taken.begin(), taken.end(), 0);
       const std::size_t c0 = r.choice(g, s, 0);
+      const int chosen = detail::top_k(l, gates, bias, E, k, score, taken, r.wanted.data() + c0);
       T wsum = 0;
-      int chosen = 0;
-      for (int j = 0; j < k; ++j) {
-        index_t best = -1;
-        for (index_t e = 0; e < E; ++e)
-          if (!taken[std::size_t(e)] && std::isfinite(l[e]) && (best < 0 || score[std::size_t(e)] > score[std::size_t(best)])) best = e;
-        if (best < 0) break;  // fewer than k unmasked experts
-        taken[std::size_t(best)] = 1;
-        r.wanted[c0 + std::size_t(j)] = std::int32_t(best);
-        wsum += gates[best];
-        ++chosen;
-      }
+      for (int j = 0; j < chosen; ++j) wsum += gates[r.wanted[c0 + std::size_t(j)]];
       // Normalised over the k choices (GShard, before capacity and random
       // routing); with k = 1 the combine weight is the gate itself (Switch).
       const T denom = k >= 2 ? wsum + T(1e-9) : T(1);
