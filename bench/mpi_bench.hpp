@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <gshard/detail/gemm.hpp>
-#include <gshard/mpi.hpp>
+#include <gshard/environment.hpp>
 
 namespace gshard::bench {
 

@@ -14,6 +14,8 @@
 #include <iostream>
 #include <string>
 
+#include "cli.hpp"
+
 using namespace gshard;
 
 namespace {
@@ -67,9 +69,11 @@ struct regressor {
 
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 300;
-  if (steps < 1) throw error("gshard custom_layer: the number of steps is " + std::string(argc > 1 ? argv[1] : "") +
-                             "; give a positive integer");
+  const auto args = examples::positional(argc, argv, "custom_layer", {"steps"},
+                                         "usage: mpirun -np P custom_layer [steps]   (P = 1, 2 or 4; steps: 300)\n"
+                                         "  trains two SwiGLU blocks written forward-only and prints their derived collectives\n");
+  if (!args) return 0;
+  const int steps = args->empty() ? 300 : examples::number<long long>("custom_layer", "steps", (*args)[0], 1);
   const int P = env.size();
   if (P != 1 && P != 2 && P != 4)
     throw mesh_error("gshard custom_layer: runs on 1, 2 or 4 ranks (data x model = 1x1, 1x2, 2x2), not " +

@@ -8,22 +8,15 @@
 #include <gshard/model/transformer.hpp>
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <string>
 
+#include "cli.hpp"
 #include "meshes.hpp"
 using namespace gshard;
 
 
 namespace {
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw error("gshard example: cannot read " + path);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
 
 // The plan of one MoE block, from the einsum and reshard plans, before anything runs.
 template <class Mesh>
@@ -79,12 +72,11 @@ int run(const Mesh& m, const std::string& text, int forwards) {
     }
     const auto tokens = distribute<typename model::transformer<float, Mesh>::tokens_type>(m, tok);
     collective_recorder rec;
-    MPI_Barrier(m.comm());
+    barrier(m.all_axes());
     const double t0 = MPI_Wtime();
     tape t(ps, tape::no_grad);
     const auto out = tr.forward(t, tokens, std::uint64_t(step));
-    double dt = MPI_Wtime() - t0, slowest = 0;
-    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, m.comm());
+    const double slowest = all_reduce(m.all_axes(), MPI_Wtime() - t0, reduction::max);
     std::string collectives;
     for (const auto& [k, n] : rec.tally()) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
     if (!root) continue;
@@ -106,9 +98,14 @@ int run(const Mesh& m, const std::string& text, int forwards) {
 
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
-  const std::string path = argc > 1 ? argv[1] : "/usr/share/common-licenses/GPL-3";
-  const int forwards = argc > 2 ? std::atoi(argv[2]) : 3;
-  const std::string text = read_text(path);
-  if (text.size() < 1024) throw error("gshard example: " + path + " holds fewer than 1024 bytes");
+  const auto args = examples::positional(argc, argv, "moe_transformer", {"text file or directory", "forwards"},
+                                         "usage: mpirun -np P moe_transformer [text file or directory] [forwards]   (P = 1, 2, 4 or 8)\n"
+                                         "  the sharding plan of one MoE block, then `forwards` (3) forward passes over the text\n"
+                                         "  (default: /usr/share/common-licenses/GPL-3), with each MoE layer's expert loads\n");
+  if (!args) return 0;
+  const std::string path = args->size() > 0 ? (*args)[0] : "/usr/share/common-licenses/GPL-3";
+  const int forwards = args->size() > 1 ? examples::number<long long>("moe_transformer", "forwards", (*args)[1], 1) : 3;
+  const std::string text = examples::load_text("moe_transformer", path, "/usr/share/common-licenses");
+  if (text.size() < 1024) throw error("gshard moe_transformer: " + path + " holds " + std::to_string(text.size()) + " bytes; give at least 1024");
   return examples::on_fitting_mesh([&](const auto& m) { return run(m, text, forwards); });
 }

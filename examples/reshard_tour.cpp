@@ -9,6 +9,7 @@
 #include <iostream>
 
 
+#include "cli.hpp"
 #include "meshes.hpp"
 using namespace gshard;
 
@@ -59,5 +60,9 @@ int tour(const Mesh& m) {
 
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
+  if (!examples::positional(argc, argv, "reshard_tour", {},
+                            "usage: mpirun -np P reshard_tour   (P = 1, 2, 4 or 8)\n"
+                            "  every kind of reshard on a small tensor, each checked against the global tensor\n"))
+    return 0;
   return examples::on_fitting_mesh([](const auto& m) { return tour(m); });
 }

@@ -2,12 +2,14 @@
 // across ranks. With no arguments: the licence texts every Debian system has
 // (/usr/share/common-licenses), a small model, 1500 steps (2 minutes on
 // 2 cores); 10% of the text is held out for evaluation.
-//   scripts/mpirun -np 2 build/examples/train [text file] [--steps N] [--seed S]
+//   scripts/mpirun -np 2 build/examples/train [text file or directory] [--steps N] [--seed S]
 //       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
 //       [--log-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
 //       [--metrics FILE] [routing: --top-k K --shared-experts N --dropless
 //        --capacity-factor F --eval-capacity-factor F --z-loss C
 //        --balance aux|bias --aux-coef C --ffn relu|swiglu]
+// SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
+// the same step, saves when --save is given, and exits with 128 + the signal.
 // Prints a progress line every few steps, then the held-out loss and bits per
 // byte, and a sampled continuation of a prompt. --metrics writes one JSON
 // line per step: the losses and each MoE layer's routing (moe/metrics.hpp).
@@ -15,17 +17,19 @@
 #include <gshard/model/train.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <map>
 #include <string>
 
+#include <unistd.h>
 
+#include "cli.hpp"
 #include "meshes.hpp"
 using namespace gshard;
 
@@ -50,12 +54,12 @@ struct options {
 
 constexpr const char* usage =
     "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
-    "  text file          default: every file in /usr/share/common-licenses; 10% held out\n"
+    "  text               a file, or a directory of files (default: /usr/share/common-licenses); 10% held out\n"
     "  --steps N          optimizer steps (1500); the learning-rate schedule spans them\n"
     "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over data x expert\n"
     "  --seed S           data order, routing noise and initial weights (1)\n"
     "  --log-every N      a progress line every N steps (100)\n"
-    "  --save FILE        checkpoint at the end (and every --save-every N steps)\n"
+    "  --save FILE        checkpoint at the end, every --save-every N steps, and on SIGTERM/SIGINT\n"
     "  --resume FILE      continue from a checkpoint, at any rank count\n"
     "  --stop-after N     stop (and save) after N steps, on the schedule of --steps\n"
     "  --trace FILE       a Chrome trace of step --trace-step N (10), with the routing as counters\n"
@@ -74,28 +78,6 @@ constexpr const char* usage =
     "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
     "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n";
 
-// A number from the command line in [lo, hi], or an error naming the option,
-// the text and what is allowed.
-template <class N>
-N number(const std::string& option, const std::string& text, N lo, N hi = std::is_floating_point_v<N> ? std::numeric_limits<N>::max() : N(INT_MAX)) {
-  std::size_t used = 0;
-  N v{};
-  try {
-    if constexpr (std::is_floating_point_v<N>) v = N(std::stod(text, &used));
-    else v = N(std::stoll(text, &used));
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const bool finite = !std::is_floating_point_v<N> || std::isfinite(double(v));
-  if (used != text.size() || text.empty() || !(v >= lo && v <= hi) || !finite) {
-    const std::string kind = std::is_floating_point_v<N> ? "a finite number" : "a whole number";
-    const std::string range = std::is_floating_point_v<N> ? " >= " + (lo == N(0) ? std::string("0") : std::to_string(lo))
-                                                          : " from " + std::to_string(lo) + " to " + std::to_string(hi);
-    throw error("gshard train: " + option + " takes " + kind + range + ", not '" + text + "'");
-  }
-  return v;
-}
-
 options parse(int argc, char** argv) {
   options o;
   bool bias_rate_given = false, capacity_given = false;
@@ -109,16 +91,16 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw error("gshard train: " + a + " needs a value");
       return argv[++i];
     };
-    auto integer = [&](int lo) { return int(number<long long>(a, next(), lo)); };
-    auto real = [&] { return number<double>(a, next(), 0.0); };
+    auto integer = [&](int lo) { return int(examples::number<long long>("train", a, next(), lo)); };
+    auto real = [&] { return examples::number<double>("train", a, next(), 0.0); };
     moe::gating_config& g = o.model.gating;
     if (a == "--steps") o.steps = integer(1);
-    else if (a == "--seed") o.seed = std::uint64_t(number<long long>(a, next(), 0, LLONG_MAX));
+    else if (a == "--seed") o.seed = std::uint64_t(examples::number<long long>("train", a, next(), 0, LLONG_MAX));
     else if (a == "--save") o.save = next();
     else if (a == "--save-every") o.save_every = integer(0);
     else if (a == "--stop-after") o.stop_after = integer(0);
     else if (a == "--trace") o.trace = next();
-    else if (a == "--trace-step") o.trace_step = integer(0);
+    else if (a == "--trace-step") o.trace_step = integer(1);
     else if (a == "--resume") o.resume = next();
     else if (a == "--log-every") o.log_every = integer(1);
     else if (a == "--batch") o.batch = integer(1);
@@ -144,6 +126,9 @@ options parse(int argc, char** argv) {
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
+  if (o.save.empty() && (o.save_every > 0 || o.stop_after > 0))
+    throw error(std::string("gshard train: ") + (o.save_every > 0 ? "--save-every" : "--stop-after") +
+                " needs --save FILE: without it the steps trained would be lost");
   if (o.model.gating.balance == moe::balance_mode::bias && !o.aux_coef_given) o.model.aux_coef = 0;  // DeepSeek-V3
   for (const auto& [ignored, why] : {std::pair{bias_rate_given && o.model.gating.balance != moe::balance_mode::bias,
                                                "--bias-rate has no effect without --balance bias"},
@@ -154,37 +139,6 @@ options parse(int argc, char** argv) {
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
   if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;
-}
-
-// Rank 0 reads the text and every rank receives it: the path need exist only there.
-std::string load_text(const std::string& path) {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  std::string text, problem;
-  if (rank == 0) {
-    std::vector<std::string> files;
-    if (!path.empty()) files.push_back(path);
-    else if (std::filesystem::is_directory("/usr/share/common-licenses"))
-      for (const auto& e : std::filesystem::directory_iterator("/usr/share/common-licenses"))
-        if (e.is_regular_file() && !e.is_symlink()) files.push_back(e.path().string());  // GPL -> GPL-3 etc. once
-    std::sort(files.begin(), files.end());
-    for (const auto& f : files) {
-      std::ifstream in(f, std::ios::binary);
-      if (!in) problem = "cannot read " + f;
-      text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
-    if (files.empty()) problem = "no text: give a file, or install base-files (/usr/share/common-licenses)";
-    if (text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
-      problem = "the text has " + std::to_string(text.size()) + " bytes; this example reads at most 2 GiB";
-  }
-  unsigned long long n[2] = {text.size(), problem.size()};
-  mpi::check(MPI_Bcast(n, 2, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  problem.resize(n[1]);
-  mpi::check(MPI_Bcast(problem.data(), int(n[1]), MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  if (!problem.empty()) throw error("gshard train: " + problem);
-  text.resize(n[0]);
-  mpi::check(MPI_Bcast(text.data(), int(n[0]), MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  return text;
 }
 
 // The progress line's routing part, over the MoE layers: the share of all
@@ -248,10 +202,59 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
     double u = uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
     int pick = 0;
     while (pick + 1 < c.vocab && (u -= w[std::size_t(pick)]) > 0) ++pick;
-    mpi::check(MPI_Bcast(&pick, 1, MPI_INT, 0, m.comm()), "MPI_Bcast");
+    broadcast(m.all_axes(), std::span<int>(&pick, 1), 0);
     prompt += char(pick);
   }
   return prompt;
+}
+
+// Peak memory of one rank's step, estimated from measurement of this
+// example's model (M 128, 4 blocks, E 8, H 256; glibc heap kept warm):
+// 42 MB, and per token 30.5 KB + 78 B x the window length (attention's
+// [N, L, T] terms), within 4% at (B, L) = (16, 128) ... (64, 256) on 1 rank.
+double step_bytes(double tokens_per_rank, double L) { return 42e6 + tokens_per_rank * (30.5e3 + 78.0 * L); }
+
+// Everything about the options that can be checked before step 1, on rank 0
+// (where the files are written): "" or what is wrong.
+std::string preflight(const options& o, const std::string& text, std::size_t split, int nranks) {
+  const double L = double(o.seq), held = double(text.size() - split), train = double(split);
+  char b[400];
+  if (held < L + 1 || train < L + 1) {
+    std::snprintf(b, sizeof b, "--seq %ld needs windows of %ld bytes, but the text's %s part has %.0f bytes; "
+                  "give a longer text or --seq %.0f at most", long(o.seq), long(o.seq + 1), held < L + 1 ? "held-out (10%)" : "training",
+                  std::min(held, train), std::min(held, train) - 1);
+    return b;
+  }
+  // Memory: the host's physical memory over the ranks it runs.
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
+  const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
+  const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
+  const double need = step_bytes(double(o.batch) * L / nranks, L);
+  if (need > 0.8 * memory) {
+    const double per_sequence = step_bytes(L / nranks, L) - step_bytes(0, L);
+    std::snprintf(b, sizeof b, "--batch %ld --seq %ld needs about %.1f GiB per rank (estimated), but this host has %.1f GiB "
+                  "for each of its %.0f ranks; at this --seq, --batch %.0f at most", long(o.batch), long(o.seq), need / (1 << 30),
+                  memory / (1 << 30), ranks_here, std::floor((0.8 * memory - step_bytes(0, L)) / per_sequence));
+    return b;
+  }
+  // The files it will write: found out now, not after training.
+  for (const auto& [option, path] : {std::pair{"--save", o.save}, std::pair{"--trace", o.trace}})
+    if (!path.empty())
+      if (std::string p = io::check_writable(path); !p.empty()) return std::string(option) + " " + path + ": " + p;
+  if (!o.trace.empty() && o.trace_step > o.steps)
+    return "--trace-step " + std::to_string(o.trace_step) + " is after the last step (--steps " + std::to_string(o.steps) + ")";
+  return "";
+}
+
+// The checkpoint's step: a whole number in [0, 2^31), or the problem.
+std::string valid_step(const std::map<std::string, double>& meta, const std::string& path) {
+  const auto it = meta.find("step");
+  if (it == meta.end()) return path + " has no step in its metadata (not written by this trainer)";
+  const double v = it->second;
+  if (!(v >= 0 && v <= double(INT_MAX) && v == std::floor(v)))
+    return path + ": its step " + std::to_string(v) + " is not a whole number from 0 to " + std::to_string(INT_MAX) + " (damaged metadata)";
+  return "";
 }
 
 template <class Mesh>
@@ -260,6 +263,8 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   model::config c = o.model;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
   const std::size_t split = text.size() * 9 / 10;  // the last 10% is held out
+  if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, m.nranks()) : ""); !p.empty())
+    throw error("gshard train: " + p);
   parameters ps(m, o.seed);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
@@ -269,7 +274,7 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   int start = 0;
   if (!o.resume.empty()) {
     const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
-    if (!meta.count("step")) throw error("gshard train: " + o.resume + " has no step in its metadata (not written by this trainer)");
+    if (const std::string p = valid_step(meta, o.resume); !p.empty()) throw checkpoint_error("gshard train: " + p);
     start = int(meta.at("step"));
     opt.step = start;
     if (root) std::printf("resumed %s at step %d on %s\n", o.resume.c_str(), start, m.describe().c_str());
@@ -302,6 +307,9 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     if (root) std::printf("GSHARD_TRACE is tracing the whole run; --trace is ignored\n");
   }
   const bool trace_one_step = !o.trace.empty() && !trace::enabled();
+  if (trace_one_step && (o.trace_step <= start || o.trace_step > end))
+    throw error("gshard train: --trace-step " + std::to_string(o.trace_step) + " is not among the steps this run trains (" +
+                std::to_string(start + 1) + " to " + std::to_string(end) + ")");
   auto save = [&](int step) {
     auto meta = routing_meta(c);
     meta["step"] = double(step);
@@ -311,10 +319,10 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   // The metrics log: opened by rank 0; a path it cannot write stops every rank before training.
   std::FILE* metrics = nullptr;
   if (!o.metrics.empty()) {
-    int opened = 1;
-    if (root) opened = (metrics = std::fopen(o.metrics.c_str(), start > 0 ? "a" : "w")) != nullptr;
-    mpi::check(MPI_Bcast(&opened, 1, MPI_INT, 0, m.comm()), "MPI_Bcast");
-    if (!opened) throw error("gshard train: --metrics " + o.metrics + ": cannot open it for writing");
+    std::string problem;
+    if (root && !(metrics = std::fopen(o.metrics.c_str(), start > 0 ? "a" : "w"))) problem = io::reason();
+    if (const std::string p = broadcast_text(m.all_axes(), problem); !p.empty())
+      throw io_error("gshard train: --metrics " + o.metrics + ": cannot open it for writing: " + p);
   }
   struct closer {
     std::FILE* f;
@@ -322,19 +330,38 @@ int train(const Mesh& m, const options& o, const std::string& text) {
       if (f) std::fclose(f);
     }
   } close_metrics{metrics};
+  int metrics_errno = 0;  // rank 0's, when a metrics line could not be written
   double t_window = 0, tokens_window = 0;
+  const preemption stop;  // SIGTERM, SIGINT: stop at the next step boundary, saved
+  // One agreement per step boundary: a stop signal on any rank, or a metrics
+  // line that rank 0 could not write. Returns the exit code when stopping.
+  auto stopping = [&](int step) -> int {
+    std::int32_t why[2] = {preemption::received(), metrics_errno};
+    all_reduce(m.all_axes(), std::span<std::int32_t>(why, 2), reduction::max);
+    if (why[1]) throw io_error("gshard train: --metrics " + o.metrics + ": writing failed: " + io::reason(why[1]));
+    const int sig = why[0];
+    if (!sig) return 0;
+    if (root) std::printf("stopped by %s after step %d of %d\n", preemption::name(sig), step, o.steps);
+    if (!o.save.empty() && step > start) {
+      save(step);
+      if (root) std::printf("resume with the same options and --resume %s\n", o.save.c_str());
+    } else if (root) std::printf(o.save.empty() ? "nothing saved: no --save FILE was given\n" : "nothing new to save\n");
+    std::fflush(stdout);
+    return 128 + sig;
+  };
   for (int step = start; step < end; ++step) {
+    if (const int code = stopping(step)) return code;
     const auto tok = distribute<tokens_t>(m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
-    const bool tracing = trace_one_step && step == o.trace_step;
-    if (tracing) trace::start(o.trace, m.comm());
-    MPI_Barrier(m.comm());
+    const bool tracing = trace_one_step && step + 1 == o.trace_step;  // the step printed as trace_step
+    barrier(m.all_axes());
+    if (tracing) trace::start(o.trace, m);  // after the barrier: the trace holds the step alone
     const double t0 = MPI_Wtime();
     const auto r = model::train_step(tr, ps, opt, tok, std::uint64_t(step));
     const double seconds = MPI_Wtime() - t0;
     t_window += seconds;
     if (tracing) {
-      const std::size_t spans = trace::stop(m.comm());
-      if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step, o.trace.c_str());
+      const std::size_t spans = trace::stop(m);
+      if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step + 1, o.trace.c_str());
     }
     tokens_window += double(o.batch * o.seq);
     if (metrics) {
@@ -345,8 +372,8 @@ int train(const Mesh& m, const options& o, const std::string& text) {
                          moe::detail::json_number(double(o.batch * o.seq) / seconds) + ",\"moe\":[";
       for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
       line += "]}\n";
-      std::fputs(line.c_str(), metrics);
-      std::fflush(metrics);  // whole lines only, for a reader tailing it or a run that is stopped
+      // Whole lines only, for a reader tailing it or a run that is stopped.
+      if (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0) metrics_errno = errno ? errno : EIO;
     }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
       std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e\n", step + 1, r.ce, r.aux,
@@ -356,6 +383,7 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     }
     if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
   }
+  if (const int code = stopping(end)) return code;
   if (!o.save.empty()) save(end);
   if (end < o.steps) {
     if (root) std::printf("stopped after step %d of %d\n", end, o.steps);
@@ -382,7 +410,12 @@ int main(int argc, char** argv) {
     if (env.rank() == 0) std::fputs(usage, stdout);
     return 0;
   }
-  const std::string text = load_text(o.text_path);
+  const std::string text = examples::load_text("train", o.text_path, "/usr/share/common-licenses");
   if (text.size() < 4096) throw error("gshard train: the text has " + std::to_string(text.size()) + " bytes; give at least 4096");
-  return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, text); });
+  try {
+    return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, text); });
+  } catch (const std::bad_alloc&) {  // perhaps on this rank alone: the terminate handler ends the job with it
+    throw error("gshard train: out of memory with --batch " + std::to_string(o.batch) + " --seq " + std::to_string(o.seq) +
+                "; give a smaller --batch or --seq");
+  }
 }

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+from checks import verdict
+
 
 def main() -> int:
     sep = sys.argv.index("--")
@@ -28,11 +30,7 @@ def main() -> int:
             f"backward (derived) {params} all_reduce(data), 2 all_reduce(model)")
     if params != 9 or want not in out:
         problems.append(f"expected {params} = 9 parameters and the collectives '{want}' in:\n{out}")
-    for p in problems:
-        print(p)
-    ok = not problems
-    print(f"gshard-test-summary: passed={int(ok)} failed={int(not ok)} ranks={ranks}")
-    return 0 if ok else 1
+    return verdict(problems, ranks)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from collections import Counter
 
+from checks import verdict
+
 
 def check_metrics(path, steps, k, tokens, dropless):
     """One JSON line per step; per MoE layer: loads + drops + skips = k choices per token."""
@@ -100,11 +102,7 @@ def main() -> int:
             if step and any(e["ts"] < step[0]["ts"] - 1 or e["ts"] + e["dur"] > step[0]["ts"] + step[0]["dur"] + 1
                             for e in mine if e is not step[0]):
                 problems.append(f"rank {r}: a span outside the traced step")
-    for p in problems:
-        print(p)
-    ok = not problems
-    print(f"gshard-test-summary: passed={int(ok)} failed={int(not ok)} ranks={ranks}")
-    return 0 if ok else 1
+    return verdict(problems, ranks)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 
+#include <sys/resource.h>
+
 #include "gradcheck.hpp"
 #include "layouts.hpp"
+#include "pmpi.hpp"
 #include "testing.hpp"
 
 using namespace gshard;
@@ -193,6 +197,28 @@ local_tensor<std::int32_t, 2> some_tokens(index_t B, index_t L) {
 }
 
 // A model, its parameters and Adam's state on one mesh.
+// While it lives, rank's files may grow to `bytes` only (0: no limit
+// change); SIGXFSZ is ignored so a write past it fails with EFBIG, as a full
+// disk fails with ENOSPC.
+struct file_size_limit {
+  rlimit old{};
+  bool set = false;
+  void (*old_handler)(int) = nullptr;
+  explicit file_size_limit(rlim_t bytes) {
+    if (bytes == 0) return;
+    getrlimit(RLIMIT_FSIZE, &old);
+    old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit now = old;
+    now.rlim_cur = bytes;
+    set = setrlimit(RLIMIT_FSIZE, &now) == 0;
+  }
+  ~file_size_limit() {
+    if (!set) return;
+    setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, old_handler);
+  }
+};
+
 template <class T, class Mesh, class Roles = default_roles>
 struct trainer {
   using model_t = model::transformer<T, Mesh, Roles>;
@@ -493,7 +519,10 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
   const auto alien = damaged("alien.ckpt", [](const std::string& f) { std::ofstream(f, std::ios::binary) << "hello world"; });
   GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(alien, m, parts), checkpoint_error,
                              "gshard::checkpoint: " + alien + ": not a gshard checkpoint");
-  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir + "/missing.ckpt", m, parts), checkpoint_error, "cannot open the file");
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir + "/missing.ckpt", m, parts), checkpoint_error,
+                             "cannot open " + dir + "/missing.ckpt: No such file or directory");
+  // A directory: read(2) fails on rank 0 alone; every rank throws (a caught error must not leave the others waiting).
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir, m, parts), checkpoint_error, "cannot read " + dir + ": Is a directory");
   // A header whose shape overflows (extent 2^62 - 1, bytes 2^64 - 4): refused, not read past the end.
   const auto forged = damaged("forged.ckpt", [](const std::string& f) {
     std::ofstream out(f, std::ios::binary | std::ios::trunc);
@@ -534,14 +563,108 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
                                "record 'buffer.block1.router_bias' is not in the program (saved by another model configuration?)");
     load_checkpoint(with_bias, m, {{"param.", &plain.ps.values()}});  // the parameters alone: fine
   }
-  {  // a save that fails leaves the previous checkpoint intact
-    if (world_rank() == 0) std::filesystem::create_directories(path + ".tmp");  // the temporary file cannot be opened
-    MPI_Barrier(MPI_COMM_WORLD);
+  {  // a save that fails while writing (the file size limit: EFBIG, as a full disk gives ENOSPC) leaves the
+     // previous checkpoint intact and no temporary file behind, and says why on every rank
     auto t0 = fresh(m);
-    GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(path, m, t0->parts(), {{"step", 4.0}}), checkpoint_error, "for writing");
+    {
+      const file_size_limit small(world_rank() == 0 ? 4096 : 0);
+      GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(path, m, t0->parts(), {{"step", 4.0}}), checkpoint_error,
+                                 "failed: File too large");
+    }
+    GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(dir, m, t0->parts(), {{"step", 4.0}}), checkpoint_error, dir + " is a directory");
     auto t4 = fresh(m);
     GSHARD_REQUIRE(load_checkpoint(path, m, t4->parts()).at("step") == 2.0);
+    int leftovers = 0;
+    if (world_rank() == 0)
+      for (const auto& e : std::filesystem::directory_iterator(dir)) leftovers += e.path().string().find(".tmp.") != std::string::npos;
+    GSHARD_REQUIRE(leftovers == 0);
+  }
+  {  // metadata travels in full precision, NaN and infinities included (the trainer refuses a NaN step)
+    auto t0 = fresh(m);
+    const std::map<std::string, double> meta{{"step", 3.0}, {"lr", 1.0 / 3.0}, {"bad", std::nan("")}, {"big", -1e300}};
+    save_checkpoint(path, m, t0->parts(), meta);
+    auto back = load_checkpoint(path, m, t0->parts());
+    GSHARD_REQUIRE(back.size() == 4 && back.at("step") == 3.0 && back.at("lr") == 1.0 / 3.0 && std::isnan(back.at("bad")) &&
+                   back.at("big") == -1e300);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a stop check is a counted collective",
+          "[train][pmpi]") {
+  const int P = world_size();
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_pmpi_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  barrier(world_group());
+  grid2 m(MPI_COMM_WORLD, {1, P});  // binding a mesh creates communicators: before the watch
+  trainer<float, grid2> run(m, c, 5);
+  const auto tokens = run.tokens(tok);
+  const preemption stop;
+  collective_recorder rec;
+  gshard::testing::pmpi::watch w;
+  trace::start(dir + "/trace.json", m);
+  model::train_step(run.tr, run.ps, run.opt, tokens, 0);
+  const std::size_t events = trace::stop(m);
+  save_checkpoint(dir + "/m.ckpt", m, run.parts(), {{"step", 1.0}});
+  load_checkpoint(dir + "/m.ckpt", m, run.parts());
+  const int sig = stop.requested(m);
+  const std::string text = broadcast_text(world_group(), world_rank() == 0 ? "from the root" : "");
+  std::string uncounted;
+  for (const auto& fn : w.uncounted()) uncounted += fn + " ";
+  std::string calls;
+  for (const auto& [fn, n] : w.calls()) calls += fn + " x" + std::to_string(n) + " ";
+  INFO("intercepted: " << calls << "; outside a counted collective: " << uncounted);
+  // Each kind's MPI function ran exactly as often as the counters say it ran.
+  GSHARD_REQUIRE(w.uncounted().empty() && !w.calls().empty() && events > 0 && sig == 0 && text == "from the root" &&
+                 w.calls("MPI_Alltoall") == int(rec.calls(collective::all_to_all)) &&
+                 w.calls("MPI_Allreduce") == int(rec.calls(collective::all_reduce)) &&
+                 w.calls("MPI_Barrier") == int(rec.calls(collective::barrier)) &&
+                 w.calls("MPI_Comm_split") + w.calls("MPI_Comm_dup") == 0);
+  barrier(world_group());
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a second ends the process", "[train][signals]") {
+  const int P = world_size();
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  {
+    const preemption stop;
+    GSHARD_REQUIRE(stop.requested(m) == 0);
+    if (world_rank() == P - 1) std::raise(SIGTERM);  // only the last rank receives it
+    GSHARD_REQUIRE(stop.requested(m) == SIGTERM && stop.requested(m) == SIGTERM);
+    GSHARD_REQUIRE_THROWS_WITH(preemption(), error, "gshard::preemption: one is already live in this process");
+  }
+  {  // a new one starts clear; SIGINT as well
+    const preemption stop;
+    GSHARD_REQUIRE(stop.requested(m) == 0);
+    if (world_rank() == 0) std::raise(SIGINT);
+    GSHARD_REQUIRE(stop.requested(m) == SIGINT);
+  }
+  // Outside a preemption the handlers are the previous ones again.
+  struct sigaction now{};
+  sigaction(SIGTERM, nullptr, &now);
+  GSHARD_REQUIRE(now.sa_handler != detail::on_stop_signal);
+}
+
+TEST_CASE("a trace that cannot be written is an error on every rank, and leaves no file", "[train][trace]") {
+  const int P = world_size();
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_trace_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  barrier(world_group());
+  trace::start(dir, m);  // a directory
+  GSHARD_REQUIRE_THROWS_WITH(trace::stop(m), io_error, "gshard::trace: " + dir + " is a directory");
+  const std::string path = dir + "/cut.json";
+  trace::start(path, m);
+  for (int i = 0; i < 200; ++i) trace::add("a span with a long name " + std::to_string(i), "user", 0, 1);
+  {
+    const file_size_limit small(world_rank() == 0 ? 1024 : 0);
+    GSHARD_REQUIRE_THROWS_WITH(trace::stop(m), io_error, "failed: File too large");
+  }
+  GSHARD_REQUIRE(world_rank() != 0 || std::filesystem::is_empty(dir));
+  barrier(world_group());
   if (world_rank() == 0) std::filesystem::remove_all(dir);
 }

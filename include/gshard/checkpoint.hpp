@@ -17,16 +17,16 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/collectives.hpp"
 #include "gshard/error.hpp"
+#include "gshard/io.hpp"
 #include "gshard/reshard.hpp"
 
 namespace gshard {
@@ -161,15 +161,9 @@ inline std::string extents_text(const std::vector<index_t>& e) {
 }
 
 // Rank 0's verdict, raised on every rank.
-inline void agree_or_throw(const std::string& problem_on_root, const std::string& path, MPI_Comm comm) {
-  int n = int(problem_on_root.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, comm);
-  std::string msg(std::size_t(n), '\0');
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  if (rank == 0) msg = problem_on_root;
-  MPI_Bcast(msg.data(), n, MPI_CHAR, 0, comm);
-  if (n) throw checkpoint_error("gshard::checkpoint: " + path + ": " + msg);
+inline void agree_or_throw(const std::string& problem_on_root, const std::string& path, const axis_group& g) {
+  if (const std::string msg = broadcast_text(g, problem_on_root); !msg.empty())
+    throw checkpoint_error("gshard::checkpoint: " + path + ": " + msg);
 }
 
 }  // namespace detail
@@ -216,17 +210,9 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
     const std::uint64_t h = detail::fnv1a(w.buf.data(), w.buf.size());
     w.buf += "GSHARDEND";
     w.put(h);
-    const std::string tmp = path + ".tmp";
-    std::FILE* f = std::fopen(tmp.c_str(), "wb");
-    if (!f) problem = "cannot open " + tmp + " for writing";
-    else {
-      const bool ok = std::fwrite(w.buf.data(), 1, w.buf.size(), f) == w.buf.size() && std::fflush(f) == 0 &&
-                      ::fsync(fileno(f)) == 0;
-      if (std::fclose(f) != 0 || !ok) problem = "writing " + tmp + " failed";
-      else if (std::rename(tmp.c_str(), path.c_str()) != 0) problem = "renaming " + tmp + " failed";
-    }
+    problem = io::write_file(path, w.buf);
   }
-  detail::agree_or_throw(problem, path, m.comm());
+  detail::agree_or_throw(problem, path, m.all_axes());
 }
 
 // Loads into `parts` (which must have the saved names, element types and
@@ -242,12 +228,8 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
   std::map<std::string, double> meta;
   std::map<std::string, detail::ckpt_record> records;
   if (root) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) problem = "cannot open the file";
-    else {
-      file.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-      problem = detail::parse_checkpoint(file, meta, records);
-    }
+    problem = io::read_file(path, file);
+    if (problem.empty()) problem = detail::parse_checkpoint(file, meta, records);
     // Every tensor the program expects, with its type and shape.
     for (const auto& part : parts)
       for (auto& t : *part.set) {
@@ -278,26 +260,20 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
         problem = "record '" + name + "' is not in the program (saved by another model configuration?)";
     }
   }
-  detail::agree_or_throw(problem, path, m.comm());
-  std::vector<double> meta_values;
-  int n_meta = int(meta.size());
-  MPI_Bcast(&n_meta, 1, MPI_INT, 0, m.comm());
-  std::string keys;
+  detail::agree_or_throw(problem, path, m.all_axes());
+  // The metadata, as "name=value" lines (values in full precision).
+  std::string lines;
   if (root)
     for (const auto& [k, v] : meta) {
-      keys += k + '\n';
-      meta_values.push_back(v);
+      char value[40];
+      std::snprintf(value, sizeof value, "%.17g", v);
+      lines += k + '=' + value + '\n';
     }
-  int klen = int(keys.size());
-  MPI_Bcast(&klen, 1, MPI_INT, 0, m.comm());
-  keys.resize(std::size_t(klen));
-  meta_values.resize(std::size_t(n_meta));
-  MPI_Bcast(keys.data(), klen, MPI_CHAR, 0, m.comm());
-  MPI_Bcast(meta_values.data(), n_meta, MPI_DOUBLE, 0, m.comm());
+  lines = broadcast_text(m.all_axes(), lines);
   std::map<std::string, double> out;
-  for (std::size_t i = 0, pos = 0; i < meta_values.size(); ++i) {
-    const std::size_t eol = keys.find('\n', pos);
-    out[keys.substr(pos, eol - pos)] = meta_values[i];
+  for (std::size_t pos = 0; pos < lines.size();) {
+    const std::size_t eol = lines.find('\n', pos), eq = lines.rfind('=', eol);
+    out[lines.substr(pos, eq - pos)] = std::strtod(lines.c_str() + eq + 1, nullptr);
     pos = eol + 1;
   }
   for (const auto& part : parts)

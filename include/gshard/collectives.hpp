@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "gshard/counters.hpp"
@@ -33,6 +34,7 @@ class timed_collective {
   // (count -1: it may differ across ranks, as for gather and scatter).
   timed_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
       : kind_(kind), axes_(g.label), bytes_(bytes) {
+    ++counted_depth();
     const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
     if (options().watchdog_seconds > 0) {
       debug::start_watchdog();  // once per process
@@ -44,6 +46,7 @@ class timed_collective {
   timed_collective(const timed_collective&) = delete;
   timed_collective& operator=(const timed_collective&) = delete;
   ~timed_collective() {
+    --counted_depth();
     const double t1 = MPI_Wtime();
     count_collective(kind_, axes_, bytes_, t1 - t0_);
     if (trace::enabled())
@@ -66,6 +69,24 @@ inline void require_size(bool ok, const char* op, const axis_group& g, std::size
                       " ranks over {" + g.label + "}");
 }
 }  // namespace detail
+
+// MPI_COMM_WORLD as a group (label "world"), for what runs before or beside
+// a mesh: the run-time options, a text every rank reads, a job-wide stop.
+inline const detail::axis_group& world_group() {
+  static std::uint64_t sequence = 0;
+  static const detail::axis_group g = [] {
+    detail::axis_group w;
+    w.comm = MPI_COMM_WORLD;
+    mpi::check(MPI_Comm_size(w.comm, &w.size), "MPI_Comm_size");
+    mpi::check(MPI_Comm_rank(w.comm, &w.rank), "MPI_Comm_rank");
+    w.mask = 0;
+    w.label = "world";
+    w.mesh_comm = MPI_COMM_WORLD;
+    w.sequence = &sequence;
+    return w;
+  }();
+  return g;
+}
 
 // How an all_reduce combines: the sum (every plan's), or the element-wise
 // maximum or minimum (agreements such as dropless routing's capacity).
@@ -151,6 +172,52 @@ void reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::s
   mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
                                       mpi::datatype<T>(), MPI_SUM, g.comm),
              "MPI_Reduce_scatter_block");
+}
+
+// Every rank of the group waits until all have arrived (timing, the trace's
+// clock alignment); no data moves.
+inline void barrier(const detail::axis_group& g) {
+  const detail::timed_collective timed(collective::barrier, g, 0, 0, 0);
+  mpi::check(MPI_Barrier(g.comm), "MPI_Barrier");
+}
+
+// The max (or min, sum) over the group of one number, on every rank.
+template <class T>
+  requires std::is_arithmetic_v<T>
+T all_reduce(const detail::axis_group& g, T value, reduction op) {
+  all_reduce(g, std::span<T>(&value, 1), op);
+  return value;
+}
+
+// Group rank `root`'s text, on every rank: its length, then its bytes
+// (counted as one broadcast). A root's verdict travels this way, so every
+// rank throws the same error or none.
+inline std::string broadcast_text(const detail::axis_group& g, std::string text, int root = 0) {
+  const detail::timed_collective timed(collective::broadcast, g, g.rank == root ? text.size() : 0, debug::type_code<char>(), -1);
+  unsigned long long n = text.size();
+  mpi::check(MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG_LONG, root, g.comm), "MPI_Bcast");
+  text.resize(std::size_t(n));
+  mpi::check(MPI_Bcast(text.data(), mpi::count(text.size(), "broadcast"), MPI_CHAR, root, g.comm), "MPI_Bcast");
+  return text;
+}
+
+// Every rank's text, concatenated in group-rank order on `root` (empty
+// elsewhere): the lengths, then the bytes (counted as one gather).
+inline std::string gather_text(const detail::axis_group& g, const std::string& mine, int root = 0) {
+  const detail::timed_collective timed(collective::gather, g, mine.size(), debug::type_code<char>(), -1);
+  const int len = mpi::count(mine.size(), "gather");
+  const bool is_root = g.rank == root;
+  std::vector<int> lens(is_root ? std::size_t(g.size) : 0), displs(lens.size());
+  mpi::check(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, root, g.comm), "MPI_Gather");
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < lens.size(); ++r) {
+    displs[r] = mpi::count(total, "gather");
+    total += std::size_t(lens[r]);
+  }
+  std::string all(total, '\0');
+  mpi::check(MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, root, g.comm),
+             "MPI_Gatherv");
+  return all;
 }
 
 // Block j of send goes to group rank j; block i of recv comes from group rank i.

@@ -13,9 +13,10 @@
 
 namespace gshard {
 
-// The last two move whole tensors to or from one root: scatter and gather
-// (distribution and collection, not part of any plan).
-enum class collective : std::uint8_t { all_reduce, all_gather, reduce_scatter, all_to_all, permute, broadcast, scatter, gather };
+// scatter and gather move whole tensors to or from one root (distribution
+// and collection, not part of any plan); barrier only synchronises (timing,
+// the trace's clock alignment) and moves no data.
+enum class collective : std::uint8_t { all_reduce, all_gather, reduce_scatter, all_to_all, permute, broadcast, scatter, gather, barrier };
 
 inline constexpr std::string_view name_of(collective k) {
   switch (k) {
@@ -27,6 +28,7 @@ inline constexpr std::string_view name_of(collective k) {
     case collective::broadcast: return "broadcast";
     case collective::scatter: return "scatter";
     case collective::gather: return "gather";
+    case collective::barrier: return "barrier";
   }
   return "?";
 }
@@ -68,7 +70,18 @@ inline counter_state& counters() {
   static counter_state s;
   return s;
 }
+// How many counted collectives are running on this thread (0 or 1; more
+// while the checked mode compares one). Every MPI communication call gshard
+// makes is made while this is positive: test_train proves it by
+// intercepting MPI through its profiling interface.
+inline int& counted_depth() {
+  thread_local int depth = 0;
+  return depth;
+}
 }  // namespace detail
+
+// True while a counted collective runs on this thread.
+inline bool inside_counted_collective() { return detail::counted_depth() > 0; }
 
 // Called by the collectives layer once per collective it issues.
 inline void count_collective(collective kind, std::string_view axes, std::size_t bytes, double seconds = 0) {

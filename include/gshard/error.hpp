@@ -27,6 +27,12 @@ class mesh_error : public error {
   using error::error;
 };
 
+// A file that could not be read or written: names the path and the OS's reason.
+class io_error : public error {
+ public:
+  using error::error;
+};
+
 // An MPI call that returned an error code.
 class mpi_error : public error {
  public:

@@ -2,6 +2,8 @@
 // its own; include the narrow ones to compile less:
 //   the core        mesh, sharding, labels (rules), roles, tensor, collectives,
 //                   reshard, einsum, counters, trace, error, types, random
+//   the run         environment (MPI start-up), preemption (SIGTERM/SIGINT),
+//                   trace_file (writing a trace), io (files, with reasons)
 //   training        ad/parameters, ad/tape, ad/ops, ad/nn (the tape and its
 //                   operations), grad (the per-op gradient rules), ops, optim,
 //                   checkpoint
@@ -12,17 +14,21 @@
 #include "gshard/collectives.hpp"
 #include "gshard/counters.hpp"
 #include "gshard/einsum.hpp"
+#include "gshard/environment.hpp"
 #include "gshard/error.hpp"
 #include "gshard/fixed_string.hpp"
+#include "gshard/io.hpp"
 #include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/mpi.hpp"
+#include "gshard/preemption.hpp"
 #include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/reshard_plan.hpp"
 #include "gshard/roles.hpp"
 #include "gshard/sharding.hpp"
 #include "gshard/tensor.hpp"
+#include "gshard/trace_file.hpp"
 #include "gshard/types.hpp"
 
 #include "gshard/ad/nn.hpp"

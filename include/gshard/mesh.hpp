@@ -74,6 +74,8 @@ class mesh_base {
 
   // The communicator over the axes in `mask` (bit a = axis a).
   const axis_group& group(std::uint32_t mask) const { return groups_.at(mask); }
+  // The communicator over every axis: all ranks of the mesh.
+  const axis_group& all_axes() const { return groups_.back(); }
 
   // Coordinates of rank q (in comm()): row-major over the axes.
   std::vector<index_t> coords_of(int q) const {

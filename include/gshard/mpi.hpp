@@ -1,6 +1,6 @@
-// gshard/mpi.hpp — the one place gshard touches MPI's runtime: start-up and
-// shut-down, datatypes, error codes turned into exceptions, and the rule that
-// a failure on any rank ends the whole job (MPI_Abort), never a hang.
+// gshard/mpi.hpp — MPI's datatypes, error codes turned into exceptions, and
+// the rule that a failure on any rank ends the whole job (MPI_Abort), never
+// a hang. Start-up and shut-down: gshard/environment.hpp.
 #pragma once
 
 #ifndef OMPI_SKIP_MPICXX
@@ -13,9 +13,6 @@
 
 #include <chrono>
 #include <climits>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,13 +21,8 @@
 #include <thread>
 #include <type_traits>
 
-#include "gshard/detail/options.hpp"
 #include "gshard/error.hpp"
-#include "gshard/trace.hpp"
 
-#if defined(GSHARD_USE_OPENBLAS)
-extern "C" void openblas_set_num_threads(int);
-#endif
 
 
 namespace gshard::mpi {
@@ -108,73 +100,5 @@ namespace detail {
   abort_job(what.c_str());
 }
 }  // namespace detail
-
-// RAII for MPI_Init_thread / MPI_Finalize. While it lives, an exception that
-// escapes on any rank prints that rank and message and aborts the whole job,
-// and MPI errors on MPI_COMM_WORLD are returned (and then thrown) instead of
-// killing the job without a message.
-class environment {
- public:
-  environment(int& argc, char**& argv) {
-    int provided = 0;
-    check(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    previous_ = std::set_terminate(detail::terminate_handler);
-#if defined(__GLIBC__)
-    // Tensors are values: every reshard or einsum returns fresh storage. By
-    // default glibc maps large blocks with mmap and unmaps them on free, so
-    // each new tensor pays a page fault per 4 KiB (~10 us each here). Keep
-    // freed memory in the heap instead, so repeated shapes reuse warm pages.
-    // GSHARD_MALLOC_DEFAULTS=1 keeps glibc's defaults.
-    if (!std::getenv("GSHARD_MALLOC_DEFAULTS")) {
-      mallopt(M_MMAP_THRESHOLD, 1 << 30);
-      mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    }
-#endif
-    // Every rank takes rank 0's run-time options (detail/options.hpp).
-    gshard::detail::run_options& o = gshard::detail::options();
-    double v[4] = {double(o.reduce_scatter_mpi), double(o.gemm), double(o.debug), o.watchdog_seconds};
-    MPI_Bcast(v, 4, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-    o.reduce_scatter_mpi = int(v[0]);
-    o.gemm = int(v[1]);
-    o.debug = int(v[2]);
-    o.watchdog_seconds = v[3];
-    // GSHARD_TRACE=<file>: a timeline of the whole run (rank 0's setting).
-    const char* trace_env = std::getenv("GSHARD_TRACE");
-    std::string trace_path = trace_env ? trace_env : "";
-    int tlen = int(trace_path.size());
-    MPI_Bcast(&tlen, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    trace_path.resize(std::size_t(tlen));
-    MPI_Bcast(trace_path.data(), tlen, MPI_CHAR, 0, MPI_COMM_WORLD);
-    if (!trace_path.empty()) trace::start(trace_path);
-#if defined(GSHARD_USE_OPENBLAS)
-    // One BLAS thread per rank unless the user asked otherwise.
-    if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);
-#endif
-  }
-  environment(const environment&) = delete;
-  environment& operator=(const environment&) = delete;
-  ~environment() {
-    std::set_terminate(previous_);
-    // Leaving by an exception on this rank alone would hang the others in
-    // MPI_Finalize: end the job instead.
-    if (std::uncaught_exceptions() > 0) abort_job("exception escaped while gshard::mpi::environment was live");
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    if (trace::enabled()) trace::stop();  // GSHARD_TRACE: written at the end of the run
-    MPI_Finalize();
-  }
-
-  int rank() const { return world_rank(); }
-  int size() const {
-    int s = 0;
-    MPI_Comm_size(MPI_COMM_WORLD, &s);
-    return s;
-  }
-
- private:
-  std::terminate_handler previous_ = nullptr;
-};
 
 }  // namespace gshard::mpi

@@ -43,7 +43,7 @@ inline double global_norm(tensor_set& s, const detail::mesh_base& m) {
     for (double v : e->f64()) sum += v * v;
     sq[0] += sum / double(e->replication());
   }
-  all_reduce<double>(m.group((1u << m.naxes()) - 1u), sq);
+  all_reduce<double>(m.all_axes(), sq);
   return std::sqrt(sq[0]);
 }
 

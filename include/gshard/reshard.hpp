@@ -142,7 +142,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       return out;
     }
     case step_kind::permute: {  // same blocks, other ranks
-      const axis_group& g = m.group((1u << m.naxes()) - 1u);
+      const axis_group& g = m.all_axes();
       const int source = permute_source(m, before, after, m.coords());
       int dest = -1;
       for (int q = 0; q < m.nranks() && dest < 0; ++q)
@@ -536,7 +536,7 @@ local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int roo
   const int n = t.counts[std::size_t(m.rank())];
   const std::size_t total = std::size_t(t.displs.back()) + std::size_t(t.counts.back());
   std::vector<T> recv(m.rank() == root ? total : 0);
-  const detail::timed_collective timed(collective::gather, m.group((1u << m.naxes()) - 1u), std::size_t(n) * sizeof(T),
+  const detail::timed_collective timed(collective::gather, m.all_axes(), std::size_t(n) * sizeof(T),
                                        debug::type_code<T>(), -1);
   mpi::check(MPI_Gatherv(y.data(), n, mpi::datatype<T>(), recv.data(), t.counts.data(), t.displs.data(), mpi::datatype<T>(),
                          root, m.comm()),
@@ -560,7 +560,7 @@ tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Ran
   using out_t = tensor<T, Rank, Mesh, Sharding>;
   constexpr detail::rlayout L = out_t::layout;
   shape<Rank> g = detail::dims_of<Rank>(global);
-  const detail::timed_collective timed(collective::scatter, m.group((1u << m.naxes()) - 1u),
+  const detail::timed_collective timed(collective::scatter, m.all_axes(),
                                        m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0,
                                        debug::type_code<T>(), -1);
   if constexpr (Rank > 0) mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<index_t>(), root, m.comm()), "MPI_Bcast");

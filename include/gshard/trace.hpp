@@ -4,8 +4,10 @@
 // (kind, axes, bytes), and the user's own spans (a layer, a step). Off by
 // default; when off, each hook is one test of a global flag.
 //   GSHARD_TRACE=run.json mpirun ...     (written when mpi::environment ends)
-//   trace::start("run.json"); ... trace::stop();   (both collective)
+//   trace::start("run.json"); ... trace::stop();   (both collective: trace_file.hpp)
 //   { trace::span s("train step 3"); ... }
+// This header records; trace_file.hpp starts a trace over the ranks (clock
+// alignment) and writes it, through the counted collectives.
 #pragma once
 
 #ifndef OMPI_SKIP_MPICXX
@@ -102,90 +104,5 @@ class span {
   std::string name_, cat_;
   double begin_ = -1;
 };
-
-// Starts recording on every rank of `comm` (collective). The clocks are
-// aligned to rank 0's: each rank takes the smallest offset seen over a few
-// barrier rounds.
-inline void start(const std::string& path, MPI_Comm comm = MPI_COMM_WORLD) {
-  auto& s = detail::st();
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  double best = 1e300, offset = 0;
-  for (int round = 0; round < 5; ++round) {
-    MPI_Barrier(comm);
-    const double mine = MPI_Wtime();
-    double root = mine;
-    MPI_Bcast(&root, 1, MPI_DOUBLE, 0, comm);
-    const double after = MPI_Wtime();
-    if (after - mine < best) {  // the round with the least delay
-      best = after - mine;
-      offset = root - mine;
-    }
-  }
-  s.offset = rank == 0 ? 0.0 : offset;
-  s.path = path;
-  s.records.clear();
-  s.on = true;
-}
-
-// Stops recording and writes the file on rank 0 (collective). Returns the
-// number of events (spans and counters) written (on rank 0; 0 elsewhere).
-inline std::size_t stop(MPI_Comm comm = MPI_COMM_WORLD) {
-  auto& s = detail::st();
-  s.on = false;
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  std::string mine;
-  for (const auto& r : s.records) {
-    char head[160];
-    if (r.phase == 'C')
-      std::snprintf(head, sizeof head, "{\"ph\":\"C\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,", rank, r.begin * 1e6);
-    else
-      std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,\"dur\":%.3f,", rank,
-                    r.begin * 1e6, (r.end - r.begin) * 1e6);
-    mine += head;
-    mine += "\"name\":\"" + detail::escape(r.name) + "\",\"cat\":\"" + detail::escape(r.cat) + "\"";
-    if (!r.args.empty()) mine += ",\"args\":{" + r.args + "}";
-    mine += "},\n";
-  }
-  const std::size_t count = s.records.size();
-  s.records.clear();
-  int len = int(mine.size());
-  std::vector<int> lens(static_cast<std::size_t>(size)), displs(static_cast<std::size_t>(size));
-  MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm);
-  std::string all;
-  if (rank == 0) {
-    int total = 0;
-    for (int r = 0; r < size; ++r) {
-      displs[std::size_t(r)] = total;
-      total += lens[std::size_t(r)];
-    }
-    all.resize(std::size_t(total));
-  }
-  MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, comm);
-  std::size_t written = 0;
-  unsigned long long counts[1] = {count};
-  MPI_Reduce(rank == 0 ? MPI_IN_PLACE : counts, counts, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, 0, comm);
-  if (rank == 0) {
-    std::string json = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
-    for (int r = 0; r < size; ++r) {
-      char meta[120];
-      std::snprintf(meta, sizeof meta, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n", r, r);
-      json += meta;
-    }
-    json += all;
-    if (json.size() >= 2 && json[json.size() - 2] == ',') json.erase(json.size() - 2, 1);
-    json += "]}\n";
-    if (std::FILE* f = std::fopen(s.path.c_str(), "wb")) {
-      std::fwrite(json.data(), 1, json.size(), f);
-      std::fclose(f);
-      written = counts[0];
-    } else {
-      std::fprintf(stderr, "gshard::trace: cannot write %s\n", s.path.c_str());
-    }
-  }
-  return written;
-}
 
 }  // namespace gshard::trace

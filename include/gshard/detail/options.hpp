@@ -3,13 +3,17 @@
 // one rank and MPI's on another would hang; two GEMM backends would let
 // replicated tensors drift apart), so mpi::environment takes rank 0's values
 // and broadcasts them. Without the environment each process reads its own.
-//   GSHARD_REDUCE_SCATTER=mpi      MPI_Reduce_scatter_block instead of the ring
+//   GSHARD_REDUCE_SCATTER=ring|mpi gshard's ring (default) or MPI_Reduce_scatter_block
 //   GSHARD_GEMM=eigen|openblas     the local GEMM backend (default: the faster, see gemm.hpp)
-//   GSHARD_DEBUG=1                 compare a fingerprint across ranks before every collective (debug.hpp)
-//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG)
+//   GSHARD_DEBUG=0|1               compare a fingerprint across ranks before every collective (debug.hpp)
+//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG; 0: off)
+// A value outside these is refused: mpi::environment throws on every rank,
+// naming the variable, the value and what is allowed.
 #pragma once
 
+#include <cmath>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #if defined(GSHARD_USE_OPENBLAS)
@@ -25,6 +29,7 @@ struct run_options {
   int gemm = 0;                // a gemm_kind
   int debug = 0;               // 1: the checked mode
   double watchdog_seconds = 0;  // 0: no watchdog
+  std::string problem;          // a variable's value that is not allowed, or ""
 };
 
 // OpenBLAS unless its active kernel lacks AVX-512 while this build has it
@@ -48,16 +53,36 @@ inline gemm_kind default_gemm() {
 
 inline run_options options_from_env() {
   run_options o;
-  const char* rs = std::getenv("GSHARD_REDUCE_SCATTER");
-  o.reduce_scatter_mpi = rs && std::string_view(rs) == "mpi";
+  auto refuse = [&](const char* name, std::string_view value, const char* allowed) {
+    if (o.problem.empty())
+      o.problem = std::string("gshard: ") + name + "=" + std::string(value) + " is not allowed; use " + allowed;
+  };
+  if (const char* rs = std::getenv("GSHARD_REDUCE_SCATTER")) {
+    const std::string_view v = rs;
+    if (v == "mpi") o.reduce_scatter_mpi = 1;
+    else if (v != "ring" && !v.empty()) refuse("GSHARD_REDUCE_SCATTER", v, "ring or mpi");
+  }
   o.gemm = int(default_gemm());
-  if (const char* d = std::getenv("GSHARD_DEBUG")) o.debug = std::string_view(d) != "0" && std::string_view(d) != "";
+  if (const char* d = std::getenv("GSHARD_DEBUG")) {
+    const std::string_view v = d;
+    if (v == "1") o.debug = 1;
+    else if (v != "0" && !v.empty()) refuse("GSHARD_DEBUG", v, "1 (the checked mode) or 0");
+  }
   if (o.debug) o.watchdog_seconds = 300;
-  if (const char* w = std::getenv("GSHARD_WATCHDOG")) o.watchdog_seconds = std::atof(w);
-  if (const char* g = std::getenv("GSHARD_GEMM")) {
-    if (std::string_view(g) == "eigen") o.gemm = int(gemm_kind::eigen);
+  if (const char* w = std::getenv("GSHARD_WATCHDOG"); w && *w) {
+    char* end = nullptr;
+    const double s = std::strtod(w, &end);
+    if (*end != '\0' || !std::isfinite(s) || s < 0) refuse("GSHARD_WATCHDOG", w, "a number of seconds >= 0 (0: off)");
+    else o.watchdog_seconds = s;
+  }
+  if (const char* g = std::getenv("GSHARD_GEMM"); g && *g) {
+    const std::string_view v = g;
+    if (v == "eigen") o.gemm = int(gemm_kind::eigen);
 #if defined(GSHARD_USE_OPENBLAS)
-    if (std::string_view(g) == "openblas") o.gemm = int(gemm_kind::openblas);
+    else if (v == "openblas") o.gemm = int(gemm_kind::openblas);
+    else refuse("GSHARD_GEMM", v, "eigen or openblas");
+#else
+    else refuse("GSHARD_GEMM", v, "eigen (this build has no OpenBLAS: meson setup -Dblas=openblas)");
 #endif
   }
   return o;

@@ -36,12 +36,14 @@ struct step_result {
   double grad_norm = 0, lr = 0;
 };
 
-// Forward on a tape, backward, and one Adam update.
+// Forward on a tape, backward, and one Adam update. `step` counts from 0
+// (it seeds the routing noise); the trace's span names it as progress
+// lines print it, from 1.
 template <class T, mesh_type Mesh, class Roles>
 step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, adam& opt,
                        const typename transformer<T, Mesh, Roles>::tokens_type& tokens, std::uint64_t step) {
   std::optional<trace::span> step_span;
-  if (trace::enabled()) step_span.emplace("train step " + std::to_string(step), "step");
+  if (trace::enabled()) step_span.emplace("train step " + std::to_string(step + 1), "step");
   tape t(ps);
   auto out = [&] {
     trace::span s("forward", "model");

@@ -1,0 +1,104 @@
+// examples/cli.hpp — what the examples share on the command line: numbers
+// parsed whole and in range, positional arguments with --help, and a text
+// read by rank 0 and sent to every rank. Every problem is an error naming
+// the program, the option, the value and what is allowed, thrown on every
+// rank alike.
+#pragma once
+
+#include <gshard/collectives.hpp>
+#include <gshard/error.hpp>
+#include <gshard/io.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace examples {
+
+// A number from the command line in [lo, hi], or an error naming the option,
+// the text and what is allowed.
+template <class N>
+N number(const std::string& program, const std::string& option, const std::string& text, N lo,
+         N hi = std::is_floating_point_v<N> ? std::numeric_limits<N>::max() : N(INT_MAX)) {
+  std::size_t used = 0;
+  N v{};
+  try {
+    if constexpr (std::is_floating_point_v<N>) v = N(std::stod(text, &used));
+    else v = N(std::stoll(text, &used));
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const bool finite = !std::is_floating_point_v<N> || std::isfinite(double(v));
+  if (used != text.size() || text.empty() || !(v >= lo && v <= hi) || !finite) {
+    const std::string kind = std::is_floating_point_v<N> ? "a finite number" : "a whole number";
+    const std::string range = std::is_floating_point_v<N> ? " >= " + (lo == N(0) ? std::string("0") : std::to_string(lo))
+                                                          : " from " + std::to_string(lo) + " to " + std::to_string(hi);
+    throw gshard::error("gshard " + program + ": " + option + " takes " + kind + range + ", not '" + text + "'");
+  }
+  return v;
+}
+
+// The positional arguments of a program that takes no options: at most
+// `names.size()` of them. --help or -h prints `usage` on rank 0 and gives
+// nullopt (the program exits 0); an option or one argument too many is an
+// error that says what the program takes.
+inline std::optional<std::vector<std::string>> positional(int argc, char** argv, const std::string& program,
+                                                          const std::vector<std::string>& names, const std::string& usage) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") {
+      if (gshard::world_group().rank == 0) std::fputs(usage.c_str(), stdout);
+      return std::nullopt;
+    }
+  std::string takes = names.empty() ? "no arguments" : "";
+  for (const auto& n : names) takes += (takes.empty() ? "[" : " [") + n + "]";
+  for (const auto& a : args)
+    if (a.size() > 1 && a[0] == '-' && !std::isdigit(static_cast<unsigned char>(a[1])))
+      throw gshard::error("gshard " + program + ": unknown option " + a + "; it takes " + takes + " (--help)");
+  if (args.size() > names.size())
+    throw gshard::error("gshard " + program + ": " + std::to_string(args.size()) + (args.size() == 1 ? " argument" : " arguments") + " given; it takes " + takes +
+                        " (--help)");
+  return args;
+}
+
+// Rank 0 reads the text at `path` (a file, or every regular file of a
+// directory, in name order; empty: `fallback_dir`) and every rank receives
+// it: the path need exist only there. A problem is rank 0's to find and
+// every rank's to throw, as gshard::io_error with the path and the reason.
+inline std::string load_text(const std::string& program, const std::string& path, const std::string& fallback_dir) {
+  const gshard::detail::axis_group& world = gshard::world_group();
+  std::string text, problem;
+  if (world.rank == 0) {
+    const std::string dir = path.empty() ? fallback_dir : path;
+    std::vector<std::string> files;
+    std::error_code ec;
+    if (std::filesystem::is_directory(dir, ec)) {
+      for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+        if (e.is_regular_file() && !e.is_symlink()) files.push_back(e.path().string());  // GPL -> GPL-3 etc. once
+      if (ec) problem = "cannot list " + dir + ": " + ec.message();
+      else if (files.empty()) problem = dir + " holds no regular file";
+    } else if (path.empty()) problem = "no text: give a file, or install base-files (" + fallback_dir + ")";
+    else files.push_back(path);
+    std::sort(files.begin(), files.end());
+    for (std::size_t i = 0; i < files.size() && problem.empty(); ++i) {
+      std::string one;
+      problem = gshard::io::read_file(files[i], one);
+      text += one;
+    }
+    if (problem.empty() && text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
+      problem = "the text has " + std::to_string(text.size()) + " bytes; the examples read at most 2 GiB";
+  }
+  if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())
+    throw gshard::io_error("gshard " + program + ": " + p);
+  return gshard::broadcast_text(world, std::move(text));
+}
+
+}  // namespace examples

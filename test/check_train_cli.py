@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""The trainer as a hurried user meets it (docs/07, the checklist): every bad
+option value, path and text is refused before step 1 on every rank, naming
+the option, the value and what is allowed; a damaged checkpoint step is
+refused; SIGTERM or SIGINT to mpirun, or SIGTERM to one rank, stops every
+rank after the same step, saves, says how to resume, exits non-zero, and the
+saved run resumes; a second signal ends at once. Each run under a timeout.
+
+usage: check_train_cli.py WORKDIR -- MPIEXEC [ARGS...] TRAINER"""
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+from checks import verdict
+
+SMALL = ["--batch", "4", "--seq", "32"]
+
+
+def fnv1a(data):
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def with_step(src, dst, value=None, rename=None):
+    """A copy of checkpoint `src` whose metadata 'step' is `value` (or whose key is renamed), re-checksummed."""
+    data = bytearray(open(src, "rb").read())
+    at = 12
+    (n_meta,) = struct.unpack_from("<Q", data, at)
+    at += 8
+    for _ in range(n_meta):
+        (n,) = struct.unpack_from("<I", data, at)
+        name = bytes(data[at + 4:at + 4 + n])
+        if name == b"step":
+            if rename:
+                data[at + 4:at + 4 + n] = rename
+            else:
+                struct.pack_into("<d", data, at + 4 + n, value)
+        at += 4 + n + 8
+    body = data[:-(9 + 8)]
+    open(dst, "wb").write(bytes(body) + b"GSHARDEND" + struct.pack("<Q", fnv1a(body)))
+
+
+def run(cmd, timeout=90, env=None):
+    e = dict(os.environ, **(env or {}))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as t:
+        return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
+
+
+def rank_pids(parent_cmd_tail):
+    """The trainer's rank processes, by their OMPI or PMI rank."""
+    pids = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if not cmd or not cmd[0].endswith(parent_cmd_tail.encode()):
+            continue
+        for kv in env:
+            if kv.startswith(b"OMPI_COMM_WORLD_RANK=") or kv.startswith(b"PMI_RANK="):
+                pids[int(kv.split(b"=")[1])] = int(pid)
+    return pids
+
+
+def interrupted(mpi, trainer, args, send, timeout=120):
+    """Starts the trainer, waits for its first progress line, then `send(proc)`; returns (code, output)."""
+    p = subprocess.Popen(mpi + [trainer] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, start = "", time.monotonic()
+    while time.monotonic() - start < timeout:
+        line = p.stdout.readline()
+        if not line:
+            break
+        out += line
+        if line.startswith("step "):
+            send(p)
+            break
+    try:
+        rest, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        return p.returncode, out + rest
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return None, out + "\n(killed: timeout)"
+
+
+def main() -> int:
+    sep = sys.argv.index("--")
+    work = sys.argv[1]
+    mpi, trainer = sys.argv[sep + 1:-1], sys.argv[-1]
+    os.makedirs(work, exist_ok=True)
+    problems = []
+    short = os.path.join(work, "short.txt")
+    open(short, "w").write(open("/usr/share/common-licenses/GPL-3").read()[:5000])
+    empty_dir = os.path.join(work, "empty")
+    os.makedirs(empty_dir, exist_ok=True)
+    ckpt = os.path.join(work, "run.ckpt")
+    base = mpi + [trainer]
+
+    # Refused before step 1, on every rank (each message printed by rank 0 and rank 1).
+    refused = [
+        (["--steps", "1e3"], "--steps takes a whole number from 1 to 2147483647, not '1e3'"),
+        (["--batch", "1.5"], "--batch takes a whole number from 1 to 2147483647, not '1.5'"),
+        (["--steps", "3abc"], "not '3abc'"),
+        (["--batch", "0"], "--batch takes a whole number from 1"),
+        (["--steps", "abc"], "--steps takes a whole number from 1 to 2147483647, not 'abc'"),
+        (["--aux-coef", "inf"], "--aux-coef takes a finite number >= 0, not 'inf'"),
+        (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
+        (["--save-every", "5"], "--save-every needs --save FILE"),
+        (["--stop-after", "3"], "--stop-after needs --save FILE"),
+        (["--save", "/nonexistent/x.ckpt"], "--save /nonexistent/x.ckpt: cannot write /nonexistent/x.ckpt: /nonexistent: No such file or directory"),
+        (["--save", work], f"--save {work}: {work} is a directory"),
+        (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json: cannot write"),
+        (["--trace", os.path.join(work, "t.json"), "--trace-step", "99", "--steps", "3"], "--trace-step 99 is after the last step (--steps 3)"),
+        (["--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
+        ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out (10%) part has 500 bytes"),
+        (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
+        ([empty_dir], f"{empty_dir} holds no regular file"),
+        (["--resume", work], f"gshard::checkpoint: {work}: cannot read {work}: Is a directory"),
+        (["--stpes", "3"], "unknown option --stpes"),
+        (["--top-k"], "--top-k needs a value"),
+    ]
+    for args, want in refused:
+        code, out = run(base + args, timeout=60)
+        if code in (None, 0) or out.count(want) < 2 or "step     1" in out:
+            problems.append(f"{' '.join(args)}: exit {code}, wanted '{want}' from every rank before training:\n{out[-1500:]}")
+    code, out = run(base + ["--steps", "2"], env={"GSHARD_GEMM": "fast"}, timeout=60)
+    if code in (None, 0) or "GSHARD_GEMM=fast is not allowed; use eigen" not in out:
+        problems.append(f"GSHARD_GEMM=fast: exit {code}:\n{out[-1500:]}")
+
+    # A run to stop: SIGTERM to mpirun after the first progress line.
+    args = SMALL + ["--steps", "3000", "--log-every", "1", "--save", ckpt]
+    code, out = interrupted(mpi, trainer, args, lambda p: p.send_signal(signal.SIGTERM))
+    if code in (None, 0) or "stopped by SIGTERM after step" not in out or "saved " + ckpt not in out or \
+            "resume with the same options and --resume " + ckpt not in out or not os.path.exists(ckpt):
+        problems.append(f"SIGTERM to mpirun: exit {code}:\n{out[-2500:]}")
+    stopped = [l for l in out.splitlines() if l.startswith("stopped by")]
+    step = int(stopped[0].split("after step ")[1].split()[0]) if stopped else -1
+    code, out = run(base + SMALL + ["--steps", "3000", "--resume", ckpt, "--stop-after", str(step + 2), "--save", ckpt,
+                                   "--log-every", "1"])
+    if code != 0 or f"resumed {ckpt} at step {step}" not in out or f"step {step + 1:5d}" not in out:
+        problems.append(f"resume after SIGTERM at step {step}: exit {code}:\n{out[-2500:]}")
+
+    # SIGINT to mpirun (Ctrl-C): mpirun passes it on; the ranks stop the same way.
+    code, out = interrupted(mpi, trainer, args, lambda p: p.send_signal(signal.SIGINT))
+    if code in (None, 0) or "stopped by SIG" not in out or "saved " + ckpt not in out:
+        problems.append(f"SIGINT to mpirun: exit {code}:\n{out[-2500:]}")
+
+    # SIGTERM to the last rank only: every rank stops after the same step.
+    def last_rank(p):
+        pids = rank_pids(os.path.basename(trainer))
+        if pids:
+            os.kill(pids[max(pids)], signal.SIGTERM)
+    code, out = interrupted(mpi, trainer, args, last_rank)
+    if code in (None, 0) or "SIGTERM received" not in out or "stopped by SIGTERM after step" not in out or \
+            "saved " + ckpt not in out:
+        problems.append(f"SIGTERM to one rank: exit {code}:\n{out[-2500:]}")
+
+    # Without --save: it says nothing was saved.
+    code, out = interrupted(mpi, trainer, SMALL + ["--steps", "3000", "--log-every", "1"],
+                            lambda p: p.send_signal(signal.SIGTERM))
+    if code in (None, 0) or "nothing saved: no --save FILE was given" not in out:
+        problems.append(f"SIGTERM without --save: exit {code}:\n{out[-2500:]}")
+
+    # A second signal ends at once: SIGTERM to one rank in the middle of a long step, and again once it has
+    # said it will stop after the step: mpirun reports the rank ended by the signal, and nothing is saved.
+    def twice(p):
+        pids = rank_pids(os.path.basename(trainer))
+        if pids:
+            os.kill(pids[max(pids)], signal.SIGTERM)
+            time.sleep(0.1)
+            os.kill(pids[max(pids)], signal.SIGTERM)
+    second = os.path.join(work, "second.ckpt")
+    code, out = interrupted(mpi, trainer, ["--batch", "64", "--seq", "256", "--steps", "3000", "--log-every", "1",
+                                           "--save", second], twice)
+    if code in (None, 0) or "exited on signal 15" not in out or "saved " in out or os.path.exists(second):
+        problems.append(f"a second SIGTERM: exit {code}:\n{out[-2500:]}")
+
+    # Damaged metadata: a step that is NaN, negative or missing.
+    for name, kw, want in [("nan", {"value": float("nan")}, "its step nan is not a whole number"),
+                           ("negative", {"value": -3.0}, "its step -3.000000 is not a whole number"),
+                           ("missing", {"rename": b"stap"}, "has no step in its metadata")]:
+        bad = os.path.join(work, f"step_{name}.ckpt")
+        if not os.path.exists(ckpt):
+            problems.append(f"no checkpoint {ckpt} to damage")
+            break
+        with_step(ckpt, bad, **kw)
+        code, out = run(base + SMALL + ["--resume", bad, "--steps", "10"])
+        if code in (None, 0) or out.count(want) < 2:
+            problems.append(f"checkpoint with a {name} step: exit {code}, wanted '{want}':\n{out[-1500:]}")
+    return verdict(problems, 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
