@@ -3,6 +3,7 @@
 // compared with the global tensor every rank builds from the same values.
 #include <gshard/gshard.hpp>
 
+#include <cmath>
 #include <numeric>
 #include <sstream>
 
@@ -161,6 +162,39 @@ TEST_CASE("distribute, gather, gather_to_root and scatter round-trip the global 
     local_tensor<double, 3> bad = world_rank() == 0 ? arange<double, 3>({2 * P + 1, 3, 4}) : local_tensor<double, 3>();
     GSHARD_REQUIRE_THROWS_WITH(scatter<S>(m, bad), shape_error, "not divisible");
   }
+}
+
+TEST_CASE("element-wise algebra on sharded tensors: each rank's shard, no collective", "[tensor][ops]") {
+  const int P = world_size();
+  dyn2 m(MPI_COMM_WORLD, {P, 1});
+  using S = sharding<split<0, "x">>;
+  local_tensor<double, 2> a(2 * P, 3), b(2 * P, 3);
+  for (index_t i = 0; i < a.size(); ++i) a.data()[i] = 0.25 * double(i % 9) + 0.5, b.data()[i] = 1.5 - 0.125 * double(i % 7);
+  const auto x = distribute<S>(m, a), y = distribute<S>(m, b);
+  collective_recorder rec;
+  const auto r = gather(exp(x - y) * tanh(y) + sqrt(x) / 4.0 - (-x) * 2.0 + log(x) * sigmoid(y) + silu(x) - gelu(-y));
+  double worst = 0;
+  for (index_t i = 0; i < a.size(); ++i) {
+    const double p = a.data()[i], q = b.data()[i];
+    const double want = std::exp(p - q) * std::tanh(q) + std::sqrt(p) / 4 + 2 * p + std::log(p) / (1 + std::exp(-q)) +
+                        p / (1 + std::exp(-p)) - (q * 0.5 * (1 + std::erf(q / std::sqrt(2.0))) - q);  // gelu(-q) = qΦ(q) - q
+    worst = std::max(worst, std::abs(r.data()[i] - want));
+  }
+  // The expression ran no collective; gather ran one.
+  GSHARD_REQUIRE(worst < 1e-12 && rec.events().size() == 1);
+  // Pending sums subtract and scale; a rank-0 result is read with scalar().
+  using Q = sharding<partial<"x">>;
+  const auto s = gather(distribute<Q>(m, a) - 0.5 * distribute<Q>(m, b));
+  double worst_q = 0;
+  for (index_t i = 0; i < a.size(); ++i) worst_q = std::max(worst_q, std::abs(s.data()[i] - (a.data()[i] - 0.5 * b.data()[i])));
+  const auto total = all_reduce<"x">(einsum<"ij,ij->">(x, y));
+  double dot = 0;
+  for (index_t i = 0; i < a.size(); ++i) dot += a.data()[i] * b.data()[i];
+  GSHARD_REQUIRE(worst_q < 1e-12 && std::abs(scalar(total) - dot) < 1e-12);
+  // Extents that differ: named, on every rank.
+  const auto z = distribute<S>(m, local_tensor<double, 2>(2 * P, 4).setZero());
+  GSHARD_REQUIRE_THROWS_WITH(x - z, shape_error, "gshard::operator-: f64[");
+  GSHARD_REQUIRE_THROWS_WITH(x * z, shape_error, "differ in extents");
 }
 
 TEST_CASE("raw collectives compute what MPI defines and are counted", "[collectives]") {

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cmath>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include "gshard/tensor.hpp"
@@ -20,34 +22,151 @@ template <class X>
 constexpr bool last_dim_split() {
   return X::rank > 0 && X::layout.dims[X::rank - 1].n > 0;
 }
-}  // namespace detail
 
-// max(x, 0), element-wise; an rvalue is updated in place.
-template <class X>
-  requires sharded_tensor<X>
-std::remove_cvref_t<X> relu(X&& x) {
+// Element-wise functions: y = f(x), and their derivatives f'(x, y) for
+// the tape (ad/ops.hpp), each written once here.
+template <class T>
+T gelu_cdf(T x) {
+  return T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
+}
+struct relu_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return x > T(0) ? x : T(0); }
+  template <class T> static T df(T, T y, T dy) { return y > T(0) ? dy : T(0); }
+};
+struct gelu_op {  // x·Φ(x), the exact form
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return x * gelu_cdf(x); }
+  template <class T> static T df(T x, T, T dy) {
+    return dy * (gelu_cdf(x) + x * T(0.39894228040143267794) * std::exp(T(-0.5) * x * x));
+  }
+};
+struct sigmoid_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return T(1) / (T(1) + std::exp(-x)); }
+  template <class T> static T df(T, T y, T dy) { return dy * y * (T(1) - y); }
+};
+struct silu_op {  // x·σ(x)
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return x / (T(1) + std::exp(-x)); }
+  template <class T> static T df(T x, T, T dy) {
+    const T s = T(1) / (T(1) + std::exp(-x));
+    return dy * s * (T(1) + x * (T(1) - s));
+  }
+};
+struct exp_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::exp(x); }
+  template <class T> static T df(T, T y, T dy) { return dy * y; }
+};
+struct log_op {
+  static constexpr bool needs_x = true, needs_y = false;
+  template <class T> static T f(T x) { return std::log(x); }
+  template <class T> static T df(T x, T, T dy) { return dy / x; }
+};
+struct tanh_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::tanh(x); }
+  template <class T> static T df(T, T y, T dy) { return dy * (T(1) - y * y); }
+};
+struct sqrt_op {
+  static constexpr bool needs_x = false, needs_y = true;
+  template <class T> static T f(T x) { return std::sqrt(x); }
+  template <class T> static T df(T, T y, T dy) { return dy / (T(2) * y); }
+};
+
+template <class Op, class X>
+std::remove_cvref_t<X> apply_elementwise(X&& x) {
   using Y = std::remove_cvref_t<X>;
-  static_assert(!detail::has_pending_sums<Y>(), "gshard::relu: the tensor has pending sums; all_reduce or reduce_scatter it first");
   Y out = std::forward<X>(x);
   auto* p = out.data();
-  for (index_t i = 0, n = out.local().size(); i < n; ++i) p[i] = p[i] > 0 ? p[i] : typename Y::value_type(0);
+  for (index_t i = 0, n = out.local().size(); i < n; ++i) p[i] = Op::f(p[i]);
   return out;
 }
+}  // namespace detail
 
-// a + b for two tensors of one type (pending sums add too).
+// relu, gelu, silu, sigmoid, exp, log, tanh, sqrt, element-wise; an rvalue
+// is updated in place. Refused on pending sums at compile time (relu of a
+// summand is not a summand of the relu).
+#define GSHARD_UNARY_(name, op)                                                                                    \
+  template <class X>                                                                                               \
+    requires sharded_tensor<std::remove_cvref_t<X>>                                                                \
+  std::remove_cvref_t<X> name(X&& x) {                                                                             \
+    static_assert(!detail::has_pending_sums<std::remove_cvref_t<X>>(),                                             \
+                  "gshard::" #name ": the tensor has pending sums; all_reduce or reduce_scatter it first");        \
+    return detail::apply_elementwise<detail::op>(std::forward<X>(x));                                              \
+  }
+GSHARD_UNARY_(relu, relu_op)
+GSHARD_UNARY_(gelu, gelu_op)
+GSHARD_UNARY_(silu, silu_op)
+GSHARD_UNARY_(sigmoid, sigmoid_op)
+GSHARD_UNARY_(exp, exp_op)
+GSHARD_UNARY_(log, log_op)
+GSHARD_UNARY_(tanh, tanh_op)
+GSHARD_UNARY_(sqrt, sqrt_op)
+#undef GSHARD_UNARY_
+
+namespace detail {
+template <class X>
+void same_extents(const X& a, const X& b, const char* op) {
+  if (a.extents() != b.extents())
+    throw shape_error(std::string("gshard::operator") + op + ": " + a.notation() + " and " + b.notation() + " differ in extents");
+}
+}  // namespace detail
+
+// a + b and a - b for two tensors of one type (pending sums add and
+// subtract too: the sum of the differences is the difference of the sums).
 template <sharded_tensor X>
 X operator+(X a, const X& b) {
-  if (a.extents() != b.extents())
-    throw shape_error("gshard::operator+: " + a.notation() + " and " + b.notation() + " differ in extents");
+  detail::same_extents(a, b, "+");
   a.local() += b.local();
   return a;
 }
+template <sharded_tensor X>
+X operator-(X a, const X& b) {
+  detail::same_extents(a, b, "-");
+  a.local() -= b.local();
+  return a;
+}
+template <sharded_tensor X>
+X operator-(X a) {
+  a.local() = -a.local();
+  return a;
+}
 
-// s · a.
+// a ⊙ b, element-wise, for two tensors of one type without pending sums.
+template <sharded_tensor X>
+X operator*(X a, const X& b) {
+  static_assert(!detail::has_pending_sums<X>(),
+                "gshard::operator*: the operands have pending sums; a product of sums is not a sum of products");
+  detail::same_extents(a, b, "*");
+  a.local() *= b.local();
+  return a;
+}
+
+// s · a, a · s and a / s.
 template <sharded_tensor X>
 X operator*(typename X::value_type s, X a) {
   a.local() = a.local() * s;
   return a;
+}
+template <sharded_tensor X>
+X operator*(X a, typename X::value_type s) {
+  return s * std::move(a);
+}
+template <sharded_tensor X>
+X operator/(X a, typename X::value_type s) {
+  a.local() = a.local() / s;
+  return a;
+}
+
+// The value of a rank-0 tensor without pending sums (a loss, a norm), on
+// every rank.
+template <sharded_tensor X>
+typename X::value_type scalar(const X& x) {
+  static_assert(X::rank == 0 && !detail::has_pending_sums<X>(),
+                "gshard::scalar: the tensor is not a rank-0 tensor without pending sums; einsum to \"\" and all_reduce it first");
+  return x.local()();
 }
 
 // Softmax over the last dim (which must not be split), computed in at least

@@ -82,6 +82,14 @@ void f(const grid& g, const local_tensor<float, 2>& x) { (void)distribute<tensor
 void f(const grid& g) { std::vector<short> v(2); all_reduce<short>(g.group<"data">(), std::span<short>(v)); }
 #elif defined(GSHARD_CASE_relu_pending)
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)relu(t); }
+#elif defined(GSHARD_CASE_plain_unary_pending)
+void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) {
+  (void)gelu(t), (void)silu(t), (void)sigmoid(t), (void)exp(t), (void)log(t), (void)tanh(t), (void)sqrt(t);
+}
+#elif defined(GSHARD_CASE_plain_product_pending)
+void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)(t * t); }
+#elif defined(GSHARD_CASE_scalar_not_rank0)
+void f(const tensor<float, 1, grid, replicate>& t) { (void)scalar(t); }
 #elif defined(GSHARD_CASE_softmax_pending)
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)softmax(t); }
 #elif defined(GSHARD_CASE_softmax_split)

@@ -86,55 +86,7 @@ using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sh
 // ---------------------------------------------------------------------------
 // Element-wise rules: y = f(x), dx = dy · f'(x, y).
 
-template <class T>
-T gelu_cdf(T x) {
-  return T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
-}
-struct relu_op {
-  static constexpr bool needs_x = false, needs_y = true;
-  template <class T> static T f(T x) { return x > T(0) ? x : T(0); }
-  template <class T> static T df(T, T y, T dy) { return y > T(0) ? dy : T(0); }
-};
-struct gelu_op {  // x·Φ(x), the exact form
-  static constexpr bool needs_x = true, needs_y = false;
-  template <class T> static T f(T x) { return x * gelu_cdf(x); }
-  template <class T> static T df(T x, T, T dy) {
-    return dy * (gelu_cdf(x) + x * T(0.39894228040143267794) * std::exp(T(-0.5) * x * x));
-  }
-};
-struct sigmoid_op {
-  static constexpr bool needs_x = false, needs_y = true;
-  template <class T> static T f(T x) { return T(1) / (T(1) + std::exp(-x)); }
-  template <class T> static T df(T, T y, T dy) { return dy * y * (T(1) - y); }
-};
-struct silu_op {  // x·σ(x)
-  static constexpr bool needs_x = true, needs_y = false;
-  template <class T> static T f(T x) { return x / (T(1) + std::exp(-x)); }
-  template <class T> static T df(T x, T, T dy) {
-    const T s = T(1) / (T(1) + std::exp(-x));
-    return dy * s * (T(1) + x * (T(1) - s));
-  }
-};
-struct exp_op {
-  static constexpr bool needs_x = false, needs_y = true;
-  template <class T> static T f(T x) { return std::exp(x); }
-  template <class T> static T df(T, T y, T dy) { return dy * y; }
-};
-struct log_op {
-  static constexpr bool needs_x = true, needs_y = false;
-  template <class T> static T f(T x) { return std::log(x); }
-  template <class T> static T df(T x, T, T dy) { return dy / x; }
-};
-struct tanh_op {
-  static constexpr bool needs_x = false, needs_y = true;
-  template <class T> static T f(T x) { return std::tanh(x); }
-  template <class T> static T df(T, T y, T dy) { return dy * (T(1) - y * y); }
-};
-struct sqrt_op {
-  static constexpr bool needs_x = false, needs_y = true;
-  template <class T> static T f(T x) { return std::sqrt(x); }
-  template <class T> static T df(T, T y, T dy) { return dy / (T(2) * y); }
-};
+// The rules themselves (f and f') are ops.hpp's, shared with the plain tensors' forms.
 
 template <class Op, class V>
 auto unary(V&& x) {
