@@ -25,7 +25,6 @@ using grid = mesh<axis<"data", 1>, axis<"expert">>;
 
 namespace {
 
-constexpr double peak_gflops_per_core = 224.0;
 
 long minor_faults() {
   rusage u{};
@@ -123,7 +122,7 @@ void moe_layer(benchmark::State& state) {
   const index_t C = moe::capacity(S, E, gc);
   const double expert_flop = 3.0 * 4.0 * double(E / P * G * C * M * H);  // forward 2 GEMMs, backward 4
   state.counters["expert_gflops"] = expert_flop / c.median_time[0] * 1e-9;
-  state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / peak_gflops_per_core;
+  state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
   state.counters["page_faults/iter"] = faults;
 }
 

@@ -8,6 +8,7 @@ saved run resumes; a second signal ends at once. Each run under a timeout.
 
 usage: check_train_cli.py WORKDIR -- MPIEXEC [ARGS...] TRAINER"""
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -97,7 +98,8 @@ def main() -> int:
     sep = sys.argv.index("--")
     work = sys.argv[1]
     mpi, trainer = sys.argv[sep + 1:-1], sys.argv[-1]
-    os.makedirs(work, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # nothing from an earlier run (a checkpoint) may count
+    os.makedirs(work)
     problems = []
     short = os.path.join(work, "short.txt")
     open(short, "w").write(open("/usr/share/common-licenses/GPL-3").read()[:5000])

@@ -97,6 +97,36 @@ TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finit
   GSHARD_REQUIRE(worst < 1e-6);
 }
 
+TEST_CASE("autodiff: the maximum and minimum over a dim, split or whole, pass the gradient to the extreme", "[autodiff][grad]") {
+  const int P = world_size();
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 4);
+  param<tensor<double, 2, grid1, rows>> x(ps, "x", {2 * index_t(P), 6}, init::normal(1.0));
+  // Over the split dim: one all_reduce(max) forward, one all_reduce(min) of the winners' indices backward.
+  auto over_split = [&](tape& t) { return against(t, reduce_max<0>(t.use(x)), 1); };
+  // Over the whole dim: local; the rows stay split, so the scalar is partial until the all_reduce.
+  auto over_whole = [&](tape& t) { return all_reduce<"x">(against(t, reduce_min<1>(t.use(x)), 2)); };
+  const double worst = std::max(fd_check_params(ps, over_split, x), fd_check_params(ps, over_whole, x));
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+  {  // the gradient is dy at the global argmax only: one nonzero per column, summing to the column's dy
+    tape t(ps);
+    t.backward(einsum<"a->">(relabel<"">(reduce_max<0>(t.use(x)))));
+    const auto g = gather(x.grad());
+    const auto v = gather(x.value());
+    bool ok = true;
+    for (index_t c = 0; c < 6; ++c) {
+      index_t best = 0, ones = 0;
+      for (index_t r = 0; r < g.dimension(0); ++r) {
+        if (v(r, c) > v(best, c)) best = r;
+        ones += g(r, c) != 0;
+      }
+      ok = ok && ones == 1 && g(best, c) == 1.0;
+    }
+    GSHARD_REQUIRE(ok);
+  }
+}
+
 TEST_CASE("autodiff: reshards and the one-collective forms transpose their collectives", "[autodiff][grad]") {
   const int P = world_size();
   const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};

@@ -3,6 +3,7 @@
 // compared with the global tensor every rank builds from the same values.
 #include <gshard/gshard.hpp>
 
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <sstream>
@@ -195,6 +196,42 @@ TEST_CASE("element-wise algebra on sharded tensors: each rank's shard, no collec
   const auto z = distribute<S>(m, local_tensor<double, 2>(2 * P, 4).setZero());
   GSHARD_REQUIRE_THROWS_WITH(x - z, shape_error, "gshard::operator-: f64[");
   GSHARD_REQUIRE_THROWS_WITH(x * z, shape_error, "differ in extents");
+}
+
+TEST_CASE("max, min and sum over a dim: each rank its shard, then the collective the split implies", "[tensor][ops]") {
+  const int P = world_size();
+  dyn2 m(MPI_COMM_WORLD, {P, 1});
+  using S = sharding<split<0, "x">, split<2, "y">>;
+  local_tensor<double, 3> a(2 * P, 5, 3);
+  for (index_t i = 0; i < a.size(); ++i) a.data()[i] = double((i * 7919) % 101) - 50;
+  const auto x = distribute<S>(m, a);
+  auto ref = [&](int dim, int op) {  // op 0: max, 1: min, 2: sum
+    std::array<index_t, 3> e{a.dimension(0), a.dimension(1), a.dimension(2)};
+    std::array<index_t, 2> o{};
+    for (int d = 0, k = 0; d < 3; ++d)
+      if (d != dim) o[std::size_t(k++)] = e[std::size_t(d)];
+    local_tensor<double, 2> r(o[0], o[1]);
+    for (index_t i = 0; i < o[0]; ++i)
+      for (index_t j = 0; j < o[1]; ++j) {
+        double acc = op == 0 ? -1e300 : op == 1 ? 1e300 : 0;
+        for (index_t k = 0; k < e[std::size_t(dim)]; ++k) {
+          std::array<index_t, 3> at{};
+          for (int d = 0, q = 0; d < 3; ++d) at[std::size_t(d)] = d == dim ? k : (q++ == 0 ? i : j);
+          const double v = a(at[0], at[1], at[2]);
+          acc = op == 0 ? std::max(acc, v) : op == 1 ? std::min(acc, v) : acc + v;
+        }
+        r(i, j) = acc;
+      }
+    return r;
+  };
+  collective_recorder rec;
+  const auto mx = reduce_max<0>(x);  // dim 0 split over x: one all_reduce(max) over x; [5,3{y}]
+  GSHARD_REQUIRE(rec.calls(collective::all_reduce, "x") == 1);
+  const auto mn = reduce_min<1>(x);  // dim 1 whole: no collective; [2P{x},3{y}]
+  const auto sm = reduce_sum<0>(x);  // dim 0 split: pending sums over x, no collective
+  GSHARD_REQUIRE(rec.events().size() == 1);
+  static_assert(decltype(sm)::layout.partial != 0 && decltype(mx)::layout.partial == 0);
+  GSHARD_REQUIRE(equal(gather(mx), ref(0, 0)) && equal(gather(mn), ref(1, 1)) && equal(gather(all_reduce<"x">(sm)), ref(0, 2)));
 }
 
 TEST_CASE("raw collectives compute what MPI defines and are counted", "[collectives]") {

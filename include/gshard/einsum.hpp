@@ -101,7 +101,7 @@ struct einsum_plan {
   static constexpr detail::rlayout inputs[2] = {
       detail::bind_layout<Mesh, rank_a, SA>::value,
       detail::bind_layout<Mesh, (nin == 2 ? rank_b : 0), std::conditional_t<nin == 2, SB, replicate>>::value};
-  static constexpr detail::einsum_sharding sharding = detail::plan_einsum_sharding(spec, inputs, Mesh::rank_count);
+  static constexpr detail::einsum_sharding sharding = detail::plan_einsum_sharding(spec, inputs, Mesh::axis_count);
   static_assert(detail::check_einsum_sharding<
                 Spec, detail::to_fixed<detail::axis_name_or_none<Mesh>(sharding.axis).size()>(
                           detail::axis_name_or_none<Mesh>(sharding.axis)),

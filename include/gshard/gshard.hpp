@@ -23,6 +23,7 @@
 #include "gshard/mpi.hpp"
 #include "gshard/preemption.hpp"
 #include "gshard/random.hpp"
+#include "gshard/reduce.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/reshard_plan.hpp"
 #include "gshard/roles.hpp"

@@ -225,7 +225,7 @@ class mesh : public detail::mesh_base {
   static_assert(detail::unique_axis_names<Axes...>(), "gshard::mesh: two axes have the same name");
 
  public:
-  static constexpr int rank_count = sizeof...(Axes);  // number of axes
+  static constexpr int axis_count = sizeof...(Axes);  // the number of axes (mesh_base::naxes() at run time)
   static constexpr std::array<detail::name_t, sizeof...(Axes)> names{Axes::name...};
   static constexpr std::array<index_t, sizeof...(Axes)> static_sizes{Axes::size...};
   static constexpr int ndynamic = ((Axes::size == dynamic ? 1 : 0) + ...);

@@ -239,7 +239,7 @@ struct reshard_plan {
   static constexpr detail::rlayout from = detail::bind_layout<Mesh, Rank, From>::value;
   static constexpr detail::rlayout to = detail::bind_layout<Mesh, Rank, To>::value;
   static constexpr detail::reshard_steps steps =
-      detail::plan_reshard(from, to, Mesh::rank_count, Mesh::static_sizes.data());
+      detail::plan_reshard(from, to, Mesh::axis_count, Mesh::static_sizes.data());
   static_assert(steps.state[steps.n] == to, "gshard::reshard: the planner did not reach the target (a gshard bug)");
 
   // Without sizes: the steps and the layout after each.

@@ -89,7 +89,7 @@ struct role_check {
 template <class Mesh, class Roles>
 struct resolved_roles {
   static_assert(is_axis_roles<Roles>::value, "gshard::axis_roles: the roles must be an axis_roles<batch_axes<...>, ...>");
-  static constexpr int naxes = Mesh::rank_count;
+  static constexpr int naxes = Mesh::axis_count;
   static constexpr auto mask_of = [](const auto& names) {
     std::uint32_t m = 0;
     for (int a = 0; a < naxes; ++a)

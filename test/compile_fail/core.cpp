@@ -90,6 +90,10 @@ void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) {
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)(t * t); }
 #elif defined(GSHARD_CASE_scalar_not_rank0)
 void f(const tensor<float, 1, grid, replicate>& t) { (void)scalar(t); }
+#elif defined(GSHARD_CASE_reduce_dim)
+void f(const tensor<float, 2, grid, replicate>& t) { (void)reduce_max<2>(t); }
+#elif defined(GSHARD_CASE_reduce_pending)
+void f(const tensor<float, 2, grid, sharding<partial<"data">>>& t) { (void)reduce_sum<0>(t); }
 #elif defined(GSHARD_CASE_softmax_pending)
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)softmax(t); }
 #elif defined(GSHARD_CASE_softmax_split)

@@ -23,11 +23,13 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "gshard/ad/tape.hpp"
 #include "gshard/einsum.hpp"
 #include "gshard/grad.hpp"
 #include "gshard/ops.hpp"
+#include "gshard/reduce.hpp"
 
 namespace gshard {
 
@@ -362,6 +364,65 @@ GSHARD_UNARY_(log, log_op)
 GSHARD_UNARY_(tanh, tanh_op)
 GSHARD_UNARY_(sqrt, sqrt_op)
 #undef GSHARD_UNARY_
+
+// ---------------------------------------------------------------------------
+// The maximum or minimum over a dim (gshard/reduce.hpp). The gradient goes to
+// the position holding the extreme; on ties to the lowest global index, which
+// the ranks splitting the dim agree on with one all_reduce(min) of the
+// indices in the backward (none when the dim is whole on each rank).
+
+namespace detail {
+template <int Dim, reduction R, class X>
+auto reduce_extreme_var(const var<X>& x) {
+  using T = typename X::value_type;
+  using info = reduced<X, Dim, false>;
+  using Y = typename info::type;
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  auto y = t.output(reduce_extreme<Dim, R>(x.value()), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, keep_x = x.shared(), keep_y = y.shared()] {
+      auto dy = tp->slot<Y>(ys).template take<gradient_sharding<typename Y::sharding_type>>();
+      if (!dy) return;
+      const X& xv = *keep_x;
+      const auto le = xv.local_extents();
+      index_t outer = 1, inner = 1;
+      for (int d = 0; d < Dim; ++d) outer *= le[std::size_t(d)];
+      for (int d = Dim + 1; d < X::rank; ++d) inner *= le[std::size_t(d)];
+      const index_t n = le[std::size_t(Dim)], first = xv.offsets()[std::size_t(Dim)];
+      const T* px = xv.data();
+      const T* py = keep_y->data();
+      std::vector<std::int64_t> winner(std::size_t(outer * inner), std::numeric_limits<std::int64_t>::max());
+      for (index_t o = 0; o < outer; ++o)
+        for (index_t i = 0; i < inner; ++i)
+          for (index_t k = 0; k < n; ++k)
+            if (px[(o * n + k) * inner + i] == py[o * inner + i]) {
+              winner[std::size_t(o * inner + i)] = first + k;
+              break;
+            }
+      if constexpr (info::axes != 0) all_reduce(xv.mesh().group(info::axes), std::span<std::int64_t>(winner), reduction::min);
+      gradient_of<X> dx(xv.mesh(), xv.extents());
+      T* g = dx.data();
+      const T* pdy = dy->data();
+      for (index_t o = 0; o < outer; ++o)
+        for (index_t i = 0; i < inner; ++i) {
+          const std::int64_t k = winner[std::size_t(o * inner + i)] - first;
+          if (k >= 0 && k < n) g[(o * n + k) * inner + i] = pdy[o * inner + i];
+        }
+      tp->slot<X>(xs).add(std::move(dx));
+    });
+  return y;
+}
+}  // namespace detail
+
+template <int Dim, class X>
+auto reduce_max(const var<X>& x) {
+  return detail::reduce_extreme_var<Dim, reduction::max>(x);
+}
+template <int Dim, class X>
+auto reduce_min(const var<X>& x) {
+  return detail::reduce_extreme_var<Dim, reduction::min>(x);
+}
 
 // ---------------------------------------------------------------------------
 // Last-dim operations.
