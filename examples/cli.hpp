@@ -81,8 +81,8 @@ inline std::string load_text(const std::string& program, const std::string& path
     std::vector<std::string> files;
     std::error_code ec;
     if (std::filesystem::is_directory(dir, ec)) {
-      for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-        if (e.is_regular_file() && !e.is_symlink()) files.push_back(e.path().string());  // GPL -> GPL-3 etc. once
+      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+        if (it->is_regular_file() && !it->is_symlink()) files.push_back(it->path().string());  // GPL -> GPL-3 etc. once
       if (ec) problem = "cannot list " + dir + ": " + ec.message();
       else if (files.empty()) problem = dir + " holds no regular file";
     } else if (path.empty()) problem = "no text: give a file, or install base-files (" + fallback_dir + ")";

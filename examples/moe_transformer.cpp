@@ -71,14 +71,17 @@ int run(const Mesh& m, const std::string& text, int forwards) {
       for (index_t l = 0; l <= L; ++l) tok(b, l) = std::int32_t(static_cast<unsigned char>(text[at + std::size_t(l)]));
     }
     const auto tokens = distribute<typename model::transformer<float, Mesh>::tokens_type>(m, tok);
-    collective_recorder rec;
     barrier(m.all_axes());
     const double t0 = MPI_Wtime();
+    std::string collectives;  // the forward's alone, not the timing's barrier and max
     tape t(ps, tape::no_grad);
-    const auto out = tr.forward(t, tokens, std::uint64_t(step));
+    const auto out = [&] {
+      collective_recorder rec;
+      auto o = tr.forward(t, tokens, std::uint64_t(step));
+      for (const auto& [k, n] : rec.tally()) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
+      return o;
+    }();
     const double slowest = all_reduce(m.all_axes(), MPI_Wtime() - t0, reduction::max);
-    std::string collectives;
-    for (const auto& [k, n] : rec.tally()) collectives += (collectives.empty() ? "" : ", ") + std::to_string(n) + " " + k;
     if (!root) continue;
     std::printf("forward %d: loss %.4f (cross-entropy %.4f, aux %.4f)  %.2f ms  collectives: %s\n", step,
                 out.loss.value().local()(), out.ce, out.aux, 1e3 * slowest, collectives.c_str());

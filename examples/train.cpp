@@ -216,7 +216,8 @@ double step_bytes(double tokens_per_rank, double L) { return 42e6 + tokens_per_r
 
 // Everything about the options that can be checked before step 1, on rank 0
 // (where the files are written): "" or what is wrong.
-std::string preflight(const options& o, const std::string& text, std::size_t split, int nranks) {
+// `batch_ranks`: the ranks the batch is split over (data x expert).
+std::string preflight(const options& o, const std::string& text, std::size_t split, int batch_ranks) {
   const double L = double(o.seq), held = double(text.size() - split), train = double(split);
   char b[400];
   if (held < L + 1 || train < L + 1) {
@@ -230,12 +231,16 @@ std::string preflight(const options& o, const std::string& text, std::size_t spl
   if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
   const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
-  const double need = step_bytes(double(o.batch) * L / nranks, L);
+  const double need = step_bytes(double(o.batch) * L / batch_ranks, L);
   if (need > 0.8 * memory) {
-    const double per_sequence = step_bytes(L / nranks, L) - step_bytes(0, L);
+    const double per_sequence = step_bytes(L / batch_ranks, L) - step_bytes(0, L);
+    const double fits = std::floor((0.8 * memory - step_bytes(0, L)) / per_sequence);
+    char most[80];
+    if (fits >= 1) std::snprintf(most, sizeof most, "at this --seq, --batch %.0f at most", fits);
+    else std::snprintf(most, sizeof most, "give a smaller --seq");
     std::snprintf(b, sizeof b, "--batch %ld --seq %ld needs about %.1f GiB per rank (estimated), but this host has %.1f GiB "
-                  "for each of its %.0f ranks; at this --seq, --batch %.0f at most", long(o.batch), long(o.seq), need / (1 << 30),
-                  memory / (1 << 30), ranks_here, std::floor((0.8 * memory - step_bytes(0, L)) / per_sequence));
+                  "for each of its %.0f ranks; %s", long(o.batch), long(o.seq), need / (1 << 30), memory / (1 << 30),
+                  ranks_here, most);
     return b;
   }
   // The files it will write: found out now, not after training.
@@ -263,7 +268,9 @@ int train(const Mesh& m, const options& o, const std::string& text) {
   model::config c = o.model;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
   const std::size_t split = text.size() * 9 / 10;  // the last 10% is held out
-  if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, m.nranks()) : ""); !p.empty())
+  constexpr int model_axis = Mesh::index_of("model");
+  const int batch_ranks = m.nranks() / int(model_axis >= 0 ? m.size(model_axis) : 1);
+  if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, batch_ranks) : ""); !p.empty())
     throw error("gshard train: " + p);
   parameters ps(m, o.seed);
   const model::transformer<float, Mesh> tr(ps, c);

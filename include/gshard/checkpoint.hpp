@@ -178,6 +178,9 @@ struct checkpoint_part {
 inline void save_checkpoint(const std::string& path, const detail::mesh_base& m, const std::vector<checkpoint_part>& parts,
                             const std::map<std::string, double>& meta = {}) {
   const bool root = m.rank() == 0;
+  for (const auto& [k, v] : meta)  // the metadata travels as "key=value" lines on load
+    if (k.empty() || k.find('\n') != std::string::npos)
+      throw checkpoint_error("gshard::checkpoint: " + path + ": a metadata key is empty or holds a newline");
   detail::ckpt_writer w;
   std::uint64_t n_records = 0;
   for (const auto& part : parts) n_records += part.set->size();

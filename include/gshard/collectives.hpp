@@ -34,7 +34,6 @@ class timed_collective {
   // (count -1: it may differ across ranks, as for gather and scatter).
   timed_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
       : kind_(kind), axes_(g.label), bytes_(bytes) {
-    ++counted_depth();
     const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
     if (options().watchdog_seconds > 0) {
       debug::start_watchdog();  // once per process
@@ -46,7 +45,6 @@ class timed_collective {
   timed_collective(const timed_collective&) = delete;
   timed_collective& operator=(const timed_collective&) = delete;
   ~timed_collective() {
-    --counted_depth();
     const double t1 = MPI_Wtime();
     count_collective(kind_, axes_, bytes_, t1 - t0_);
     if (trace::enabled())
@@ -55,6 +53,10 @@ class timed_collective {
   }
 
  private:
+  struct depth {  // first: counted before the checked mode's own calls, and uncounted even if they throw
+    depth() { ++counted_depth(); }
+    ~depth() { --counted_depth(); }
+  } depth_;
   collective kind_;
   const std::string& axes_;  // the group's label: the mesh outlives every collective on it
   std::size_t bytes_;

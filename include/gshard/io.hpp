@@ -80,6 +80,7 @@ inline bool write_all(int fd, const char* p, std::size_t n) {
   while (n > 0) {
     const ssize_t w = ::write(fd, p, n);
     if (w < 0 && errno == EINTR) continue;
+    if (w == 0) errno = EIO;  // no progress and no reason: say I/O error, not a stale errno
     if (w <= 0) return false;
     p += w;
     n -= std::size_t(w);

@@ -11,8 +11,9 @@
 //     if (int sig = stop.requested(mesh)) { save(step); return 128 + sig; }
 //     train_step(...);
 //   }
-// mpirun sends SIGKILL one second after SIGTERM unless told to wait longer:
-// OMPI_MCA_odls_base_sigkill_timeout=<seconds> (scripts/mpirun sets 60).
+// OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told to
+// wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
+// delays the exit of every aborted job; docs/07). Slurm waits KillWait.
 #pragma once
 
 #include <cerrno>
@@ -52,7 +53,9 @@ inline void on_stop_signal(int sig) {
   }
   s.signal = sig;
   const int i = sig == SIGTERM ? 0 : 1;
+  const int saved = errno;  // the interrupted code may be about to read it
   [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, s.message[i], s.length[i]);
+  errno = saved;
 }
 }  // namespace detail
 
@@ -61,6 +64,7 @@ class preemption {
   preemption() {
     detail::stop_state& s = detail::stop_signals();
     if (s.installed) throw error("gshard::preemption: one is already live in this process");
+    s.signal = 0;  // before the handlers: a signal from now on is this one's first
     const int rank = world_group().rank;
     for (int i = 0; i < 2; ++i) {
       const int sig = detail::stop_signal_numbers[i];
@@ -72,9 +76,12 @@ class preemption {
       a.sa_handler = detail::on_stop_signal;
       sigemptyset(&a.sa_mask);
       a.sa_flags = SA_RESTART;  // MPI's and the file reads' system calls go on
-      if (sigaction(sig, &a, &s.previous[i]) != 0) throw error(std::string("gshard::preemption: sigaction failed: ") + std::strerror(errno));
+      if (sigaction(sig, &a, &s.previous[i]) != 0) {
+        const int err = errno;
+        for (int j = 0; j < i; ++j) sigaction(detail::stop_signal_numbers[j], &s.previous[j], nullptr);
+        throw error(std::string("gshard::preemption: sigaction failed: ") + std::strerror(err));
+      }
     }
-    s.signal = 0;
     s.installed = true;
   }
   preemption(const preemption&) = delete;
