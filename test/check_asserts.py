@@ -31,7 +31,10 @@ def asserts(include: pathlib.Path):
             lits = re.findall(r'"((?:[^"\\]|\\.)*)"', body)
             msg = "".join(lits).replace('\\"', '"')
             if re.search(r'"gshard::"\s*#', body):  # a macro's: "gshard::" #name ": ..." for each op it defines
-                for name in re.findall(r"^GSHARD_UNARY_\((\w+),", text, re.M):
+                names = re.findall(r"^GSHARD_UNARY_\((\w+),", text, re.M)
+                if not names:  # made from ops.hpp's list: GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)
+                    names = re.findall(r"^\s*F\((\w+), \w+\)", (include / "ops.hpp").read_text(), re.M)
+                for name in names:
                     yield f.relative_to(include.parent.parent), "gshard::" + name + msg[len("gshard::"):]
                 continue
             start = msg.find("gshard::")

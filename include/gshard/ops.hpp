@@ -96,14 +96,18 @@ std::remove_cvref_t<X> apply_elementwise(X&& x) {
                   "gshard::" #name ": the tensor has pending sums; all_reduce or reduce_scatter it first");        \
     return detail::apply_elementwise<detail::op>(std::forward<X>(x));                                              \
   }
-GSHARD_UNARY_(relu, relu_op)
-GSHARD_UNARY_(gelu, gelu_op)
-GSHARD_UNARY_(silu, silu_op)
-GSHARD_UNARY_(sigmoid, sigmoid_op)
-GSHARD_UNARY_(exp, exp_op)
-GSHARD_UNARY_(log, log_op)
-GSHARD_UNARY_(tanh, tanh_op)
-GSHARD_UNARY_(sqrt, sqrt_op)
+// The element-wise functions, listed once: these plain forms and the tape's
+// (ad/ops.hpp) are both made from this list.
+#define GSHARD_ELEMENTWISE_FUNCTIONS(F) \
+  F(relu, relu_op)                      \
+  F(gelu, gelu_op)                      \
+  F(silu, silu_op)                      \
+  F(sigmoid, sigmoid_op)                \
+  F(exp, exp_op)                        \
+  F(log, log_op)                        \
+  F(tanh, tanh_op)                      \
+  F(sqrt, sqrt_op)
+GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)
 #undef GSHARD_UNARY_
 
 namespace detail {

@@ -42,6 +42,21 @@ struct reduced {
                       layout<text_of<render(spec).n>(spec)>>;
 };
 
+// This rank's shard of x seen as [outer, n, inner] around dim Dim: element
+// (o, k, i) is at (o * n + k) * inner + i.
+struct around_dim {
+  index_t outer = 1, n = 1, inner = 1;
+};
+template <int Dim, class X>
+around_dim shard_around(const X& x) {
+  const auto le = x.local_extents();
+  around_dim g;
+  for (int d = 0; d < Dim; ++d) g.outer *= le[std::size_t(d)];
+  for (int d = Dim + 1; d < X::rank; ++d) g.inner *= le[std::size_t(d)];
+  g.n = le[std::size_t(Dim)];
+  return g;
+}
+
 // The local shard [outer, n, inner] reduced over n with op (first, then
 // op(acc, v)); `init` for an empty n.
 template <class X, int Dim, class Y, class Op>
@@ -50,11 +65,7 @@ Y reduce_local(const X& x, typename X::value_type init, Op op) {
   typename Y::extents_type out{};
   for (int d = 0, o = 0; d < X::rank; ++d)
     if (d != Dim) out[std::size_t(o++)] = x.extent(d);
-  const auto le = x.local_extents();
-  index_t outer = 1, inner = 1;
-  for (int d = 0; d < Dim; ++d) outer *= le[std::size_t(d)];
-  for (int d = Dim + 1; d < X::rank; ++d) inner *= le[std::size_t(d)];
-  const index_t n = le[std::size_t(Dim)];
+  const auto [outer, n, inner] = shard_around<Dim>(x);
   Y y(x.mesh(), out);
   T* py = y.data();
   const T* px = x.data();

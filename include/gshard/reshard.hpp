@@ -70,6 +70,9 @@ void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, 
 }
 
 // Runs one step; `before` is the layout of `in`, and the result has `after`.
+// One piece: a switch over the step kinds, each case its Pack / Communicate /
+// Unpack in a few lines; split per kind, the cases would repeat the shared
+// geometry (e, the group, the block sizes) six times.
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
                                const local_tensor<T, Rank>& in, const shape<Rank>& global) {

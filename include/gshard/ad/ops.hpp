@@ -355,14 +355,7 @@ var<X> operator*(var<X> a, const var<X>& b) {
                   "gshard::" #name ": the tensor has pending sums; all_reduce or reduce_scatter it first");        \
     return detail::unary<detail::op>(std::forward<V>(x));                                                          \
   }
-GSHARD_UNARY_(relu, relu_op)
-GSHARD_UNARY_(gelu, gelu_op)
-GSHARD_UNARY_(silu, silu_op)
-GSHARD_UNARY_(sigmoid, sigmoid_op)
-GSHARD_UNARY_(exp, exp_op)
-GSHARD_UNARY_(log, log_op)
-GSHARD_UNARY_(tanh, tanh_op)
-GSHARD_UNARY_(sqrt, sqrt_op)
+GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)  // ops.hpp's list
 #undef GSHARD_UNARY_
 
 // ---------------------------------------------------------------------------
@@ -385,11 +378,8 @@ auto reduce_extreme_var(const var<X>& x) {
       auto dy = tp->slot<Y>(ys).template take<gradient_sharding<typename Y::sharding_type>>();
       if (!dy) return;
       const X& xv = *keep_x;
-      const auto le = xv.local_extents();
-      index_t outer = 1, inner = 1;
-      for (int d = 0; d < Dim; ++d) outer *= le[std::size_t(d)];
-      for (int d = Dim + 1; d < X::rank; ++d) inner *= le[std::size_t(d)];
-      const index_t n = le[std::size_t(Dim)], first = xv.offsets()[std::size_t(Dim)];
+      const auto [outer, n, inner] = shard_around<Dim>(xv);
+      const index_t first = xv.offsets()[std::size_t(Dim)];
       const T* px = xv.data();
       const T* py = keep_y->data();
       std::vector<std::int64_t> winner(std::size_t(outer * inner), std::numeric_limits<std::int64_t>::max());
