@@ -1,56 +1,171 @@
 #!/usr/bin/env python3
-"""Every whole program in README.md and docs/*.md (a ```cpp block with
-`int main(`) is compiled and run: the block must follow a marker
-<!-- test: np=1,2 expect="text" --> naming the rank counts it claims and a
-text its output must hold (printed once: rank 0 prints). A program without a
-marker is a failure, so a new one cannot go untested.
+"""Every code block of README.md and docs/*.md is checked, by kind:
 
-usage: check_doc_programs.py SOURCE_ROOT WORKDIR -- COMPILER [FLAGS...] -- MPIEXEC [ARGS...]"""
+* a whole program (a ```cpp block with `int main(`) is compiled and run: the
+  block follows a marker <!-- test: np=1,2 expect="text" --> naming the rank
+  counts it claims and a text its output must hold once (rank 0 prints);
+* a fragment (any other ```cpp block) follows <!-- compile: context=NAME -->
+  and is compiled inside that context of test/doc_contexts.cpp (all fragments
+  in one translation unit, -fsyntax-only, errors pointing into the Markdown);
+  <!-- compile: sketch --> is accepted only for a block that shows its own
+  elisions (`...` in the code);
+* a block of commands (```sh) follows <!-- commands: run --> (this test runs
+  each line, from a directory where `build/` is the build and `scripts/` the
+  source's, and wants exit 0), <!-- commands: tested-by test/FILE --> (FILE
+  runs them), or <!-- commands: long --> (minutes, a cluster, or an install).
+
+A block without its marker is a failure, so nothing new goes unchecked.
+
+usage: check_doc_programs.py SOURCE_ROOT BUILD_ROOT WORKDIR -- COMPILER [FLAGS...] -- MPIEXEC [ARGS...]"""
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 from checks import verdict
 
-BLOCK = re.compile(r"(?:<!--\s*test:\s*np=([\d,]+)(?:\s+expect=\"([^\"]*)\")?\s*-->\s*\n)?```cpp\n(.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!--\s*(test|compile|commands):\s*([^\n]*?)\s*-->\s*\n)?```(\w*)\n(.*?)```", re.S)
+TEST = re.compile(r"np=([\d,]+)(?:\s+expect=\"([^\"]*)\")?$")
+
+
+def blocks(root):
+    """(markdown path, line, marker kind, marker text, language, code) for every fenced block."""
+    for md in [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md"))):
+        text = open(md).read()
+        for m in BLOCK.finditer(text):
+            line = text[:m.start(3)].count("\n") + 1  # the fence's line
+            yield os.path.relpath(md, root), line, m.group(1), m.group(2) or "", m.group(3), m.group(4)
+
+
+def contexts(path):
+    """name -> (before, after, line of `before` in path, line of `after`)."""
+    out, name, lines, start = {}, None, [], 0
+    text = open(path).read().split("\n")
+    for i, l in enumerate(text + ["// context: <end>"], 1):
+        m = re.match(r"// context: (\S+)", l)
+        if m:
+            if name:
+                body = "\n".join(lines)
+                before, _, after = body.partition("//@fragment\n")
+                out[name] = (before, after, start, start + before.count("\n") + 1)
+            name, lines, start = m.group(1), [], i + 1
+        elif name:
+            lines.append(l)
+    return out
+
+
+def split_flags(compiler):
+    flags = [a for a in compiler if not a.startswith(("-l", "-L", "-Wl"))]
+    libs = [a for a in compiler if a.startswith(("-l", "-L", "-Wl"))]  # after the source
+    return flags, libs
+
+
+def programs(root, work, compiler, mpi, found, problems):
+    flags, libs = split_flags(compiler)
+    ran = 0
+    for i, (md, line, marker, ranks_expect, _, code) in enumerate(found):
+        where = f"{md}, program at line {line}"
+        m = TEST.match(ranks_expect) if marker == "test" else None
+        if not m:
+            problems.append(f"{where}: no <!-- test: np=... --> marker before it")
+            continue
+        ranks, expect = m.group(1), m.group(2)
+        base = os.path.join(work, re.sub(r"\W", "_", md) + f"_{line}")
+        open(base + ".cpp", "w").write(f'#line {line + 1} "{md}"\n' + code)
+        p = subprocess.run(flags + [base + ".cpp", "-o", base] + libs, capture_output=True, text=True, timeout=300)
+        if p.returncode != 0:
+            problems.append(f"{where}: does not compile:\n{(p.stdout + p.stderr)[-3000:]}")
+            continue
+        for np in ranks.split(","):
+            r = subprocess.run(mpi + ["-np", np, base], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0 or (expect and r.stdout.count(expect) != 1):
+                problems.append(f"{where} at {np} ranks: exit {r.returncode}, wanted {expect!r} once:\n"
+                                f"{(r.stdout + r.stderr)[-2000:]}")
+            ran += 1
+    return ran
+
+
+def fragments(root, work, compiler, found, problems):
+    ctx_path = os.path.join(root, "test", "doc_contexts.cpp")
+    ctx = contexts(ctx_path)
+    unit = [f'#line {ctx["prelude"][2]} "{ctx_path}"', ctx["prelude"][0]]
+    compiled = 0
+    for i, (md, line, marker, spec, _, code) in enumerate(found):
+        where = f"{md}, fragment at line {line}"
+        m = re.fullmatch(r"context=(\S+)|(sketch)", spec) if marker == "compile" else None
+        if not m:
+            problems.append(f"{where}: no <!-- compile: context=NAME --> marker before it (contexts: "
+                            f"{', '.join(n for n in ctx if n != 'prelude')})")
+            continue
+        if m.group(2):
+            if "..." not in code:
+                problems.append(f"{where}: marked a sketch but shows no elision (`...`): compile it in a context")
+            continue
+        if m.group(1) not in ctx:
+            problems.append(f"{where}: no context {m.group(1)!r} in test/doc_contexts.cpp")
+            continue
+        before, after, before_line, after_line = ctx[m.group(1)]
+        unit += [f"namespace doc_fragment_{i} {{", f'#line {before_line} "{ctx_path}"', before,
+                 f'#line {line + 1} "{md}"', code, f'#line {after_line} "{ctx_path}"', after, "}"]
+        compiled += 1
+    source = os.path.join(work, "fragments.cpp")
+    open(source, "w").write("\n".join(unit) + "\n")
+    flags, _ = split_flags(compiler)
+    p = subprocess.run(flags + ["-fsyntax-only", source], capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        lines = (p.stdout + p.stderr).split("\n")  # the errors and where in the Markdown they came from
+        errors = list(dict.fromkeys(l for l in lines if "error" in l or ".md:" in l and "required from here" in l))
+        problems.append(f"the documented fragments do not compile ({source}):\n" + "\n".join(errors[:40]))
+    return compiled
+
+
+def commands(root, build, work, found, problems):
+    """Runs the blocks marked `run`; checks the others name a test that exists or say they are long."""
+    ran = 0
+    here = os.path.join(work, "commands")
+    shutil.rmtree(here, ignore_errors=True)
+    os.makedirs(here)
+    if build:
+        os.symlink(build, os.path.join(here, "build"))
+        os.symlink(os.path.abspath(os.path.join(root, "scripts")), os.path.join(here, "scripts"))
+    for md, line, marker, spec, _, code in found:
+        where = f"{md}, commands at line {line}"
+        if marker != "commands" or not re.fullmatch(r"run|long|tested-by \S+", spec):
+            problems.append(f"{where}: no <!-- commands: run | long | tested-by test/FILE --> marker before it")
+        elif spec.startswith("tested-by"):
+            if not os.path.isfile(os.path.join(root, spec.split()[1])):
+                problems.append(f"{where}: {spec.split()[1]} does not exist")
+        elif spec == "run" and not build:
+            print(f"{where}: not run (the examples are not built)")
+        elif spec == "run":
+            for cmd in code.replace("\\\n", " ").split("\n"):
+                cmd = cmd.split("#")[0].strip()
+                if not cmd:
+                    continue
+                r = subprocess.run(["bash", "-c", cmd], cwd=here, capture_output=True, text=True, timeout=300)
+                if r.returncode != 0:
+                    problems.append(f"{where}: `{cmd}` exited {r.returncode}:\n{(r.stdout + r.stderr)[-2000:]}")
+                ran += 1
+    return ran
 
 
 def main() -> int:
     first = sys.argv.index("--")
     second = sys.argv.index("--", first + 1)
-    root, work = sys.argv[1], sys.argv[2]
+    root, build, work = sys.argv[1], sys.argv[2], sys.argv[3]
     compiler, mpi = sys.argv[first + 1:second], sys.argv[second + 1:]
     os.makedirs(work, exist_ok=True)
-    problems, ran = [], 0
-    for md in [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md"))):
-        text = open(md).read()
-        for i, m in enumerate(BLOCK.finditer(text)):
-            ranks, expect, code = m.group(1), m.group(2), m.group(3)
-            if "int main(" not in code:
-                continue
-            where = f"{os.path.relpath(md, root)}, program at line {text[:m.start()].count(chr(10)) + 1}"
-            if not ranks:
-                problems.append(f"{where}: no <!-- test: np=... --> marker before it")
-                continue
-            base = os.path.join(work, re.sub(r"\W", "_", os.path.relpath(md, root)) + f"_{i}")
-            open(base + ".cpp", "w").write(code)
-            flags = [a for a in compiler if not a.startswith(("-l", "-L", "-Wl"))]
-            libs = [a for a in compiler if a.startswith(("-l", "-L", "-Wl"))]  # after the source
-            p = subprocess.run(flags + [base + ".cpp", "-o", base] + libs, capture_output=True, text=True, timeout=300)
-            if p.returncode != 0:
-                problems.append(f"{where}: does not compile:\n{(p.stdout + p.stderr)[-3000:]}")
-                continue
-            for np in ranks.split(","):
-                r = subprocess.run(mpi + ["-np", np, base], capture_output=True, text=True, timeout=120)
-                out = r.stdout + r.stderr
-                if r.returncode != 0 or (expect and r.stdout.count(expect) != 1):
-                    problems.append(f"{where} at {np} ranks: exit {r.returncode}, wanted {expect!r} once:\n{out[-2000:]}")
-                ran += 1
-    if ran == 0:
-        problems.append("no documented program ran")
-    print(f"{ran} runs of documented programs")
+    found = list(blocks(root))
+    problems = []
+    ran = programs(root, work, compiler, mpi, [b for b in found if b[4] == "cpp" and "int main(" in b[5]], problems)
+    compiled = fragments(root, work, compiler, [b for b in found if b[4] == "cpp" and "int main(" not in b[5]],
+                         problems)
+    shell = commands(root, build, work, [b for b in found if b[4] == "sh"], problems)
+    if ran == 0 or compiled == 0:
+        problems.append("no documented program ran or no fragment compiled")
+    print(f"{ran} runs of documented programs, {compiled} fragments compiled, {shell} documented commands run")
     return verdict(problems, 0)
 
 
