@@ -1,22 +1,26 @@
 // examples/train.cpp — trains a byte-level MoE Transformer language model
-// across ranks. With no arguments: the licence texts every Debian system has
-// (/usr/share/common-licenses), a small model, 1500 steps (2 minutes on
-// 2 cores); 10% of the text is held out for evaluation.
+// across ranks. With no arguments: the GCIDE dictionary (40 MB of English,
+// Debian's dict-gcide; examples/corpus.hpp), a small model, 1500 steps;
+// every tenth entry is held out for evaluation.
 //   scripts/mpirun -np 2 build/examples/train [text file or directory] [--steps N] [--seed S]
 //       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
-//       [--log-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
-//       [--metrics FILE] [routing: --top-k K --shared-experts N --dropless
+//       [--log-every N] [--eval-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
+//       [--metrics FILE] [--sample-bytes N] [--sample-temperature T]
+//       [routing: --top-k K --shared-experts N --dropless
 //        --capacity-factor F --eval-capacity-factor F --z-loss C
 //        --balance aux|bias --aux-coef C --ffn relu|swiglu]
 // SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
 // the same step, saves when --save is given, and exits with 128 + the signal.
-// Prints a progress line every few steps, then the held-out loss and bits per
-// byte, and a sampled continuation of a prompt. --metrics writes one JSON
-// line per step: the losses and each MoE layer's routing (moe/metrics.hpp).
+// Prints a progress line every few steps (loss, tokens/s, model FLOPs
+// utilisation against the FMA peak measured at start, the time left), the
+// held-out loss every --eval-every steps and at the end, and a sampled
+// continuation of a held-out prompt. --metrics writes one JSON line per
+// step: the losses, MFU, gradient norm and each MoE layer's routing.
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -30,6 +34,7 @@
 #include <unistd.h>
 
 #include "cli.hpp"
+#include "corpus.hpp"
 #include "meshes.hpp"
 using namespace gshard;
 
@@ -37,8 +42,10 @@ using namespace gshard;
 namespace {
 
 struct options {
-  std::string text_path;  // empty: /usr/share/common-licenses/*
-  int steps = 1500, log_every = 100, save_every = 0, eval_batches = 8;
+  std::string text_path;  // empty: the dictionary, else /usr/share/common-licenses/* (corpus.hpp)
+  int steps = 1500, log_every = 100, save_every = 0, eval_batches = 8, eval_every = 500;
+  int sample_bytes = 160;
+  double sample_temperature = 0.7;
   int stop_after = 0;  // stop (and save) after this many steps, on the schedule of `steps`
   std::string trace;   // write a timeline of step `trace_step` here
   int trace_step = 10;
@@ -47,6 +54,7 @@ struct options {
   index_t batch = 16, seq = 128;
   std::string metrics;  // JSON lines, one per step
   model::config model;  // the routing options land in model.gating
+  index_t experts = 8, hidden = 256, slot_hidden = 0;  // the model's FFNs
   bool aux_coef_given = false, second_given = false;
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
@@ -54,16 +62,26 @@ struct options {
 
 constexpr const char* usage =
     "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
-    "  text               a file, or a directory of files (default: /usr/share/common-licenses); 10% held out\n"
+    "  text               a file (.gz, .dz: decompressed; .dict: a dictionary's entries) or a directory of\n"
+    "                     files (default: /usr/share/dictd/gcide.dict.dz, else /usr/share/common-licenses);\n"
+    "                     every 10th document held out (fewer than 10: the last 10%)\n"
     "  --steps N          optimizer steps (1500); the learning-rate schedule spans them\n"
     "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over data x expert\n"
     "  --seed S           data order, routing noise and initial weights (1)\n"
     "  --log-every N      a progress line every N steps (100)\n"
+    "  --eval-every N     the held-out loss every N steps (500; 0: at the end only)\n"
+    "  --eval-batches N   batches of held-out text per evaluation (8; the same ones every time)\n"
+    "  --sample-bytes N   bytes sampled after a held-out prompt at the end (160; 0: none)\n"
+    "  --sample-temperature T  softmax temperature of the sampling (0.7; 0: the likeliest byte)\n"
     "  --save FILE        checkpoint at the end, every --save-every N steps, and on SIGTERM/SIGINT\n"
     "  --resume FILE      continue from a checkpoint, at any rank count\n"
     "  --stop-after N     stop (and save) after N steps, on the schedule of --steps\n"
     "  --trace FILE       a Chrome trace of step --trace-step N (10), with the routing as counters\n"
-    "  --metrics FILE     one JSON line per step: losses, tokens/s, each MoE layer's loads and drops\n"
+    "  --metrics FILE     one JSON line per step: losses, held-out loss when evaluated, tokens, tokens/s,\n"
+    "                     MFU, lr, gradient norm, each MoE layer's loads and drops (scripts/plot_metrics.py)\n"
+    "  --experts E        experts per MoE layer (8); 0: a dense model\n"
+    "  --hidden H         hidden units of the dense FFNs and of each expert (256)\n"
+    "  --slot-hidden H    with --experts 0: hidden units of the FFNs in the MoE layers' blocks (--hidden)\n"
     "routing (docs/05_moe.md):\n"
     "  --top-k K          experts per token (2: GShard; 1: Switch)\n"
     "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
@@ -103,9 +121,16 @@ options parse(int argc, char** argv) {
     else if (a == "--trace-step") o.trace_step = integer(1);
     else if (a == "--resume") o.resume = next();
     else if (a == "--log-every") o.log_every = integer(1);
+    else if (a == "--eval-every") o.eval_every = integer(0);
+    else if (a == "--eval-batches") o.eval_batches = integer(1);
+    else if (a == "--sample-bytes") o.sample_bytes = integer(0);
+    else if (a == "--sample-temperature") o.sample_temperature = real();
     else if (a == "--batch") o.batch = integer(1);
     else if (a == "--seq") o.seq = integer(1);
     else if (a == "--metrics") o.metrics = next();
+    else if (a == "--experts") o.experts = integer(0);
+    else if (a == "--hidden") o.hidden = integer(1);
+    else if (a == "--slot-hidden") o.slot_hidden = integer(1);
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
     else if (a == "--dropless") g.dropless = true;
@@ -126,6 +151,8 @@ options parse(int argc, char** argv) {
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
+  if (o.slot_hidden > 0 && o.experts > 0)
+    throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
   if (o.save.empty() && (o.save_every > 0 || o.stop_after > 0))
     throw error(std::string("gshard train: ") + (o.save_every > 0 ? "--save-every" : "--stop-after") +
                 " needs --save FILE: without it the steps trained would be lost");
@@ -177,11 +204,25 @@ std::map<std::string, double> routing_meta(const model::config& c) {
           {"swiglu", c.ffn == moe::ffn_kind::swiglu}};
 }
 
-// Samples `n` bytes after `prompt`. The batch holds one copy of the context
-// per rank; rank 0's copy decides each byte, which every rank then adopts.
+// A prompt from the held-out text: the start of the first paragraph that
+// starts a line unindented (a dictionary's headword) after a seeded
+// position, or the held-out text's start; up to 48 bytes, cut after a word.
+std::string held_out_prompt(const std::string& text, std::size_t split, std::uint64_t seed) {
+  std::size_t at = split + std::size_t(uniform(seed, 0x9A0B7, 0, 0) * double((text.size() - split) / 2));
+  for (at = text.find("\n\n", at); at != std::string::npos && at + 2 < text.size() && std::isspace(static_cast<unsigned char>(text[at + 2]));)
+    at = text.find("\n\n", at + 2);
+  at = at != std::string::npos && at + 2 < text.size() ? at + 2 : split;
+  std::string p = text.substr(at, std::min<std::size_t>(48, text.size() - at));
+  if (const std::size_t space = p.find_last_of(" \n"); space != std::string::npos && space > 8) p.resize(space + 1);
+  return p;
+}
+
+// Samples `n` bytes after `prompt` at `temperature` (0: the likeliest byte).
+// The batch holds one copy of the context per rank; rank 0's copy decides
+// each byte, which every rank then adopts.
 template <class Model>
 std::string sample(const Model& model, parameters<typename Model::tokens_type::mesh_type>& ps, index_t L, std::string prompt,
-                   int n, std::uint64_t seed) {
+                   int n, double temperature, std::uint64_t seed) {
   const auto& m = ps.mesh();
   const model::config& c = model.cfg();
   const index_t B = m.nranks();
@@ -194,14 +235,17 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
     tape t(ps, tape::no_grad);
     const auto out = model.forward(t, distribute<typename Model::tokens_type>(m, tok), 0);
     const float* row = out.logits.value().data() + (index_t(ctx.size()) - 1) * c.vocab;  // this rank's copy
-    // Temperature 0.7: softmax, then the seeded uniform picks the byte.
-    std::vector<double> w(std::size_t(c.vocab));
-    const float mx = *std::max_element(row, row + c.vocab);
-    double sum = 0;
-    for (index_t v = 0; v < c.vocab; ++v) sum += (w[std::size_t(v)] = std::exp((row[v] - mx) / 0.7));
-    double u = uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
-    int pick = 0;
-    while (pick + 1 < c.vocab && (u -= w[std::size_t(pick)]) > 0) ++pick;
+    // Softmax at the temperature, then the seeded uniform picks the byte.
+    const float* top = std::max_element(row, row + c.vocab);
+    int pick = int(top - row);
+    if (temperature > 0) {
+      std::vector<double> w(std::size_t(c.vocab));
+      double sum = 0;
+      for (index_t v = 0; v < c.vocab; ++v) sum += (w[std::size_t(v)] = std::exp((row[v] - *top) / temperature));
+      double u = uniform(seed, 0x5A3B1E, std::uint64_t(i), 0) * sum;
+      pick = 0;
+      while (pick + 1 < c.vocab && (u -= w[std::size_t(pick)]) > 0) ++pick;
+    }
     broadcast(m.all_axes(), std::span<int>(&pick, 1), 0);
     prompt += char(pick);
   }
@@ -222,7 +266,7 @@ std::string preflight(const options& o, const std::string& text, std::size_t spl
   char b[400];
   if (held < L + 1 || train < L + 1) {
     std::snprintf(b, sizeof b, "--seq %ld needs windows of %ld bytes, but the text's %s part has %.0f bytes; "
-                  "give a longer text or --seq %.0f at most", long(o.seq), long(o.seq + 1), held < L + 1 ? "held-out (10%)" : "training",
+                  "give a longer text or --seq %.0f at most", long(o.seq), long(o.seq + 1), held < L + 1 ? "held-out" : "training",
                   std::min(held, train), std::min(held, train) - 1);
     return b;
   }
@@ -262,12 +306,24 @@ std::string valid_step(const std::map<std::string, double>& meta, const std::str
   return "";
 }
 
+// "1h02m", "3m05s", "42s".
+std::string duration(double s) {
+  char b[32];
+  const long t = long(std::max(0.0, s) + 0.5);
+  if (t >= 3600) std::snprintf(b, sizeof b, "%ldh%02ldm", t / 3600, t / 60 % 60);
+  else if (t >= 60) std::snprintf(b, sizeof b, "%ldm%02lds", t / 60, t % 60);
+  else std::snprintf(b, sizeof b, "%lds", t);
+  return b;
+}
+
 template <class Mesh>
-int train(const Mesh& m, const options& o, const std::string& text) {
+int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
   const bool root = m.rank() == 0;
   model::config c = o.model;
-  c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8, c.layers = 4;
-  const std::size_t split = text.size() * 9 / 10;  // the last 10% is held out
+  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = 4;
+  c.hidden = o.hidden, c.experts = o.experts, c.slot_hidden = o.slot_hidden;
+  const std::string& text = corpus.text;
+  const std::size_t split = corpus.split;
   constexpr int model_axis = Mesh::index_of("model");
   const int batch_ranks = m.nranks() / int(model_axis >= 0 ? m.size(model_axis) : 1);
   if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, batch_ranks) : ""); !p.empty())
@@ -289,13 +345,28 @@ int train(const Mesh& m, const options& o, const std::string& text) {
       if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
         std::printf("note: the checkpoint was trained with %s = %g; this run uses %g\n", key.c_str(), it->second, now);
   }
-  if (root)
-    std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (MoE: E=%ld, H=%ld), batch %ld x %ld bytes\n",
-                split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, long(c.experts), long(c.hidden),
-                long(o.batch), long(o.seq));
+  // The machine, measured: MFU is against the FMA peak of these cores.
+  const double peak = measure_fma_peak(m.all_axes());
+  if (root) {
+    std::printf("text: %s\n", corpus.source.c_str());
+    double count = 0;  // the parameters, global
+    for (std::size_t i = 0; i < ps.values().size(); ++i) {
+      double n = 1;
+      for (index_t e : ps.values()[i].extents()) n *= double(e);
+      count += n;
+    }
+    char ffn[96];
+    if (c.experts > 0) std::snprintf(ffn, sizeof ffn, "MoE in blocks 1, 3, ...: E=%ld, H=%ld", long(c.experts), long(c.hidden));
+    else std::snprintf(ffn, sizeof ffn, "dense: H=%ld, blocks 1, 3, ...: H=%ld", long(c.hidden), long(c.ffn_hidden(1)));
+    std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (%s), %.2fM parameters, batch %ld x %ld bytes\n",
+                split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, ffn, count * 1e-6, long(o.batch),
+                long(o.seq));
+    std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
+                gshard::detail::gemm_backend());
+  }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());
-  if (root) {
+  if (root && c.experts > 0) {
     char cap[64], aux[64];
     std::snprintf(cap, sizeof cap, "capacity factor %g (eval %g)", c.gating.capacity_factor,
                   c.gating.eval_capacity_factor > 0 ? c.gating.eval_capacity_factor : c.gating.capacity_factor);
@@ -338,7 +409,10 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     }
   } close_metrics{metrics};
   int metrics_errno = 0;  // rank 0's, when a metrics line could not be written
-  double t_window = 0, tokens_window = 0;
+  // The progress line's window: step time, tokens and model FLOPs since the
+  // last line, and the wall time (batches, evaluations and all) for the ETA.
+  double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
+  int steps_window = 0;
   const preemption stop;  // SIGTERM, SIGINT: stop at the next step boundary, saved
   // One agreement per step boundary: a stop signal on any rank, or a metrics
   // line that rank 0 could not write. Returns the exit code when stopping.
@@ -356,37 +430,57 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     std::fflush(stdout);
     return 128 + sig;
   };
+  auto evaluate = [&] {
+    return model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
+  };
+  std::optional<model::eval_result> held_out;  // the last evaluation
+  const double bits = 1.0 / std::log(2.0);
   for (int step = start; step < end; ++step) {
     if (const int code = stopping(step)) return code;
     const auto tok = distribute<tokens_t>(m, model::text_batch(text, 0, split, o.batch, o.seq, o.seed, std::uint64_t(step)));
     const bool tracing = trace_one_step && step + 1 == o.trace_step;  // the step printed as trace_step
     barrier(m.all_axes());
     if (tracing) trace::start(o.trace, m);  // after the barrier: the trace holds the step alone
-    const double t0 = MPI_Wtime();
+    const double flops0 = model_flops(), t0 = MPI_Wtime();
     const auto r = model::train_step(tr, ps, opt, tok, std::uint64_t(step));
     const double seconds = MPI_Wtime() - t0;
-    t_window += seconds;
+    // Every rank counts 1/P of each einsum's FLOPs (counters.hpp): x P is the step's.
+    const double flops = (model_flops() - flops0) * double(m.nranks());
+    const double mfu = flops / (seconds * double(m.nranks()) * peak * 1e9);
+    t_window += seconds, flops_window += flops, ++steps_window;
     if (tracing) {
       const std::size_t spans = trace::stop(m);
       if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step + 1, o.trace.c_str());
     }
     tokens_window += double(o.batch * o.seq);
+    const bool evaluating = step + 1 == o.steps || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
+    if (evaluating) {
+      held_out = evaluate();
+      if (root && step + 1 < o.steps)
+        std::printf("held-out at step %d: %.4f nats/byte = %.3f bits per byte\n", step + 1, held_out->ce,
+                    held_out->ce * bits);
+    }
     if (metrics) {
-      std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"loss\":" + moe::detail::json_number(r.loss) +
-                         ",\"ce\":" + moe::detail::json_number(r.ce) + ",\"aux\":" + moe::detail::json_number(r.aux) +
-                         ",\"z\":" + moe::detail::json_number(r.z) + ",\"lr\":" + moe::detail::json_number(r.lr) +
-                         ",\"seconds\":" + moe::detail::json_number(seconds) + ",\"tokens_per_s\":" +
-                         moe::detail::json_number(double(o.batch * o.seq) / seconds) + ",\"moe\":[";
+      using moe::detail::json_number;
+      std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"tokens\":" +
+                         json_number(double(step + 1) * double(o.batch * o.seq)) + ",\"loss\":" + json_number(r.loss) +
+                         ",\"ce\":" + json_number(r.ce) + ",\"aux\":" + json_number(r.aux) + ",\"z\":" + json_number(r.z);
+      if (evaluating) line += ",\"held_out_ce\":" + json_number(held_out->ce) + ",\"held_out_bpb\":" + json_number(held_out->ce * bits);
+      line += ",\"lr\":" + json_number(r.lr) + ",\"grad_norm\":" + json_number(r.grad_norm) +
+              ",\"seconds\":" + json_number(seconds) + ",\"tokens_per_s\":" + json_number(double(o.batch * o.seq) / seconds) +
+              ",\"mfu\":" + json_number(mfu) + ",\"moe\":[";
       for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
       line += "]}\n";
       // Whole lines only, for a reader tailing it or a run that is stopped.
       if (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0) metrics_errno = errno ? errno : EIO;
     }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
-      std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e\n", step + 1, r.ce, r.aux,
-                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.lr);
+      const double now = MPI_Wtime(), per_step = (now - wall_mark) / steps_window;
+      std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e  MFU %.2f  ETA %s\n", step + 1, r.ce, r.aux,
+                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.lr,
+                  flops_window / (t_window * double(m.nranks()) * peak * 1e9), duration(per_step * (end - step - 1)).c_str());
       std::fflush(stdout);
-      t_window = tokens_window = 0;
+      t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
     }
     if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
   }
@@ -396,14 +490,18 @@ int train(const Mesh& m, const options& o, const std::string& text) {
     if (root) std::printf("stopped after step %d of %d\n", end, o.steps);
     return 0;
   }
-  const auto held_out = model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
-  const std::string continuation = sample(tr, ps, o.seq, "The licensee ", 160, o.seed);
-  if (root) {
-    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte  (%s)\n", held_out.ce, held_out.ce / std::log(2.0),
-                routing_summary(held_out.moe).c_str());
-    std::string shown;
-    for (char ch : continuation) shown += (ch == '\n' || (ch >= 32 && ch < 127)) ? ch : '?';
-    std::printf("sample: %s\n", shown.c_str());
+  if (root)
+    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte  (%s)\n", held_out->ce, held_out->ce * bits,
+                routing_summary(held_out->moe).c_str());
+  if (o.sample_bytes > 0) {
+    const std::string prompt = held_out_prompt(text, split, o.seed);
+    const std::string continuation = sample(tr, ps, o.seq, prompt, o.sample_bytes, o.sample_temperature, o.seed);
+    if (root) {
+      std::string shown;
+      for (char ch : continuation) shown += (ch == '\n' || (ch >= 32 && ch < 127)) ? ch : '?';
+      std::printf("sample (prompt: %zu held-out bytes, temperature %g):\n%s\n", prompt.size(), o.sample_temperature,
+                  shown.c_str());
+    }
   }
   return 0;
 }
@@ -417,10 +515,11 @@ int main(int argc, char** argv) {
     if (env.rank() == 0) std::fputs(usage, stdout);
     return 0;
   }
-  const std::string text = examples::load_text("train", o.text_path, "/usr/share/common-licenses");
-  if (text.size() < 4096) throw error("gshard train: the text has " + std::to_string(text.size()) + " bytes; give at least 4096");
+  const examples::corpus corpus = examples::load_corpus("train", o.text_path);
+  if (corpus.text.size() < 4096)
+    throw error("gshard train: the text has " + std::to_string(corpus.text.size()) + " bytes; give at least 4096");
   try {
-    return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, text); });
+    return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, corpus); });
   } catch (const std::bad_alloc&) {  // perhaps on this rank alone: the terminate handler ends the job with it
     throw error("gshard train: out of memory with --batch " + std::to_string(o.batch) + " --seq " + std::to_string(o.seq) +
                 "; give a smaller --batch or --seq");

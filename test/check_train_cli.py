@@ -7,6 +7,8 @@ rank after the same step, saves, says how to resume, exits non-zero, and the
 saved run resumes; a second signal ends at once. Each run under a timeout.
 
 usage: check_train_cli.py WORKDIR -- MPIEXEC [ARGS...] TRAINER"""
+import gzip
+import json
 import os
 import shutil
 import signal
@@ -110,6 +112,19 @@ def main() -> int:
     problems = []
     short = os.path.join(work, "short.txt")
     open(short, "w").write(open("/usr/share/common-licenses/GPL-3").read()[:5000])
+    # The same text gzip-compressed, and cut short inside its compressed data.
+    packed = os.path.join(work, "short.txt.gz")
+    with gzip.open(packed, "wb") as f:
+        f.write(open(short, "rb").read())
+    truncated = os.path.join(work, "cut.txt.gz")
+    open(truncated, "wb").write(open(packed, "rb").read()[:900])
+    # A dictionary in dictd's format: 20 entries, indented continuation lines
+    # and blank lines inside an entry; dictd's own header entry left out.
+    dictionary = os.path.join(work, "tiny.dict")
+    entries = ["00-database-short\n   a header entry\n\n"] + [
+        f"Word{i} \\Word{i}\\, n.\n   {'a definition of the word ' * 5}\n\n   2. {'another sense, indented ' * 4}\n   [1913 Webster]\n\n"
+        for i in range(20)]
+    open(dictionary, "w").write("".join(entries))
     empty_dir = os.path.join(work, "empty")
     os.makedirs(empty_dir, exist_ok=True)
     ckpt = os.path.join(work, "run.ckpt")
@@ -131,7 +146,10 @@ def main() -> int:
         (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json: cannot write"),
         (["--trace", os.path.join(work, "t.json"), "--trace-step", "99", "--steps", "3"], "--trace-step 99 is after the last step (--steps 3)"),
         (["--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
-        ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out (10%) part has 500 bytes"),
+        ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out part has 500 bytes"),
+        ([truncated], f"cannot read {truncated}: unexpected end of file"),
+        (["--sample-temperature", "-1"], "--sample-temperature takes a finite number >= 0, not '-1'"),
+        (["--eval-every", "-5"], "--eval-every takes a whole number from 0"),
         (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
         ([empty_dir], f"{empty_dir} holds no regular file"),
         (["--resume", work], f"gshard::checkpoint: {work}: cannot read {work}: Is a directory"),
@@ -142,6 +160,18 @@ def main() -> int:
         code, out = run(base + args, timeout=60)
         if code in (None, 0) or out.count(want) < 2 or "step     1" in out:
             problems.append(f"{' '.join(args)}: exit {code}, wanted '{want}' from every rank before training:\n{out[-1500:]}")
+    # Compressed and dictionary corpora; a held-out evaluation every step in the
+    # metrics; no sample with --sample-bytes 0, a held-out prompt otherwise.
+    metrics = os.path.join(work, "m.jsonl")
+    code, out = run(base + [packed, "--steps", "2", "--eval-every", "1", "--metrics", metrics, "--sample-bytes", "0"] + SMALL)
+    lines = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
+    if code != 0 or f"text: {packed} (the last 10% held out)" not in out or "sample" in out or len(lines) != 2 or \
+            not all("held_out_bpb" in l and l["mfu"] > 0 and l["grad_norm"] > 0 and l["tokens"] == 128 * l["step"] for l in lines):
+        problems.append(f"a gzip text with --eval-every 1 --metrics: exit {code}, metrics {lines}:\n{out[-1500:]}")
+    code, out = run(base + [dictionary, "--steps", "3", "--sample-bytes", "8", "--sample-temperature", "0"] + SMALL)
+    if code != 0 or f"text: {dictionary}, 20 dictionary entries (2 held out: every 10th)" not in out or \
+            "held-out at step" in out or "sample (prompt: " not in out or "temperature 0)" not in out:
+        problems.append(f"a dictionary, greedy sampling: exit {code}:\n{out[-1500:]}")
     code, out = run(base + ["--steps", "2"], env={"GSHARD_GEMM": "fast"}, timeout=60)
     if code in (None, 0) or "GSHARD_GEMM=fast is not allowed; use eigen" not in out:
         problems.append(f"GSHARD_GEMM=fast: exit {code}:\n{out[-1500:]}")

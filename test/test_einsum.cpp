@@ -294,6 +294,37 @@ TEST_CASE("typed einsum: GShard's dispatch is one local einsum plus one all_to_a
                            std::to_string(E * (G / P) * C * M * 4) + " B/rank") != std::string::npos);
 }
 
+TEST_CASE("model FLOPs: each einsum's global FLOPs once, however it is split or repeated", "[einsum]") {
+  using grid = mesh<axis<"x">, axis<"y">>;
+  const int P = world_size();
+  const index_t X = P == 4 || P == 8 ? 2 : 1;
+  const grid m(MPI_COMM_WORLD, {X, P / X});
+  const index_t B = 4 * P, K = 12, N = 10;  // K splits over y (1 to 4 ranks) and x
+  const auto a = random_tensor<2, double>({B, K}, 1);
+  const auto w = random_tensor<2, double>({K, N}, 2);
+  // The job's count: this rank's difference, summed over the ranks.
+  auto job_flops = [&](const auto& run) {
+    const double before = model_flops();
+    run();
+    return all_reduce(m.all_axes(), model_flops() - before, reduction::sum);
+  };
+  const double product = 2.0 * double(B * K * N);
+  // Rows split over every rank; K split (a pending sum, then its all_reduce);
+  // everything replicated (each rank repeats the whole product); one operand.
+  const double split_rows = job_flops([&] {
+    (void)einsum<"BK,KN->BN">(distribute<sharding<split<0, "x", "y">>>(m, a), distribute<replicate>(m, w));
+  });
+  const double split_k = job_flops([&] {
+    (void)all_reduce<"y">(einsum<"BK,KN->BN">(distribute<sharding<split<1, "y">>>(m, a), distribute<sharding<split<0, "y">>>(m, w)));
+  });
+  const double repeated = job_flops([&] { (void)einsum<"BK,KN->BN">(distribute<replicate>(m, a), distribute<replicate>(m, w)); });
+  const double sum = job_flops([&] { (void)einsum<"BK->B">(distribute<sharding<split<1, "x">>>(m, a)); });
+  GSHARD_REQUIRE(std::abs(split_rows - product) < 1e-6 * product);
+  GSHARD_REQUIRE(std::abs(split_k - product) < 1e-6 * product);
+  GSHARD_REQUIRE(std::abs(repeated - product) < 1e-6 * product);
+  GSHARD_REQUIRE(std::abs(sum - double(B * K)) < 1e-6 * double(B * K));
+}
+
 TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {
   using grid = mesh<axis<"x">>;
   grid m(MPI_COMM_WORLD);

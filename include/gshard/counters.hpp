@@ -1,6 +1,6 @@
 // gshard/counters.hpp — every collective gshard runs is counted here, by kind,
 // by mesh axes and by bytes, so tests, benchmarks and traces can see exactly
-// what ran. Totals are always kept; an ordered log is kept while a
+// what ran; and the einsums' model FLOPs. Totals are always kept; an ordered log is kept while a
 // collective_recorder is alive. Knows nothing of MPI.
 #pragma once
 
@@ -106,6 +106,20 @@ inline double collective_seconds(collective kind) {
     if (c.kind == kind) t += c.seconds;
   return t;
 }
+
+// Model FLOPs: every einsum adds, on each of its mesh's P ranks, its FLOPs
+// over the global extents divided by P — so the sum over the ranks counts an
+// einsum's work once however it is split or repeated (the convention of
+// model FLOPs utilisation), and a rank's count times P is the whole job's.
+// Since the start of the program; a step's is the difference around it.
+namespace detail {
+inline double& model_flops_total() {
+  static double f = 0;
+  return f;
+}
+}  // namespace detail
+inline double model_flops() { return detail::model_flops_total(); }
+inline void add_model_flops(double f) { detail::model_flops_total() += f; }
 
 // Totals since the start of the program, per (kind, axes).
 inline const std::vector<collective_total>& collective_totals() { return detail::counters().totals; }

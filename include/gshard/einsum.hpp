@@ -122,19 +122,6 @@ struct einsum_plan {
                 "gshard::einsum: internal error: an operand slice needs communication");
   using finish = reshard_plan<Mesh, rank_out, natural, out>;
 
-  // Multiply-adds of the local contraction, times 2, for local label extents.
-  static index_t flops(const index_t* label_extent /* by letter */) {
-    index_t f = 1;
-    bool seen[128] = {};
-    for (int op = 0; op < nin; ++op)
-      for (int d = 0; d < spec.in_rank[op]; ++d) {
-        const char l = spec.in[op][d];
-        if (!seen[int(l)]) f *= label_extent[int(l)];
-        seen[int(l)] = true;
-      }
-    return nin == 2 ? 2 * f : f;
-  }
-
   // The steps without sizes.
   static std::string describe(std::string_view dtype = "") {
     return header(dtype, nullptr, nullptr) + body(dtype, nullptr, nullptr, nullptr, 0);
@@ -196,7 +183,7 @@ struct einsum_plan {
           local[int(l)] = global[int(l)] / detail::dim_parts(sharding.in[op], d, m->sizes());
         }
       for (int d = 0; d < rank_out; ++d) out_global[std::size_t(d)] = global[int(spec.out[d])];
-      out_text += "   " + std::to_string(flops(local)) + " FLOP/rank";
+      out_text += "   " + std::to_string(index_t(spec.flops(local))) + " FLOP/rank";
     }
     out_text += "\n";
     std::string fin = m ? detail::describe_steps(finish::steps, Mesh::names, rank_out, dt, spec.out_term(), out_global.data(),
@@ -273,19 +260,15 @@ GSHARD_NOINLINE local_tensor<T, RO> execute_einsum(const mesh_base& m, const ein
   local_tensor<T, RO> out(local_extents<RO>(p.sharding.out, out_global, m));
   const double t0 = trace::enabled() ? trace::now() : 0.0;
   local_einsum<T>(s, pa, ea.data(), pb, eb.data(), out.data(), out.dimensions().data());
-  if (trace::enabled()) {  // the span: spec and local FLOPs (2 × the product of every label's local extent)
-    double flops = s.nin == 2 ? 2.0 : 1.0;
-    bool seen[128] = {};
-    for (int op = 0; op < s.nin; ++op)
-      for (int d = 0; d < s.in_rank[op]; ++d)
-        if (!seen[int(s.in[op][d])]) {
-          seen[int(s.in[op][d])] = true;
-          flops *= double(op == 0 ? ea[std::size_t(d)] : eb[std::size_t(d)]);
-        }
+  add_model_flops(s.flops(global) / double(m.nranks()));  // this rank's share of the einsum's FLOPs
+  if (trace::enabled()) {  // the span: spec and this rank's local FLOPs
+    index_t local[128] = {};
+    for (int d = 0; d < RA; ++d) local[int(s.in[0][d])] = ea[std::size_t(d)];
+    for (int d = 0; d < (s.nin == 2 ? RB : 0); ++d) local[int(s.in[1][d])] = eb[std::size_t(d)];
     std::string spec(s.term(0));
     if (s.nin == 2) spec += "," + std::string(s.term(1));
     spec += "->" + std::string(s.out_term());
-    trace::add(spec, "einsum", t0, trace::now(), "\"flops\":" + std::to_string(flops));
+    trace::add(spec, "einsum", t0, trace::now(), "\"flops\":" + std::to_string(s.flops(local)));
   }
   if (p.finish.n == 0) return out;
   return execute_reshard<T, RO>(m, p.finish, std::move(out), out_global);

@@ -64,6 +64,20 @@ struct einsum_spec {
   }
   constexpr std::string_view term(int operand) const { return {in[operand], std::size_t(in_rank[operand])}; }
   constexpr std::string_view out_term() const { return {out, std::size_t(out_rank)}; }
+  // FLOPs for label extents by letter: 2 per multiply-add (one operand: 1
+  // per element summed). The one count the plans print (local extents), the
+  // trace records (local) and model_flops() adds up (global).
+  constexpr double flops(const index_t* by_letter) const {
+    double f = nin == 2 ? 2.0 : 1.0;
+    bool seen[128] = {};
+    for (int op = 0; op < nin; ++op)
+      for (int d = 0; d < in_rank[op]; ++d)
+        if (const char l = in[op][d]; !seen[int(l)]) {
+          seen[int(l)] = true;
+          f *= double(by_letter[int(l)]);
+        }
+    return f;
+  }
 };
 
 constexpr bool is_label(char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); }

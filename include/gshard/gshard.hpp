@@ -3,6 +3,7 @@
 //   the core        mesh, sharding, labels (rules), roles, tensor, collectives,
 //                   reshard, einsum, counters, trace, error, types, random
 //   the run         environment (MPI start-up), preemption (SIGTERM/SIGINT),
+//                   peak (the measured FMA peak of a core),
 //                   trace_file (writing a trace), io (files, with reasons)
 //   training        ad/parameters, ad/tape, ad/ops, ad/nn (the tape and its
 //                   operations), grad (the per-op gradient rules), ops, optim,
@@ -21,6 +22,7 @@
 #include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/mpi.hpp"
+#include "gshard/peak.hpp"
 #include "gshard/preemption.hpp"
 #include "gshard/random.hpp"
 #include "gshard/reduce.hpp"

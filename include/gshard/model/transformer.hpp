@@ -34,13 +34,18 @@ struct config {
   index_t heads = 4;      // N
   index_t head_dim = 16;  // K
   index_t hidden = 128;   // H, of the dense FFNs and of each expert
-  index_t experts = 8;    // E
+  index_t experts = 8;    // E; 0: a dense model (every block a dense FFN)
   int layers = 4;         // blocks; blocks 1, 3, ... have an MoE FFN
+  // A dense model's (experts = 0) FFNs in blocks 1, 3, ...: their hidden
+  // units (0: hidden). top_k · hidden matches the MoE model's FLOPs per
+  // token, E · hidden its parameters: the two baselines of GShard's claim.
+  index_t slot_hidden = 0;
   double aux_coef = 0.01;     // the loss adds aux_coef · Σ aux and gating.z_loss_coef · Σ z-loss over MoE layers
   moe::gating_config gating{};  // top-k, capacity, dropless, z-loss, balancing (moe/gating.hpp)
   moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
-  bool is_moe(int layer) const { return layer % 2 == 1; }
+  bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
+  index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
 };
 
 template <class T, mesh_type Mesh, class Roles = default_roles>
@@ -165,13 +170,16 @@ class transformer {
   }
 
   static const config& checked(const Mesh& m, const config& c) {
-    moe::validate(c.gating, c.experts);
+    if (c.experts < 0 || c.slot_hidden < 0 || (c.slot_hidden > 0 && c.experts > 0))
+      throw error("gshard::model::transformer: config.experts = " + std::to_string(c.experts) + " and config.slot_hidden = " +
+                  std::to_string(c.slot_hidden) + ": experts is >= 0, and slot_hidden (>= 0) is for a dense model (experts = 0)");
+    if (c.experts > 0) moe::validate(c.gating, c.experts);
     if (c.shared_experts < 0)
       throw error("gshard::model::transformer: config.shared_experts = " + std::to_string(c.shared_experts) + " is negative");
     index_t parts = 1;
     for (int a = 0; a < m.naxes(); ++a)
       if ((roles::model_mask >> a) & 1u) parts *= m.size(a);
-    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}})
+    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}, std::pair{"slot_hidden", c.slot_hidden}})
       if (v % parts != 0)  // name the setting, not just the tensor, that does not divide
         throw shape_error(std::string("gshard::model::transformer: config.") + name + " = " + std::to_string(v) +
                           " is not divisible by the model axes (" + std::to_string(parts) + " ranks) of " + m.describe() +
@@ -180,7 +188,7 @@ class transformer {
   }
 
   static std::vector<block_params> declare_blocks(parameters<Mesh>& ps, const config& c) {
-    const index_t M = c.model, N = c.heads, K = c.head_dim, H = c.hidden;
+    const index_t M = c.model, N = c.heads, K = c.head_dim;
     const double sd_in = 1.0 / std::sqrt(double(M));
     std::vector<block_params> blocks;
     for (int l = 0; l < c.layers; ++l) {
@@ -192,6 +200,7 @@ class transformer {
                             weight<"NKM">(ps, b + "wo", {N, K, M}, init::normal(1.0 / std::sqrt(double(N * K))))};
       weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
       block_params bp{norm1, attn, norm2, std::nullopt, std::nullopt};
+      const index_t H = c.ffn_hidden(l);
       if (c.is_moe(l)) {
         bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance});
       } else {

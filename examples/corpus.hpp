@@ -1,0 +1,188 @@
+// examples/corpus.hpp — the trainer's text, split into training and held-out
+// parts by document, read by rank 0 and broadcast.
+//
+// The default is the GNU Collaborative International Dictionary of English
+// (Debian's dict-gcide, installed by scripts/setup): 40 MB of English prose
+// in 108,000 entries, shipped as one dictzip file (gzip-compatible), read
+// here with zlib. A dictionary is a good held-out test for a small model: an
+// entry held out is a word it has never seen defined, not a shuffled copy of
+// text it trained on. Without it, the licence texts of every Debian system
+// (/usr/share/common-licenses, 213 KB — small enough to be memorised).
+//
+// Documents: a dictionary's entries (a `.dict` or `.dict.dz` file), the
+// files of a directory, or a single file as one. With 10 or more, every
+// tenth document (the 10th, 20th, ...) is held out; with fewer, the last 10%
+// of the bytes. Files named `.gz` or `.dz` are decompressed.
+#pragma once
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gshard/collectives.hpp>
+#include <gshard/error.hpp>
+#include <gshard/io.hpp>
+
+namespace examples {
+
+inline constexpr const char* default_dictionary = "/usr/share/dictd/gcide.dict.dz";
+inline constexpr const char* fallback_texts = "/usr/share/common-licenses";
+
+struct corpus {
+  std::string text;       // the training documents, then the held-out ones
+  std::size_t split = 0;  // text[0, split) trains; text[split, end) is held out
+  std::string source;     // what was read, for the first line of the run
+};
+
+namespace detail {
+
+inline bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// A gzip (or dictzip) file's contents; "" or the problem.
+inline std::string read_gzip(const std::string& path, std::string& out) {
+  errno = 0;
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) return "cannot open " + path + ": " + gshard::io::reason(errno ? errno : ENOMEM);
+  gzbuffer(f, 1 << 20);
+  out.clear();
+  std::string problem;
+  char buf[1 << 16];
+  for (;;) {
+    const int n = gzread(f, buf, sizeof buf);
+    if (n > 0) out.append(buf, std::size_t(n));
+    if (n < int(sizeof buf)) {
+      int code = Z_OK;
+      const char* what = gzerror(f, &code);
+      if (n < 0 || code != Z_OK) {  // Z_BUF_ERROR: the file ends inside its compressed data
+        std::string why = code == Z_ERRNO ? gshard::io::reason(errno) : std::string(what);
+        if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);  // zlib names the file too
+        problem = "cannot read " + path + ": " + why;
+      }
+      break;
+    }
+    if (out.size() > std::size_t(INT_MAX)) {
+      problem = path + " holds more than 2 GiB; the examples read at most 2 GiB";
+      break;
+    }
+  }
+  gzclose(f);
+  return problem;
+}
+
+inline std::string read_any(const std::string& path, std::string& out) {
+  if (ends_with(path, ".gz") || ends_with(path, ".dz")) return read_gzip(path, out);
+  return gshard::io::read_file(path, out);
+}
+
+// A dictd database's entries: each starts at a line's first column after a
+// blank line (continuation lines are indented). dictd's own "00-database-*"
+// entries (the header, the URL) are left out.
+inline std::vector<std::string> dictionary_entries(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t begin = 0;
+  auto take = [&](std::size_t end) {
+    if (end > begin && text.compare(begin, 11, "00-database") != 0) out.push_back(text.substr(begin, end - begin));
+    begin = end;
+  };
+  for (std::size_t at = text.find("\n\n"); at != std::string::npos; at = text.find("\n\n", at + 1)) {
+    std::size_t next = at + 2;
+    while (next < text.size() && text[next] == '\n') ++next;
+    if (next < text.size() && text[next] != ' ' && text[next] != '\t') take(next);
+  }
+  take(text.size());
+  return out;
+}
+
+// Rank 0's part: the documents at `path`; "" or the problem.
+inline std::string read_documents(const std::string& path, std::vector<std::string>& docs, std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    std::vector<std::string> files;
+    for (std::filesystem::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec))
+      if (it->is_regular_file() && !it->is_symlink()) files.push_back(it->path().string());  // GPL -> GPL-3 etc. once
+    if (ec) return "cannot list " + path + ": " + ec.message();
+    if (files.empty()) return path + " holds no regular file";
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      docs.emplace_back();
+      if (std::string p = read_any(f, docs.back()); !p.empty()) return p;
+    }
+    what = path + ", " + std::to_string(docs.size()) + " files";
+    return "";
+  }
+  std::string text;
+  if (std::string p = read_any(path, text); !p.empty()) return p;
+  if (ends_with(path, ".dict") || ends_with(path, ".dict.dz")) {
+    docs = dictionary_entries(text);
+    what = path + ", " + std::to_string(docs.size()) + " dictionary entries";
+  } else {
+    docs.push_back(std::move(text));
+    what = path;
+  }
+  return "";
+}
+
+// Every tenth document held out, or (fewer than 10) the last 10% of the bytes.
+inline corpus split_documents(std::vector<std::string>& docs, std::string what) {
+  corpus c;
+  std::size_t bytes = 0;
+  for (const auto& d : docs) bytes += d.size();
+  c.text.reserve(bytes);
+  if (docs.size() >= 10) {
+    std::size_t held = 0;
+    for (std::size_t i = 0; i < docs.size(); ++i)
+      if (i % 10 != 9) c.text += docs[i];
+    c.split = c.text.size();
+    for (std::size_t i = 9; i < docs.size(); i += 10) c.text += docs[i], ++held;
+    c.source = what + " (" + std::to_string(held) + " held out: every 10th)";
+  } else {
+    for (const auto& d : docs) c.text += d;
+    c.split = c.text.size() * 9 / 10;
+    c.source = what + " (the last 10% held out)";
+  }
+  docs.clear();
+  return c;
+}
+
+}  // namespace detail
+
+// Rank 0 reads the corpus at `path` (empty: the dictionary, else the licence
+// texts) and every rank receives it: the path need exist only there. A
+// problem is rank 0's to find and every rank's to throw, as
+// gshard::io_error naming the path and the reason.
+inline corpus load_corpus(const std::string& program, const std::string& path) {
+  const gshard::detail::axis_group& world = gshard::world_group();
+  corpus c;
+  std::string problem, header;
+  if (world.rank == 0) {
+    std::string from = path;
+    std::error_code ec;
+    if (from.empty()) from = std::filesystem::exists(default_dictionary, ec) ? default_dictionary : fallback_texts;
+    std::vector<std::string> docs;
+    std::string what;
+    problem = detail::read_documents(from, docs, what);
+    if (problem.empty() && path.empty() && from == fallback_texts)
+      what += "; scripts/setup installs the default corpus (apt-get install dict-gcide)";
+    if (problem.empty()) c = detail::split_documents(docs, what);
+    if (problem.empty() && c.text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
+      problem = "the text has " + std::to_string(c.text.size()) + " bytes; the examples read at most 2 GiB";
+    header = std::to_string(c.split) + "\n" + c.source;
+  }
+  if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())
+    throw gshard::io_error("gshard " + program + ": " + p);
+  header = gshard::broadcast_text(world, std::move(header));
+  const std::size_t nl = header.find('\n');
+  c.split = std::stoull(header.substr(0, nl));
+  c.source = header.substr(nl + 1);
+  c.text = gshard::broadcast_text(world, std::move(c.text));
+  return c;
+}
+
+}  // namespace examples

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Loss curves from the trainer's --metrics files, as one SVG.
+
+usage: plot_metrics.py [--x tokens|seconds] [--title T] -o OUT.svg [NAME=]FILE.jsonl ...
+
+Each file is one run (name: the file's stem, or NAME=): its training loss
+(a moving average of `ce`, thin) and its held-out loss (the steps that
+evaluated it, `held_out_bpb`, thick with dots), both in bits per byte,
+against the tokens trained (or the seconds of training: the sum of the steps'
+`seconds`). A file resumed into (opened again with --resume) restarts its
+steps; each line's own step and tokens are used, so a resumed run continues
+its curve. Python's standard library only."""
+import argparse
+import json
+import math
+import os
+import sys
+
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+W, H, LEFT, RIGHT, TOP, BOTTOM = 860, 500, 70, 200, 40, 55
+
+
+def load(path, x_kind):
+    steps = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                sys.exit(f"plot_metrics: {path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
+            if "step" not in r or "ce" not in r:
+                sys.exit(f"plot_metrics: {path}:{n}: no 'step' or 'ce': is it the trainer's --metrics file?")
+            steps[r["step"]] = r  # a resumed run repeats no step; a re-run from scratch replaces
+    rows = [steps[s] for s in sorted(steps)]
+    if not rows:
+        sys.exit(f"plot_metrics: {path} holds no step")
+    x, elapsed = [], 0.0
+    for r in rows:
+        elapsed += r.get("seconds", 0.0)
+        x.append(r["tokens"] if x_kind == "tokens" else elapsed)
+    train = [(xi, r["ce"] / math.log(2)) for xi, r in zip(x, rows)]
+    held = [(xi, r["held_out_bpb"]) for xi, r in zip(x, rows) if "held_out_bpb" in r]
+    curve = smooth(train, max(1, len(train) // 40))
+    every = max(1, len(curve) // 300)  # a few hundred points draw the same line
+    return curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else []), held
+
+
+def smooth(points, k):
+    out, acc = [], 0.0
+    for i, (x, y) in enumerate(points):
+        acc += y
+        if i >= k:
+            acc -= points[i - k][1]
+        out.append((x, acc / min(i + 1, k)))
+    return out
+
+
+def ticks(lo, hi, n=6):
+    step = 10 ** math.floor(math.log10(max(hi - lo, 1e-12) / n))
+    for m in (1, 2, 5, 10):
+        if (hi - lo) / (step * m) <= n:
+            step *= m
+            break
+    t = math.ceil(lo / step) * step
+    out = []
+    while t <= hi + 1e-9 * step:
+        out.append(t)
+        t += step
+    return out
+
+
+def label(v, kind):
+    if kind == "tokens":
+        return f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" if v >= 1e3 else f"{v:g}"
+    return f"{v / 60:g} min" if v >= 120 else f"{v:g} s"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--x", choices=["tokens", "seconds"], default="tokens")
+    ap.add_argument("--title", default="")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("runs", nargs="+")
+    a = ap.parse_args()
+    runs = []
+    for spec in a.runs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        if not os.path.isfile(path):
+            sys.exit(f"plot_metrics: {path}: no such file")
+        runs.append((name or os.path.splitext(os.path.basename(path))[0], *load(path, a.x)))
+    xs = [p[0] for _, t, h in runs for p in t + h]
+    ys = [p[1] for _, t, h in runs for p in t[len(t) // 10:] + h]  # the first steps' losses would flatten the rest
+    x0, x1 = 0.0, max(xs)
+    y0, y1 = min(ys), max(ys)
+    pad = 0.05 * (y1 - y0 or 1)
+    y0, y1 = y0 - pad, y1 + pad
+    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+    X = lambda v: LEFT + (v - x0) / ((x1 - x0) or 1) * pw
+    Y = lambda v: TOP + (1 - (min(max(v, y0), y1) - y0) / ((y1 - y0) or 1)) * ph
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{LEFT}" y="22" font-size="14">{a.title or "loss, bits per byte"}</text>']
+    for t in ticks(y0, y1):
+        svg.append(f'<line x1="{LEFT}" x2="{LEFT + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#e5e5e5"/>')
+        svg.append(f'<text x="{LEFT - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    for t in ticks(x0, x1):
+        svg.append(f'<line x1="{X(t):.1f}" x2="{X(t):.1f}" y1="{TOP}" y2="{TOP + ph}" stroke="#e5e5e5"/>')
+        svg.append(f'<text x="{X(t):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{label(t, a.x)}</text>')
+    svg.append(f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>')
+    svg.append(f'<text x="{LEFT + pw / 2}" y="{H - 12}" text-anchor="middle">'
+               f'{"tokens trained" if a.x == "tokens" else "training time (the steps alone)"}</text>')
+    svg.append(f'<text transform="translate(18,{TOP + ph / 2}) rotate(-90)" text-anchor="middle">bits per byte</text>')
+    for i, (name, train, held) in enumerate(runs):
+        c = COLOURS[i % len(COLOURS)]
+        above = next((i for i, (_, y) in enumerate(train) if y <= y1), len(train))  # the first steps, off the top
+        pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in train[max(0, above - 1):])
+        svg.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="1" opacity="0.6"/>')
+        if held:
+            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in held)
+            svg.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2.5"/>')
+            svg += [f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3" fill="{c}"/>' for x, y in held]
+        ly = TOP + 10 + 36 * i
+        svg.append(f'<line x1="{LEFT + pw + 14}" x2="{LEFT + pw + 40}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2.5"/>')
+        last = f"held-out {held[-1][1]:.3f}" if held else "no held-out"
+        svg.append(f'<text x="{LEFT + pw + 46}" y="{ly + 4}">{name}</text>')
+        svg.append(f'<text x="{LEFT + pw + 46}" y="{ly + 18}" fill="#555">{last}</text>')
+    svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph}" fill="#555">thin: training (smoothed)</text>')
+    svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph + 14}" fill="#555">thick: held-out</text>')
+    svg.append("</svg>")
+    with open(a.out, "w") as f:
+        f.write("\n".join(svg) + "\n")
+    print(f"plot_metrics: wrote {a.out} ({len(runs)} runs)")
+
+
+if __name__ == "__main__":
+    main()
