@@ -172,6 +172,7 @@ options parse(int argc, char** argv) {
 // choices dropped and of first choices, the largest max/mean expert demand
 // (before capacity), and the experts that received no token.
 std::string routing_summary(const std::vector<moe::gating_stats>& layers) {
+  if (layers.empty()) return "";  // a dense model
   double first = 0, all = 0, spread = 0;
   int dead = 0;
   for (const auto& s : layers) {
@@ -476,8 +477,10 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
     }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
       const double now = MPI_Wtime(), per_step = (now - wall_mark) / steps_window;
-      std::printf("step %5d  loss %.4f  aux %.3f  %.0f tokens/s  %s  lr %.2e  MFU %.2f  ETA %s\n", step + 1, r.ce, r.aux,
-                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.lr,
+      char aux[32] = "";
+      if (!r.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", r.aux);  // a dense model has no routing
+      std::printf("step %5d  loss %.4f%s  %.0f tokens/s  %s%slr %.2e  MFU %.2f  ETA %s\n", step + 1, r.ce, aux,
+                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.moe.empty() ? "" : "  ", r.lr,
                   flops_window / (t_window * double(m.nranks()) * peak * 1e9), duration(per_step * (end - step - 1)).c_str());
       std::fflush(stdout);
       t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
@@ -491,8 +494,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
     return 0;
   }
   if (root)
-    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte  (%s)\n", held_out->ce, held_out->ce * bits,
-                routing_summary(held_out->moe).c_str());
+    std::printf("held-out loss %.4f nats/byte = %.3f bits per byte%s%s%s\n", held_out->ce, held_out->ce * bits,
+                held_out->moe.empty() ? "" : "  (", routing_summary(held_out->moe).c_str(), held_out->moe.empty() ? "" : ")");
   if (o.sample_bytes > 0) {
     const std::string prompt = held_out_prompt(text, split, o.seed);
     const std::string continuation = sample(tr, ps, o.seq, prompt, o.sample_bytes, o.sample_temperature, o.seed);
