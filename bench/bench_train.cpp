@@ -4,7 +4,8 @@
 //   M=128, 4 heads of 32, H=256, E=8, 4 blocks, 16 sequences of 128 bytes),
 //   forward-only model with the derived backward: tokens/s, the step split
 //   into all_to_all, all_reduce and the rest (compute), from the
-//   collectives' own timers (slowest rank), and page faults per step.
+//   collectives' own timers (slowest rank), page faults per step, and the
+//   step's model FLOPs and MFU against the FMA peak measured in the run.
 // step_memory: peak resident memory per rank of a process that ran steps
 //   (run it alone with --benchmark_filter: the peak is the process's), and
 //   page faults per step after three warm-up steps.
@@ -67,6 +68,7 @@ void step(benchmark::State& state) {
   b.step();
   double a2a = 0, ar = 0, total = 0;
   const long f0 = minor_faults();
+  const double flops0 = model_flops();
   for (auto _ : state) {
     const double a0 = collective_seconds(collective::all_to_all), r0 = collective_seconds(collective::all_reduce);
     MPI_Barrier(MPI_COMM_WORLD);
@@ -85,6 +87,11 @@ void step(benchmark::State& state) {
   state.counters["all_reduce_ms"] = 1e3 * ar / n;
   state.counters["compute_ms"] = 1e3 * (total - a2a - ar) / n;
   state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / n;
+  // Model FLOPs utilisation: the step's einsum FLOPs (each rank counts 1/P of
+  // every einsum, counters.hpp) over step time x ranks x the measured peak.
+  const double P = double(b.m.nranks()), step_flops = (model_flops() - flops0) * P / n;
+  state.counters["model_GFLOP/step"] = step_flops * 1e-9;
+  state.counters["mfu"] = step_flops / (total / n) / (P * gshard::bench::fma_peak_gflops() * 1e9);
 }
 
 void step_memory(benchmark::State& state) {

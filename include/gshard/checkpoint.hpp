@@ -25,6 +25,7 @@
 
 #include "gshard/ad/parameters.hpp"
 #include "gshard/collectives.hpp"
+#include "gshard/detail/fnv1a.hpp"
 #include "gshard/error.hpp"
 #include "gshard/io.hpp"
 #include "gshard/reshard.hpp"
@@ -37,11 +38,6 @@ class checkpoint_error : public error {
 };
 
 namespace detail {
-
-inline std::uint64_t fnv1a(const char* p, std::size_t n, std::uint64_t h = 0xcbf29ce484222325ull) {
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ std::uint8_t(p[i])) * 0x100000001b3ull;
-  return h;
-}
 
 struct ckpt_writer {
   std::string buf;
@@ -151,15 +147,6 @@ inline std::string parse_checkpoint(const std::string& f, std::map<std::string, 
   return "";
 }
 
-inline std::string extents_text(const std::vector<index_t>& e) {
-  std::string s = "[";
-  for (std::size_t d = 0; d < e.size(); ++d) {
-    if (d) s += ',';
-    s += std::to_string(e[d]);
-  }
-  return s + "]";
-}
-
 // Rank 0's verdict, raised on every rank.
 inline void agree_or_throw(const std::string& problem_on_root, const std::string& path, const axis_group& g) {
   if (const std::string msg = broadcast_text(g, problem_on_root); !msg.empty())
@@ -245,7 +232,7 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
         const auto& r = it->second;
         if (r.elem_bytes != t->element_bytes() || r.extents != t->extents())
           problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
-                    detail::extents_text(r.extents) + " but the program has " + t->notation();
+                    detail::extents_string(r.extents) + " but the program has " + t->notation();
       }
     // And nothing under the parts' prefixes that the program lacks: a weight
     // of another model configuration (e.g. shared experts) is not silently

@@ -21,27 +21,22 @@
 #include <vector>
 
 #include "gshard/counters.hpp"
+#include "gshard/detail/fnv1a.hpp"
 #include "gshard/detail/options.hpp"
 #include "gshard/mpi.hpp"
 
 namespace gshard::debug {
 
+// The element type as the ranks compare it: types.hpp's table (other types
+// by their size, so two different ones still differ).
 template <class T>
 constexpr int type_code() {
-  if constexpr (std::is_same_v<T, float>) return 1;
-  else if constexpr (std::is_same_v<T, double>) return 2;
-  else if constexpr (std::is_same_v<T, std::int32_t>) return 3;
-  else if constexpr (std::is_same_v<T, std::int64_t>) return 4;
-  else return 5 + int(sizeof(T));
+  constexpr element e = element_of<T>();
+  return e == element::other ? 100 + int(sizeof(T)) : int(e);
 }
-inline const char* type_name(std::int64_t code) {
-  switch (code) {
-    case 1: return "f32";
-    case 2: return "f64";
-    case 3: return "i32";
-    case 4: return "i64";
-    default: return "other";
-  }
+inline std::string type_name(std::int64_t code) {
+  if (code >= int(element::f32) && code < int(element::other)) return std::string(name_of(element(code)));
+  return "another type (" + std::to_string(code - 100) + " bytes)";
 }
 
 namespace detail {
@@ -152,8 +147,7 @@ class watch {
 // element type, element count (-1: may differ, as for gather and scatter).
 inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const std::string& axes, int type,
                   std::int64_t count) {
-  std::uint64_t axes_hash = 0xcbf29ce484222325ull;
-  for (char c : axes) axes_hash = (axes_hash ^ std::uint8_t(c)) * 0x100000001b3ull;
+  const std::uint64_t axes_hash = gshard::detail::fnv1a(axes);
   const std::int64_t mine[5] = {std::int64_t(seq), std::int64_t(kind), std::int64_t(axes_hash), type, count};
   int n = 0, me = 0;
   MPI_Comm_size(mesh_comm, &n);

@@ -186,23 +186,9 @@ struct einsum_plan {
       out_text += "   " + std::to_string(index_t(spec.flops(local))) + " FLOP/rank";
     }
     out_text += "\n";
-    std::string fin = m ? detail::describe_steps(finish::steps, Mesh::names, rank_out, dt, spec.out_term(), out_global.data(),
-                                                 m, elem)
-                        : detail::describe_steps(finish::steps, Mesh::names, rank_out, dt, spec.out_term());
-    if (finish::steps.n > 0) {
-      // renumber the reshard's steps after ours
-      std::string renumbered;
-      std::size_t pos = 0;
-      int k = 0;
-      while (pos < fin.size()) {
-        const std::size_t eol = fin.find('\n', pos);
-        std::string line = fin.substr(pos, eol - pos);
-        const std::size_t dot = line.find(". ");
-        renumbered += "  " + std::to_string(step + ++k) + line.substr(dot) + "\n";
-        pos = eol + 1;
-      }
-      out_text += renumbered;
-    }
+    if (finish::steps.n > 0)  // the output's reshard, numbered on from the local einsum
+      out_text += detail::describe_steps(finish::steps, Mesh::names, rank_out, dt, spec.out_term(), m ? out_global.data() : nullptr,
+                                         m, elem, step + 1);
     return out_text;
   }
 };

@@ -37,12 +37,6 @@ struct einsum_sharding {
   char label_a = 0, label_b = 0;
 };
 
-constexpr bool is_prefix(const rdim& a, const rdim& b) {
-  if (a.n > b.n) return false;
-  for (int i = 0; i < a.n; ++i)
-    if (a.ax[i] != b.ax[i]) return false;
-  return true;
-}
 
 // The label of operand `op` that axis `a` splits (0 if none).
 constexpr char label_on(const einsum_spec& s, const rlayout& l, int op, int a) {

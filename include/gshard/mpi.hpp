@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "gshard/error.hpp"
+#include "gshard/types.hpp"
 
 
 
@@ -29,13 +30,18 @@ namespace gshard::mpi {
 
 template <class T>
 MPI_Datatype datatype() {
-  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
-  else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
-  else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
-  else if constexpr (std::is_same_v<T, std::uint8_t>) return MPI_UINT8_T;
-  else if constexpr (std::is_same_v<T, char>) return MPI_CHAR;
-  else static_assert(sizeof(T) == 0, "gshard::mpi: no MPI datatype for this element type; use float, double, int32, int64 or uint8");
+  constexpr element e = element_of<T>();
+  static_assert(e != element::other, "gshard::mpi: no MPI datatype for this element type; use float, double, int32, int64 or uint8");
+  switch (e) {
+    case element::f32: return MPI_FLOAT;
+    case element::f64: return MPI_DOUBLE;
+    case element::i32: return MPI_INT32_T;
+    case element::i64: return MPI_INT64_T;
+    case element::u8: return MPI_UINT8_T;
+    case element::character: return MPI_CHAR;
+    case element::other: break;
+  }
+  return MPI_DATATYPE_NULL;
 }
 
 inline int world_rank() {

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gshard/detail/softmax_row.hpp"
 #include "gshard/tensor.hpp"
 
 namespace gshard {
@@ -186,14 +187,7 @@ std::remove_cvref_t<X> softmax(X&& x) {
   const index_t n = Y::rank ? out.local().dimension(Y::rank - 1) : 1;
   if (n == 0) return out;
   T* p = out.data();
-  for (index_t row = 0, rows = out.local().size() / n; row < rows; ++row, p += n) {
-    T mx = p[0];
-    for (index_t i = 1; i < n; ++i) mx = p[i] > mx ? p[i] : mx;
-    T sum = 0;
-    for (index_t i = 0; i < n; ++i) sum += (p[i] = std::exp(p[i] - mx));
-    const T inv = T(1) / sum;
-    for (index_t i = 0; i < n; ++i) p[i] *= inv;
-  }
+  for (index_t row = 0, rows = out.local().size() / n; row < rows; ++row, p += n) detail::softmax_row(p, n, p);
   return out;
 }
 

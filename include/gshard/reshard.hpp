@@ -193,10 +193,12 @@ local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, c
   return execute_reshard<T, Rank>(m, p, local, global);
 }
 
+// The steps one per line, numbered from `first` (an einsum's plan continues
+// its own numbering into its output's reshard).
 template <std::size_t N>
 std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& names, int rank, std::string_view dtype,
                            std::string_view labels, const index_t* global = nullptr, const mesh_base* m = nullptr,
-                           std::size_t elem_bytes = 0) {
+                           std::size_t elem_bytes = 0, int first = 1) {
   std::string out;
   if (p.n == 0) return "  (no steps: the shardings are equal)\n";
   auto dim_name = [&](int d) {
@@ -206,7 +208,7 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
   };
   for (int i = 0; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
-    out += "  " + std::to_string(i + 1) + ". " + std::string(name_of(s.kind));
+    out += "  " + std::to_string(first + i) + ". " + std::string(name_of(s.kind));
     if (s.kind == step_kind::permute) out += " over the whole mesh";
     else {
       out += " over ";
@@ -335,9 +337,6 @@ auto reshard_backward(DY&& dy) {
 
 namespace detail {
 template <class Mesh>
-constexpr int axis_index(std::string_view name) { return Mesh::index_of(name); }
-
-template <class Mesh>
 consteval layout_spec spec_of(const rlayout& l) { return unresolve(l, Mesh::names); }
 
 template <sharded_tensor X, step_kind K, class Target>
@@ -350,6 +349,9 @@ constexpr bool is_single_step() {
 namespace detail {
 // The target of each one-collective form for a tensor of type X, with the
 // checks that it is that one collective; shared by the tensor and the var forms.
+// Each ends in the same three lines (its layout as a type, the planner's
+// check), written out: folding them takes a template over a layout value
+// (a class-type template argument), which GCC 12 gets wrong (sharding.hpp).
 template <class X, fixed_string Axis>
 struct all_reduce_target {
   static constexpr int a = X::mesh_type::index_of(Axis.view());

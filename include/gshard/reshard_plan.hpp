@@ -77,19 +77,13 @@ struct reshard_steps {
   }
 };
 
-constexpr bool prefix_of(const rdim& a, const rdim& b) {
-  if (a.n > b.n) return false;
-  for (int i = 0; i < a.n; ++i)
-    if (a.ax[i] != b.ax[i]) return false;
-  return true;
-}
 // Dim d still gains axes on the way to `dst`: its axes so far are a proper prefix.
 constexpr bool growing(const rlayout& cur, const rlayout& dst, int d) {
-  return cur.dims[d].n < dst.dims[d].n && prefix_of(cur.dims[d], dst.dims[d]);
+  return cur.dims[d].n < dst.dims[d].n && is_prefix(cur.dims[d], dst.dims[d]);
 }
 constexpr int next_axis(const rlayout& cur, const rlayout& dst, int d) { return dst.dims[d].ax[cur.dims[d].n]; }
 // Dim d holds an axis it must lose.
-constexpr bool excess(const rlayout& cur, const rlayout& dst, int d) { return !prefix_of(cur.dims[d], dst.dims[d]); }
+constexpr bool excess(const rlayout& cur, const rlayout& dst, int d) { return !is_prefix(cur.dims[d], dst.dims[d]); }
 constexpr int minor_axis(const rlayout& l, int d) { return l.dims[d].ax[l.dims[d].n - 1]; }
 
 // One permute suffices when every dim keeps its block size and the pending
@@ -136,7 +130,9 @@ constexpr void apply(rlayout& l, const reshard_step& s) {
 // Plans src -> dst over a mesh of `naxes` axes whose sizes are `sizes`
 // (gshard::dynamic, i.e. -1, where unknown). Greedy and deterministic: local
 // steps first; then all_to_all, reduce_scatter, all_reduce, all_gather, each
-// only where it moves an axis toward its place in dst.
+// only where it moves an axis toward its place in dst. One piece: the rules
+// in their order of priority, a few lines each, emitting into one plan (and
+// the docs' list of them, chapter 3, reads the same top to bottom).
 constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int naxes, const index_t* sizes) {
   reshard_steps p;
   rlayout cur = src;

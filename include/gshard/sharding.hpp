@@ -273,6 +273,11 @@ namespace detail {
 
 // The layout type of a spec held in a constexpr variable:
 //   constexpr layout_spec s = ...;  using L = layout<detail::text_of<detail::render(s).n>(s)>;
+// written out where it is used. The alias `template <layout_spec S> using
+// layout_of = layout<text_of<render(S).n>(S)>` would fold the idiom, but
+// GCC 12 mis-resolves it: tried, the trainer's einsums saw their operands
+// replicated (a layout_spec as a template argument compares wrongly there,
+// though a small test of it passes).
 template <std::size_t Len>
 consteval fixed_string<Len + 1> text_of(const layout_spec& s) {
   return to_fixed<Len>(render(s).view());
@@ -330,6 +335,14 @@ struct rdim {
   std::int8_t ax[max_mesh_axes]{};  // mesh axis indices, major to minor
   friend constexpr bool operator==(const rdim&, const rdim&) = default;
 };
+
+// a's axes are the first of b's (a dim split over a can be sliced on to b).
+constexpr bool is_prefix(const rdim& a, const rdim& b) {
+  if (a.n > b.n) return false;
+  for (int i = 0; i < a.n; ++i)
+    if (a.ax[i] != b.ax[i]) return false;
+  return true;
+}
 
 struct rlayout {
   rdim dims[max_rank]{};
@@ -444,12 +457,7 @@ constexpr block dim_block(const rlayout& l, int d, index_t global, const index_t
 
 template <class T>
 constexpr std::string_view dtype_name() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, double>) return "f64";
-  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
-  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
-  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
-  else return "?";
+  return name_of(element_of<T>());
 }
 
 // `labels` names each dim (an einsum term such as "GSM"); when empty the dims

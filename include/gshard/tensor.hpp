@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <iterator>
 #include <string>
 #include <unsupported/Eigen/CXX11/Tensor>
 #include <utility>
@@ -87,12 +88,13 @@ shape<Rank> global_offsets(const rlayout& l, const shape<Rank>& global, const me
   return o;
 }
 
-template <int Rank>
-std::string extents_string(const shape<Rank>& e) {
+// "[4,16]": a shape<Rank> or a std::vector<index_t> of extents.
+template <class Extents>
+std::string extents_string(const Extents& e) {
   std::string s = "[";
-  for (int d = 0; d < Rank; ++d) {
+  for (std::size_t d = 0; d < std::size(e); ++d) {
     if (d) s += ',';
-    s += std::to_string(e[std::size_t(d)]);
+    s += std::to_string(e[d]);
   }
   return s + "]";
 }
@@ -198,8 +200,8 @@ class tensor {
     extents_type got{};
     for (int k = 0; k < Rank; ++k) got[std::size_t(k)] = local_.dimension(k);
     mpi::abort_job(("gshard::tensor: rank " + std::to_string(mesh_->rank()) + " was given a local shard of extents " +
-                    detail::extents_string<Rank>(got) + " but " + notation() + " places " +
-                    detail::extents_string<Rank>(want) + " there")
+                    detail::extents_string(got) + " but " + notation() + " places " +
+                    detail::extents_string(want) + " there")
                        .c_str());
   }
 

@@ -132,11 +132,8 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
       const std::int32_t* tg = targets.data();
       for (index_t r = 0; r < rows; ++r, lg += C, d += C) {  // (softmax − onehot) · dloss / count
         if (tg[r] == -1) continue;
-        T mx = lg[0];
-        for (index_t c = 1; c < C; ++c) mx = std::max(mx, lg[c]);
-        T z = 0;
-        for (index_t c = 0; c < C; ++c) z += (d[c] = std::exp(lg[c] - mx));
-        for (index_t c = 0; c < C; ++c) d[c] *= scale / z;
+        detail::softmax_row(lg, C, d);
+        for (index_t c = 0; c < C; ++c) d[c] *= scale;
         d[tg[r]] -= scale;
       }
       tp->slot<X>(xs).add(std::move(dx));

@@ -251,6 +251,9 @@ auto reshard(V&& v) {
   return out;
 }
 
+// The one-collective forms on the tape: the same targets (and checks) as
+// the tensor forms of reshard.hpp, which cannot see var (the tape is a
+// layer above); reshard of a var records the transposed collective.
 template <fixed_string Axis, class V>
   requires var_type<V>
 auto all_reduce(V&& v) {

@@ -17,8 +17,10 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "gshard/detail/fnv1a.hpp"
 #include "gshard/error.hpp"
 #include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
@@ -100,11 +102,7 @@ class set_entry_of final : public set_entry {
   X value_;
 };
 
-inline std::uint64_t name_hash(std::string_view s) {  // FNV-1a: a parameter's stream of initial values
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (char c : s) h = (h ^ std::uint8_t(c)) * 0x100000001b3ull;
-  return h;
-}
+inline std::uint64_t name_hash(std::string_view s) { return fnv1a(s); }  // a parameter's stream of initial values
 
 }  // namespace detail
 

@@ -71,7 +71,7 @@ class grad_slot final : public grad_slot_base {
   void add(tensor<T, R, Mesh, C, L>&& c) {
     if (c.extents() != extents_)
       throw shape_error("gshard::tape: a gradient contribution " + c.notation() + " does not have the extents of its value " +
-                        extents_string<R>(extents_));
+                        extents_string(extents_));
     using P = typename pending_layout<Mesh, R, C, G>::type;
     auto p = reshard<P>(std::move(c));  // local unless C splits dims G does not (their gradient gathers)
     const std::uint32_t mask = pending_layout<Mesh, R, C, G>::value.partial;

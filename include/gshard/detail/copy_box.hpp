@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "gshard/sharding.hpp"
+#include "gshard/types.hpp"
 
 namespace gshard::detail {
 

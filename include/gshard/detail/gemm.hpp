@@ -13,7 +13,7 @@
 
 #include "gshard/detail/options.hpp"
 
-#include "gshard/sharding.hpp"
+#include "gshard/types.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
 #include <cblas.h>

@@ -25,28 +25,28 @@ using gshard::detail::rlayout;
 // xe[e, g, c, :] = x[g, s, :] for every dispatched choice; other slots zero.
 template <class T>
 void dispatch_rows(const routing<T>& r, const T* x, index_t M, T* xe) {
-  const index_t G = r.groups, S = r.tokens, C = r.capacity;
-  std::memset(xe, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
+  const index_t G = r.groups, S = r.tokens;
+  std::memset(xe, 0, sizeof(T) * std::size_t(r.experts * G * r.capacity * M));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
       for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         if (!r.dispatched(c)) continue;
-        std::memcpy(xe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M, x + (g * S + s) * M, sizeof(T) * std::size_t(M));
+        std::memcpy(xe + r.slot_row(c, g) * M, x + (g * S + s) * M, sizeof(T) * std::size_t(M));
       }
 }
 
 // The transpose of dispatch_rows: dx[g,s,:] = Σ_k dxe[e_k,g,c_k,:].
 template <class T>
 void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx) {
-  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  const index_t G = r.groups, S = r.tokens;
   std::memset(dx, 0, sizeof(T) * std::size_t(G * S * M));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
       for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         if (!r.dispatched(c)) continue;
-        const T* row = dxe + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        const T* row = dxe + r.slot_row(c, g) * M;
         T* out = dx + (g * S + s) * M;
         for (index_t i = 0; i < M; ++i) out[i] += row[i];
       }
@@ -55,7 +55,7 @@ void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx)
 // y[g, s, :] = Σ_k weight_k · ye[e_k, g, c_k, :].
 template <class T>
 void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, T* y) {
-  const index_t G = r.groups, S = r.tokens, C = r.capacity;
+  const index_t G = r.groups, S = r.tokens;
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s) {
       T* out = y + (g * S + s) * M;
@@ -64,7 +64,7 @@ void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
         const std::size_t c = r.choice(g, s, k);
         if (r.expert[c] < 0) continue;
         const T w = weight[c];
-        const T* row = ye + ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        const T* row = ye + r.slot_row(c, g) * M;
         for (index_t i = 0; i < M; ++i) out[i] += w * row[i];
       }
     }
@@ -75,15 +75,15 @@ void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
 // dw_k = <dout[g,s,:], y[e_k,g,c_k,:]>.
 template <class T>
 void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, const T* y, index_t M, T* dy, T* dweight) {
-  const index_t G = r.groups, S = r.tokens, C = r.capacity;
-  std::memset(dy, 0, sizeof(T) * std::size_t(r.experts * G * C * M));
+  const index_t G = r.groups, S = r.tokens;
+  std::memset(dy, 0, sizeof(T) * std::size_t(r.experts * G * r.capacity * M));
   std::fill(dweight, dweight + r.k * G * S, T(0));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
       for (int k = 0; k < r.k; ++k) {
         const std::size_t c = r.choice(g, s, k);
         if (r.expert[c] < 0) continue;
-        const index_t at = ((index_t(r.expert[c]) * G + g) * C + r.slot[c]) * M;
+        const index_t at = r.slot_row(c, g) * M;
         const T* go = dout + (g * S + s) * M;
         T dot = 0;
         for (index_t i = 0; i < M; ++i) {

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "gshard/detail/softmax_row.hpp"
 #include "gshard/error.hpp"
 #include "gshard/random.hpp"
 #include "gshard/sharding.hpp"
@@ -94,6 +95,8 @@ struct routing {
 
   std::size_t choice(index_t g, index_t s, int j) const { return std::size_t(k * (g * tokens + s) + j); }
   bool dispatched(std::size_t c) const { return expert[c] >= 0 && weight[c] != T(0); }
+  // The row of choice c (of group g) in the experts' [E, G, C] slots.
+  index_t slot_row(std::size_t c, index_t g) const { return (index_t(expert[c]) * groups + g) * capacity + slot[c]; }
 };
 
 // What one call saw: on this rank from route_tokens, summed over every group
@@ -170,12 +173,7 @@ double token_softmax(const T* l, index_t E, T* gates) {
     if (std::isfinite(l[e])) any_finite = true;
   }
   if (!valid || !any_finite) return std::numeric_limits<double>::quiet_NaN();
-  T mx = -std::numeric_limits<T>::infinity();
-  for (index_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
-  T sum = 0;
-  for (index_t e = 0; e < E; ++e) sum += (gates[e] = std::isfinite(l[e]) ? std::exp(l[e] - mx) : T(0));
-  for (index_t e = 0; e < E; ++e) gates[e] /= sum;
-  return double(mx) + std::log(double(sum));
+  return gshard::detail::softmax_row(l, E, gates);  // masked experts (-inf) get 0
 }
 // The k best unmasked experts of one token by score (gate + bias), ties to
 // the lowest id, into `wanted`; returns how many (fewer than k if fewer are
