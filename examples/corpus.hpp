@@ -3,21 +3,23 @@
 //
 // The default is the GNU Collaborative International Dictionary of English
 // (Debian's dict-gcide, installed by scripts/setup): 40 MB of English prose
-// in 108,000 entries, shipped as one dictzip file (gzip-compatible), read
-// here with zlib. A dictionary is a good held-out test for a small model: an
-// entry held out is a word it has never seen defined, not a shuffled copy of
-// text it trained on. Without it, the licence texts of every Debian system
+// in 126,000 entries, shipped as one dictzip file (gzip-compatible, read
+// here with zlib) and its index. A dictionary is a good held-out test for a
+// small model: a headword held out is a word it has never seen defined, not
+// a shuffled copy of text it trained on. Without it, the licence texts of every Debian system
 // (/usr/share/common-licenses, 213 KB — small enough to be memorised).
 //
 // Documents: a dictionary's entries (a `.dict` or `.dict.dz` file), the
-// files of a directory, or a single file as one. With 10 or more, every
-// tenth document (the 10th, 20th, ...) is held out; with fewer, the last 10%
-// of the bytes. Files named `.gz` or `.dz` are decompressed.
+// files of a directory, or a single file as one. With 10 or more, a tenth is
+// held out (a dictionary's by headword, files every 10th); with fewer, the
+// last 10% of the bytes. Files named `.gz` or `.dz` are decompressed.
 #pragma once
 
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
+#include <string_view>
 #include <cerrno>
 #include <climits>
 #include <filesystem>
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include <gshard/collectives.hpp>
+#include <gshard/detail/fnv1a.hpp>
 #include <gshard/error.hpp>
 #include <gshard/io.hpp>
 
@@ -81,14 +84,71 @@ inline std::string read_any(const std::string& path, std::string& out) {
   return gshard::io::read_file(path, out);
 }
 
-// A dictd database's entries: each starts at a line's first column after a
-// blank line (continuation lines are indented). dictd's own "00-database-*"
-// entries (the header, the URL) are left out.
-inline std::vector<std::string> dictionary_entries(const std::string& text) {
-  std::vector<std::string> out;
+// One document: its text, and for a dictionary entry its headword (the
+// held-out split keeps every entry of one headword on one side).
+struct document {
+  std::string text, headword;
+};
+
+// dictd's base64 numbers (offsets and lengths in its .index): big-endian
+// digits of A-Z a-z 0-9 + /; -1 when a digit is not one.
+inline long long dict_number(const std::string& s) {
+  static constexpr std::string_view digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  long long v = 0;
+  for (char ch : s) {
+    const std::size_t d = digits.find(ch);
+    if (d == std::string_view::npos || v > (1ll << 50)) return -1;
+    v = v * 64 + static_cast<long long>(d);
+  }
+  return s.empty() ? -1 : v;
+}
+
+inline bool dictd_header(const std::string& headword) { return headword.rfind("00-", 0) == 0 || headword.rfind("00database", 0) == 0; }
+
+// A dictd database's entries. With its index beside it (`x.index` for
+// `x.dict[.dz]`: headword, offset, length per line), exactly the indexed
+// spans, each once (several headwords may share one), in file order;
+// without, each entry starts at a line's first column after a blank line.
+// dictd's own entries (00-database-info and the like) are left out.
+inline std::string dictionary_entries(const std::string& path, const std::string& text, std::vector<document>& out,
+                                      bool& indexed) {
+  const std::string base = path.substr(0, path.size() - (ends_with(path, ".dz") ? 8 : 5));  // without .dict[.dz]
+  std::string index;
+  std::error_code ec;
+  indexed = std::filesystem::is_regular_file(base + ".index", ec);
+  if (indexed) {
+    if (std::string p = gshard::io::read_file(base + ".index", index); !p.empty()) return p;
+    struct span {
+      long long at, n;
+      std::string headword;
+    };
+    std::vector<span> spans;
+    std::size_t line = 0;
+    for (std::size_t pos = 0; pos < index.size();) {
+      const std::size_t eol = std::min(index.find('\n', pos), index.size());
+      ++line;
+      const std::string l = index.substr(pos, eol - pos);
+      pos = eol + 1;
+      if (l.empty()) continue;
+      const std::size_t t1 = l.find('\t'), t2 = t1 == std::string::npos ? t1 : l.find('\t', t1 + 1);
+      const long long at = t2 == std::string::npos ? -1 : dict_number(l.substr(t1 + 1, t2 - t1 - 1));
+      const long long n = t2 == std::string::npos ? -1 : dict_number(l.substr(t2 + 1));
+      if (at < 0 || n < 0 || std::size_t(at + n) > text.size())
+        return base + ".index:" + std::to_string(line) + ": not a dictd index line (headword, offset, length) within " + path;
+      const std::string headword = l.substr(0, t1);
+      if (!dictd_header(headword)) spans.push_back({at, n, headword});
+    }
+    std::sort(spans.begin(), spans.end(), [](const span& a, const span& b) { return a.at < b.at; });
+    for (std::size_t i = 0; i < spans.size(); ++i)
+      if (i == 0 || spans[i].at != spans[i - 1].at)
+        out.push_back({text.substr(std::size_t(spans[i].at), std::size_t(spans[i].n)) + "\n", spans[i].headword});
+    return "";
+  }
   std::size_t begin = 0;
   auto take = [&](std::size_t end) {
-    if (end > begin && text.compare(begin, 11, "00-database") != 0) out.push_back(text.substr(begin, end - begin));
+    const std::string e = text.substr(begin, end - begin);
+    const std::string headword = e.substr(0, e.find_first_of(" \t\n"));
+    if (e.find_first_not_of(" \t\n") != std::string::npos && !dictd_header(headword)) out.push_back({e, headword});
     begin = end;
   };
   for (std::size_t at = text.find("\n\n"); at != std::string::npos; at = text.find("\n\n", at + 1)) {
@@ -97,11 +157,11 @@ inline std::vector<std::string> dictionary_entries(const std::string& text) {
     if (next < text.size() && text[next] != ' ' && text[next] != '\t') take(next);
   }
   take(text.size());
-  return out;
+  return "";
 }
 
 // Rank 0's part: the documents at `path`; "" or the problem.
-inline std::string read_documents(const std::string& path, std::vector<std::string>& docs, std::string& what) {
+inline std::string read_documents(const std::string& path, std::vector<document>& docs, std::string& what) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> files;
@@ -112,7 +172,7 @@ inline std::string read_documents(const std::string& path, std::vector<std::stri
     std::sort(files.begin(), files.end());
     for (const auto& f : files) {
       docs.emplace_back();
-      if (std::string p = read_any(f, docs.back()); !p.empty()) return p;
+      if (std::string p = read_any(f, docs.back().text); !p.empty()) return p;
     }
     what = path + ", " + std::to_string(docs.size()) + " files";
     return "";
@@ -120,30 +180,41 @@ inline std::string read_documents(const std::string& path, std::vector<std::stri
   std::string text;
   if (std::string p = read_any(path, text); !p.empty()) return p;
   if (ends_with(path, ".dict") || ends_with(path, ".dict.dz")) {
-    docs = dictionary_entries(text);
-    what = path + ", " + std::to_string(docs.size()) + " dictionary entries";
+    bool indexed = false;
+    if (std::string p = dictionary_entries(path, text, docs, indexed); !p.empty()) return p;
+    what = path + ", " + std::to_string(docs.size()) + " dictionary entries" + (indexed ? " (by its .index)" : "");
   } else {
-    docs.push_back(std::move(text));
+    docs.push_back({std::move(text), ""});
     what = path;
   }
   return "";
 }
 
-// Every tenth document held out, or (fewer than 10) the last 10% of the bytes.
-inline corpus split_documents(std::vector<std::string>& docs, std::string what) {
+// Held out: a tenth of the headwords (by a hash of the lowercased headword,
+// so an entry held out is a word the model never saw defined), or of files
+// every 10th; with fewer than 10 documents, the last 10% of the bytes.
+inline corpus split_documents(std::vector<document>& docs, std::string what) {
   corpus c;
   std::size_t bytes = 0;
-  for (const auto& d : docs) bytes += d.size();
+  for (const auto& d : docs) bytes += d.text.size();
   c.text.reserve(bytes);
+  auto held = [&](std::size_t i) {
+    if (docs[i].headword.empty()) return i % 10 == 9;
+    std::string w = docs[i].headword;
+    for (char& ch : w) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    return gshard::detail::fnv1a(w) % 10 == 9;
+  };
   if (docs.size() >= 10) {
-    std::size_t held = 0;
+    std::size_t n = 0;
     for (std::size_t i = 0; i < docs.size(); ++i)
-      if (i % 10 != 9) c.text += docs[i];
+      if (!held(i)) c.text += docs[i].text;
     c.split = c.text.size();
-    for (std::size_t i = 9; i < docs.size(); i += 10) c.text += docs[i], ++held;
-    c.source = what + " (" + std::to_string(held) + " held out: every 10th)";
+    for (std::size_t i = 0; i < docs.size(); ++i)
+      if (held(i)) c.text += docs[i].text, ++n;
+    c.source = what + " (" + std::to_string(n) + " held out: " +
+               (docs[0].headword.empty() ? "every 10th" : "a tenth of the headwords") + ")";
   } else {
-    for (const auto& d : docs) c.text += d;
+    for (const auto& d : docs) c.text += d.text;
     c.split = c.text.size() * 9 / 10;
     c.source = what + " (the last 10% held out)";
   }
@@ -165,7 +236,7 @@ inline corpus load_corpus(const std::string& program, const std::string& path) {
     std::string from = path;
     std::error_code ec;
     if (from.empty()) from = std::filesystem::exists(default_dictionary, ec) ? default_dictionary : fallback_texts;
-    std::vector<std::string> docs;
+    std::vector<detail::document> docs;
     std::string what;
     problem = detail::read_documents(from, docs, what);
     if (problem.empty() && path.empty() && from == fallback_texts)

@@ -1,7 +1,7 @@
 // examples/train.cpp — trains a byte-level MoE Transformer language model
 // across ranks. With no arguments: the GCIDE dictionary (40 MB of English,
 // Debian's dict-gcide; examples/corpus.hpp), a small model, 1500 steps;
-// every tenth entry is held out for evaluation.
+// a tenth of its headwords is held out for evaluation.
 //   scripts/mpirun -np 2 build/examples/train [text file or directory] [--steps N] [--seed S]
 //       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
 //       [--log-every N] [--eval-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
@@ -64,7 +64,7 @@ constexpr const char* usage =
     "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
     "  text               a file (.gz, .dz: decompressed; .dict: a dictionary's entries) or a directory of\n"
     "                     files (default: /usr/share/dictd/gcide.dict.dz, else /usr/share/common-licenses);\n"
-    "                     every 10th document held out (fewer than 10: the last 10%)\n"
+    "                     a tenth held out (a dictionary's headwords, else every 10th file; fewer than 10: the last 10%)\n"
     "  --steps N          optimizer steps (1500); the learning-rate schedule spans them\n"
     "  --batch B --seq L  B sequences of L bytes per step (16, 128), split over data x expert\n"
     "  --seed S           data order, routing noise and initial weights (1)\n"
@@ -99,8 +99,12 @@ constexpr const char* usage =
 options parse(int argc, char** argv) {
   options o;
   bool bias_rate_given = false, capacity_given = false;
+  std::string routing_given;  // the first routing option given (no effect in a dense model)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    for (const char* r : {"--top-k", "--second", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
+                          "--z-loss", "--balance", "--bias-rate", "--aux-coef"})
+      if (a == r && routing_given.empty()) routing_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;
       return o;
@@ -161,8 +165,12 @@ options parse(int argc, char** argv) {
                                                "--bias-rate has no effect without --balance bias"},
                                      std::pair{capacity_given && o.model.gating.dropless,
                                                "--capacity-factor and --eval-capacity-factor have no effect with --dropless"},
-                                     std::pair{o.second_given && o.model.gating.top_k == 1, "--second has no effect with --top-k 1"}})
+                                     std::pair{o.second_given && o.model.gating.top_k == 1, "--second has no effect with --top-k 1"},
+                                     std::pair{o.sample_bytes == 0 && o.sample_temperature != 0.7,
+                                               "--sample-temperature has no effect with --sample-bytes 0"}})
     if (ignored) o.notes.push_back(why);
+  if (o.experts == 0 && !routing_given.empty())
+    o.notes.push_back(routing_given + " (and every routing option) has no effect with --experts 0: a dense model routes nothing");
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
   if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;
@@ -257,7 +265,12 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
 // example's model (M 128, 4 blocks, E 8, H 256; glibc heap kept warm):
 // 42 MB, and per token 30.5 KB + 78 B x the window length (attention's
 // [N, L, T] terms), within 4% at (B, L) = (16, 128) ... (64, 256) on 1 rank.
-double step_bytes(double tokens_per_rank, double L) { return 42e6 + tokens_per_rank * (30.5e3 + 78.0 * L); }
+// Other FFN widths scale the per-token term by their widest FFN's hidden
+// units per token against the fitted model's (top-2 of H 256: 512); a rough
+// bound, not a fit.
+double step_bytes(double tokens_per_rank, double L, double ffn_scale = 1.0) {
+  return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + 78.0 * L);
+}
 
 // Everything about the options that can be checked before step 1, on rank 0
 // (where the files are written): "" or what is wrong.
@@ -276,10 +289,12 @@ std::string preflight(const options& o, const std::string& text, std::size_t spl
   if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
   const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
-  const double need = step_bytes(double(o.batch) * L / batch_ranks, L);
+  const double k = o.experts > 0 ? double(o.model.gating.top_k) : 1.0;  // dropless: loads near the mean, as top-k
+  const double scale = std::max({double(o.hidden), k * double(o.hidden), double(o.slot_hidden)}) / 512.0;
+  const double need = step_bytes(double(o.batch) * L / batch_ranks, L, scale);
   if (need > 0.8 * memory) {
-    const double per_sequence = step_bytes(L / batch_ranks, L) - step_bytes(0, L);
-    const double fits = std::floor((0.8 * memory - step_bytes(0, L)) / per_sequence);
+    const double per_sequence = step_bytes(L / batch_ranks, L, scale) - step_bytes(0, L, scale);
+    const double fits = std::floor((0.8 * memory - step_bytes(0, L, scale)) / per_sequence);
     char most[80];
     if (fits >= 1) std::snprintf(most, sizeof most, "at this --seq, --batch %.0f at most", fits);
     else std::snprintf(most, sizeof most, "give a smaller --seq");
@@ -493,6 +508,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
     if (root) std::printf("stopped after step %d of %d\n", end, o.steps);
     return 0;
   }
+  if (!held_out) held_out = evaluate();  // the last step evaluates; kept for clarity, not reached
   if (root)
     std::printf("held-out loss %.4f nats/byte = %.3f bits per byte%s%s%s\n", held_out->ce, held_out->ce * bits,
                 held_out->moe.empty() ? "" : "  (", routing_summary(held_out->moe).c_str(), held_out->moe.empty() ? "" : ")");

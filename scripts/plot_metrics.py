@@ -11,6 +11,7 @@ against the tokens trained (or the seconds of training: the sum of the steps'
 steps; each line's own step and tokens are used, so a resumed run continues
 its curve. Python's standard library only."""
 import argparse
+import html
 import json
 import math
 import os
@@ -33,6 +34,8 @@ def load(path, x_kind):
                 sys.exit(f"plot_metrics: {path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
             if "step" not in r or "ce" not in r:
                 sys.exit(f"plot_metrics: {path}:{n}: no 'step' or 'ce': is it the trainer's --metrics file?")
+            if x_kind == "tokens" and "tokens" not in r:
+                sys.exit(f"plot_metrics: {path}:{n}: no 'tokens' (written by an older trainer); plot it with --x seconds")
             steps[r["step"]] = r  # a resumed run repeats no step; a re-run from scratch replaces
     rows = [steps[s] for s in sorted(steps)]
     if not rows:
@@ -102,7 +105,7 @@ def main():
     Y = lambda v: TOP + (1 - (min(max(v, y0), y1) - y0) / ((y1 - y0) or 1)) * ph
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{LEFT}" y="22" font-size="14">{a.title or "loss, bits per byte"}</text>']
+           f'<text x="{LEFT}" y="22" font-size="14">{html.escape(a.title or "loss, bits per byte")}</text>']
     for t in ticks(y0, y1):
         svg.append(f'<line x1="{LEFT}" x2="{LEFT + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#e5e5e5"/>')
         svg.append(f'<text x="{LEFT - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
@@ -125,7 +128,7 @@ def main():
         ly = TOP + 10 + 36 * i
         svg.append(f'<line x1="{LEFT + pw + 14}" x2="{LEFT + pw + 40}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2.5"/>')
         last = f"held-out {held[-1][1]:.3f}" if held else "no held-out"
-        svg.append(f'<text x="{LEFT + pw + 46}" y="{ly + 4}">{name}</text>')
+        svg.append(f'<text x="{LEFT + pw + 46}" y="{ly + 4}">{html.escape(name)}</text>')
         svg.append(f'<text x="{LEFT + pw + 46}" y="{ly + 18}" fill="#555">{last}</text>')
     svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph}" fill="#555">thin: training (smoothed)</text>')
     svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph + 14}" fill="#555">thick: held-out</text>')

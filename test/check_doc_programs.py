@@ -12,7 +12,9 @@
 * a block of commands (```sh) follows <!-- commands: run --> (this test runs
   each line, from a directory where `build/` is the build and `scripts/` the
   source's, and wants exit 0), <!-- commands: tested-by test/FILE --> (FILE
-  runs them), or <!-- commands: long --> (minutes, a cluster, or an install).
+  runs them), or <!-- commands: long --> (minutes, a cluster, or an install);
+* a block in another language (another stack's code, for comparison)
+  follows <!-- not checked: REASON -->; a block without a language is output.
 
 A block without its marker is a failure, so nothing new goes unchecked.
 
@@ -26,7 +28,7 @@ import sys
 
 from checks import verdict
 
-BLOCK = re.compile(r"(?:<!--\s*(test|compile|commands):\s*([^\n]*?)\s*-->\s*\n)?```(\w*)\n(.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!--\s*(test|compile|commands|not checked):\s*([^\n]*?)\s*-->\s*\n)?```(\w*)\n(.*?)```", re.S)
 TEST = re.compile(r"np=([\d,]+)(?:\s+expect=\"([^\"]*)\")?$")
 
 
@@ -48,6 +50,8 @@ def contexts(path):
         if m:
             if name:
                 body = "\n".join(lines)
+                if ("//@fragment\n" not in body and name != "prelude") or name in out:
+                    sys.exit(f"{path}: context {name} is defined twice or has no //@fragment line")
                 before, _, after = body.partition("//@fragment\n")
                 out[name] = (before, after, start, start + before.count("\n") + 1)
             name, lines, start = m.group(1), [], i + 1
@@ -141,7 +145,7 @@ def commands(root, build, work, found, problems):
             print(f"{where}: not run (the examples are not built)")
         elif spec == "run":
             for cmd in code.replace("\\\n", " ").split("\n"):
-                cmd = cmd.split("#")[0].strip()
+                cmd = re.sub(r"(^|\s)#.*$", "", cmd).strip()  # a comment, not a '#' inside a word
                 if not cmd:
                     continue
                 r = subprocess.run(["bash", "-c", cmd], cwd=here, capture_output=True, text=True, timeout=300)
@@ -163,6 +167,10 @@ def main() -> int:
     compiled = fragments(root, work, compiler, [b for b in found if b[4] == "cpp" and "int main(" not in b[5]],
                          problems)
     shell = commands(root, build, work, [b for b in found if b[4] == "sh"], problems)
+    for md, line, marker, spec, lang, _ in found:
+        if lang not in ("cpp", "sh", "") and marker != "not checked":
+            problems.append(f"{md}, {lang} block at line {line}: no <!-- not checked: REASON --> marker before it "
+                            "(or make it cpp or sh, checked)")
     if ran == 0 or compiled == 0:
         problems.append("no documented program ran or no fragment compiled")
     print(f"{ran} runs of documented programs, {compiled} fragments compiled, {shell} documented commands run")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The header map (include/gshard/README.md) is true: every header of
 include/gshard is listed once with its layer, none listed is missing, no
-header includes one of a higher layer, and each compiles on its own
-(-fsyntax-only, two at a time).
+header includes one of a higher layer (nor <mpi.h> below layer 2), and each
+compiles on its own (-fsyntax-only, two at a time).
 
 usage: check_headers.py SOURCE_ROOT WORKDIR -- COMPILER [FLAGS...]"""
 import concurrent.futures
@@ -38,7 +38,10 @@ def main() -> int:
         if h not in headers:
             problems.append(f"include/gshard/README.md lists {h}, which does not exist")
     for h in headers:
-        for dep in INCLUDE.findall(open(os.path.join(inc, h)).read()):
+        text = open(os.path.join(inc, h)).read()
+        if h in layer and layer[h] < 2 and re.search(r"^#include <mpi\.h>", text, re.M):
+            problems.append(f"{h} (layer {layer[h]}) includes <mpi.h>: MPI starts at layer 2")
+        for dep in INCLUDE.findall(text):
             if h in layer and dep in layer and layer[dep] > layer[h]:
                 problems.append(f"{h} (layer {layer[h]}) includes {dep} (layer {layer[dep]}): an include runs up a layer")
 

@@ -125,6 +125,31 @@ def main() -> int:
         f"Word{i} \\Word{i}\\, n.\n   {'a definition of the word ' * 5}\n\n   2. {'another sense, indented ' * 4}\n   [1913 Webster]\n\n"
         for i in range(20)]
     open(dictionary, "w").write("".join(entries))
+    held_words = sum(fnv1a(f"word{i}".encode()) % 10 == 9 for i in range(20))  # a tenth of the headwords
+    # The same with dictd's index beside it, and a header entry of unindented
+    # paragraphs (as GCIDE's 00-database-info): the index alone says where
+    # entries are.
+    indexed = os.path.join(work, "indexed.dict")
+    body = "00-database-info\n   converted from\n\nThe licence paragraph, unindented.\n\n" + "".join(entries[1:])
+    digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+    def b64(v):
+        s = ""
+        while True:
+            s = digits[v % 64] + s
+            v //= 64
+            if v == 0:
+                return s
+    at = body.index("Word0")
+    lines = [f"00-database-info\t{b64(0)}\t{b64(at)}"]
+    for i in range(20):
+        n = len(entries[i + 1]) - 2
+        lines.append(f"Word{i}\t{b64(at)}\t{b64(n)}")
+        at += n + 2
+    open(indexed, "w").write(body)
+    open(os.path.join(work, "indexed.index"), "w").write("\n".join(lines) + "\n")
+    open(os.path.join(work, "bad.dict"), "w").write(body)
+    open(os.path.join(work, "bad.index"), "w").write("Word0\tA\n")
     empty_dir = os.path.join(work, "empty")
     os.makedirs(empty_dir, exist_ok=True)
     ckpt = os.path.join(work, "run.ckpt")
@@ -148,6 +173,8 @@ def main() -> int:
         (["--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
         ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out part has 500 bytes"),
         ([truncated], f"cannot read {truncated}: unexpected end of file"),
+        ([os.path.join(work, "bad.dict")], "bad.index:1: not a dictd index line (headword, offset, length)"),
+        (["--slot-hidden", "512"], "--slot-hidden 512 is for a dense model; give --experts 0"),
         (["--sample-temperature", "-1"], "--sample-temperature takes a finite number >= 0, not '-1'"),
         (["--eval-every", "-5"], "--eval-every takes a whole number from 0"),
         (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
@@ -169,9 +196,18 @@ def main() -> int:
             not all("held_out_bpb" in l and l["mfu"] > 0 and l["grad_norm"] > 0 and l["tokens"] == 128 * l["step"] for l in lines):
         problems.append(f"a gzip text with --eval-every 1 --metrics: exit {code}, metrics {lines}:\n{out[-1500:]}")
     code, out = run(base + [dictionary, "--steps", "3", "--sample-bytes", "8", "--sample-temperature", "0"] + SMALL)
-    if code != 0 or f"text: {dictionary}, 20 dictionary entries (2 held out: every 10th)" not in out or \
+    if code != 0 or f"text: {dictionary}, 20 dictionary entries ({held_words} held out: a tenth of the headwords)" not in out or \
             "held-out at step" in out or "sample (prompt: " not in out or "temperature 0)" not in out:
         problems.append(f"a dictionary, greedy sampling: exit {code}:\n{out[-1500:]}")
+    code, out = run(base + [indexed, "--steps", "2", "--sample-bytes", "0"] + SMALL)
+    if code != 0 or f"text: {indexed}, 20 dictionary entries (by its .index) ({held_words} held out" not in out:
+        problems.append(f"a dictionary with its index: exit {code}:\n{out[-1500:]}")
+    # A dense model: no routing in its lines, and a note for a routing option.
+    code, out = run(base + ["--experts", "0", "--slot-hidden", "64", "--top-k", "1", "--steps", "2", "--log-every", "1",
+                            "--sample-bytes", "0"] + SMALL)
+    if code != 0 or "dense: H=256, blocks 1, 3, ...: H=64" not in out or "aux" in out or "dropped" in out or \
+            "--top-k (and every routing option) has no effect with --experts 0" not in out or "step     2" not in out:
+        problems.append(f"a dense model (--experts 0 --slot-hidden 64): exit {code}:\n{out[-1500:]}")
     code, out = run(base + ["--steps", "2"], env={"GSHARD_GEMM": "fast"}, timeout=60)
     if code in (None, 0) or "GSHARD_GEMM=fast is not allowed; use eigen" not in out:
         problems.append(f"GSHARD_GEMM=fast: exit {code}:\n{out[-1500:]}")

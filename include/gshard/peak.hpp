@@ -17,7 +17,13 @@
 
 namespace gshard {
 
-namespace detail {
+// Everything here has internal linkage (an unnamed namespace): its body
+// depends on the -march of the file that includes it, so two files built for
+// different vector units must not share one definition (the one-definition
+// rule, and a linker keeping the AVX-512 copy for an AVX2 caller).
+namespace {
+
+namespace peak_detail {  // not `detail`: a second one would make gshard's ambiguous
 // fp32 FMAs on registers only, for the widest vector unit this build targets:
 // 16 independent accumulators (more than FMA latency x ports on current
 // x86 cores), no memory traffic. Returns GFLOP/s (2 per lane per FMA).
@@ -71,20 +77,22 @@ inline const char* fma_unit_name() {
   return "scalar";
 #endif
 }
-}  // namespace detail
+}  // namespace peak_detail
 
 // The fp32 FMA peak of one core in GFLOP/s as this build can use it,
 // measured on every rank of `g` at once (each on its core, as a job runs):
 // the best of 5 rounds of ~50 ms, the smallest over the ranks (one counted
 // all_reduce). Collective over `g`; about 0.3 s.
-inline double measure_fma_peak(const detail::axis_group& g) {
+inline double measure_fma_peak(const gshard::detail::axis_group& g) {
   double best = 0;
-  detail::fma_loop_gflops(1 << 20);  // wake the core up
-  for (int round = 0; round < 5; ++round) best = std::max(best, detail::fma_loop_gflops(1 << 23));
+  peak_detail::fma_loop_gflops(1 << 20);  // wake the core up
+  for (int round = 0; round < 5; ++round) best = std::max(best, peak_detail::fma_loop_gflops(1 << 23));
   return all_reduce(g, best, reduction::min);
 }
 
 // The vector unit measure_fma_peak uses: "AVX-512", "AVX2+FMA" or "scalar".
-inline const char* fma_unit() { return detail::fma_unit_name(); }
+inline const char* fma_unit() { return peak_detail::fma_unit_name(); }
+
+}  // namespace
 
 }  // namespace gshard

@@ -212,12 +212,12 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
     if (s.kind == step_kind::permute) out += " over the whole mesh";
     else {
       out += " over ";
-      bool first = true;
+      bool lead = true;  // the first axis named
       for (std::size_t a = 0; a < N; ++a)
         if ((s.mask >> a) & 1u) {
-          if (!first) out += ',';
+          if (!lead) out += ',';
           out += names[a].view();
-          first = false;
+          lead = false;
         }
     }
     if (s.from_dim >= 0 && s.to_dim >= 0) out += ": " + dim_name(s.from_dim) + " -> " + dim_name(s.to_dim);

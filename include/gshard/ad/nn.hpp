@@ -10,6 +10,7 @@
 #include <string>
 
 #include "gshard/ad/ops.hpp"
+#include "gshard/detail/softmax_row.hpp"
 
 namespace gshard {
 
