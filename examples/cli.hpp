@@ -69,6 +69,18 @@ inline std::optional<std::vector<std::string>> positional(int argc, char** argv,
   return args;
 }
 
+// The regular files of directory `dir`, in name order (symlinks left out:
+// GPL -> GPL-3 and the like count once); "" or the problem.
+inline std::string list_files(const std::string& dir, std::vector<std::string>& files) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->is_regular_file() && !it->is_symlink()) files.push_back(it->path().string());
+  if (ec) return "cannot list " + dir + ": " + ec.message();
+  if (files.empty()) return dir + " holds no regular file";
+  std::sort(files.begin(), files.end());
+  return "";
+}
+
 // Rank 0 reads the text at `path` (a file, or every regular file of a
 // directory, in name order; empty: `fallback_dir`) and every rank receives
 // it: the path need exist only there. A problem is rank 0's to find and
@@ -80,14 +92,9 @@ inline std::string load_text(const std::string& program, const std::string& path
     const std::string dir = path.empty() ? fallback_dir : path;
     std::vector<std::string> files;
     std::error_code ec;
-    if (std::filesystem::is_directory(dir, ec)) {
-      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-        if (it->is_regular_file() && !it->is_symlink()) files.push_back(it->path().string());  // GPL -> GPL-3 etc. once
-      if (ec) problem = "cannot list " + dir + ": " + ec.message();
-      else if (files.empty()) problem = dir + " holds no regular file";
-    } else if (path.empty()) problem = "no text: give a file, or install base-files (" + fallback_dir + ")";
+    if (std::filesystem::is_directory(dir, ec)) problem = list_files(dir, files);
+    else if (path.empty()) problem = "no text: give a file, or install base-files (" + fallback_dir + ")";
     else files.push_back(path);
-    std::sort(files.begin(), files.end());
     for (std::size_t i = 0; i < files.size() && problem.empty(); ++i) {
       std::string one;
       problem = gshard::io::read_file(files[i], one);

@@ -31,6 +31,8 @@
 #include <gshard/error.hpp>
 #include <gshard/io.hpp>
 
+#include "cli.hpp"
+
 namespace examples {
 
 inline constexpr const char* default_dictionary = "/usr/share/dictd/gcide.dict.dz";
@@ -165,11 +167,7 @@ inline std::string read_documents(const std::string& path, std::vector<document>
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> files;
-    for (std::filesystem::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec))
-      if (it->is_regular_file() && !it->is_symlink()) files.push_back(it->path().string());  // GPL -> GPL-3 etc. once
-    if (ec) return "cannot list " + path + ": " + ec.message();
-    if (files.empty()) return path + " holds no regular file";
-    std::sort(files.begin(), files.end());
+    if (std::string p = list_files(path, files); !p.empty()) return p;
     for (const auto& f : files) {
       docs.emplace_back();
       if (std::string p = read_any(f, docs.back().text); !p.empty()) return p;
@@ -198,19 +196,19 @@ inline corpus split_documents(std::vector<document>& docs, std::string what) {
   std::size_t bytes = 0;
   for (const auto& d : docs) bytes += d.text.size();
   c.text.reserve(bytes);
-  auto held = [&](std::size_t i) {
-    if (docs[i].headword.empty()) return i % 10 == 9;
-    std::string w = docs[i].headword;
-    for (char& ch : w) ch = char(std::tolower(static_cast<unsigned char>(ch)));
-    return gshard::detail::fnv1a(w) % 10 == 9;
-  };
   if (docs.size() >= 10) {
+    std::vector<bool> held(docs.size());
+    for (std::size_t i = 0; i < docs.size(); ++i) {
+      std::string w = docs[i].headword;
+      for (char& ch : w) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+      held[i] = w.empty() ? i % 10 == 9 : gshard::detail::fnv1a(w) % 10 == 9;
+    }
     std::size_t n = 0;
     for (std::size_t i = 0; i < docs.size(); ++i)
-      if (!held(i)) c.text += docs[i].text;
+      if (!held[i]) c.text += docs[i].text;
     c.split = c.text.size();
     for (std::size_t i = 0; i < docs.size(); ++i)
-      if (held(i)) c.text += docs[i].text, ++n;
+      if (held[i]) c.text += docs[i].text, ++n;
     c.source = what + " (" + std::to_string(n) + " held out: " +
                (docs[0].headword.empty() ? "every 10th" : "a tenth of the headwords") + ")";
   } else {

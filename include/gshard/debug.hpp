@@ -142,6 +142,29 @@ class watch {
   }
 };
 
+// The message for field f that differs across the n ranks' records `all`
+// (5 per rank): each distinct value with the ranks that hold it. `show`
+// prints one rank's value.
+template <class Show>
+std::string difference_message(std::uint64_t seq, const char* field, const std::vector<std::int64_t>& all, int n, int f,
+                               const Show& show) {
+  std::string msg = "gshard debug: collective #" + std::to_string(seq) + " differs across ranks in its " + field + ':';
+  std::vector<bool> done(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (done[std::size_t(r)]) continue;
+    std::string ranks;
+    for (int q = r; q < n; ++q)
+      if (!done[std::size_t(q)] && all[std::size_t(5 * q + f)] == all[std::size_t(5 * r + f)]) {
+        done[std::size_t(q)] = true;
+        if (!ranks.empty()) ranks += ',';
+        ranks += std::to_string(q);
+      }
+    msg += ' ' + show(r) + (ranks.find(',') != std::string::npos ? " on ranks " : " on rank ") + ranks + ';';
+  }
+  msg.back() = '.';
+  return msg;
+}
+
 // The checked mode's comparison, over every rank of the mesh (in SPMD they
 // all reach the same collective). Fields: sequence number, kind, axes,
 // element type, element count (-1: may differ, as for gather and scatter).
@@ -154,14 +177,13 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
   MPI_Comm_rank(mesh_comm, &me);
   std::vector<std::int64_t> all(std::size_t(5 * n));
   MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, mesh_comm);
-  // The axes names travel too, for the message (only when they differ).
   static const char* field_names[5] = {"sequence number", "kind", "axes", "element type", "element count"};
   for (int f = 0; f < 5; ++f) {
     bool differ = false;
     for (int r = 1; r < n; ++r) differ = differ || all[std::size_t(5 * r + f)] != all[std::size_t(f)];
     if (!differ) continue;
-    std::vector<char> names;
-    if (f == 2) {  // gather every rank's axes text
+    std::vector<char> names;  // the axes names travel too, for the message (only when they differ)
+    if (f == 2) {
       char buf[64] = {};
       std::snprintf(buf, sizeof buf, "%s", axes.c_str());
       names.resize(std::size_t(64 * n));
@@ -171,37 +193,12 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
       const std::int64_t v = all[std::size_t(5 * r + f)];
       switch (f) {
         case 1: return std::string(name_of(collective(v)));
-        case 2: {
-          std::string text = "{";
-          text += names.data() + 64 * r;
-          return text + "}";
-        }
+        case 2: return "{" + std::string(names.data() + 64 * r) + "}";
         case 3: return type_name(v);
         default: return std::to_string(v);
       }
     };
-    std::string msg = "gshard debug: collective #";
-    msg += std::to_string(seq);
-    msg += " differs across ranks in its ";
-    msg += field_names[f];
-    msg += ':';
-    std::vector<bool> done(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r) {
-      if (done[std::size_t(r)]) continue;
-      std::string ranks;
-      for (int q = r; q < n; ++q)
-        if (!done[std::size_t(q)] && all[std::size_t(5 * q + f)] == all[std::size_t(5 * r + f)]) {
-          done[std::size_t(q)] = true;
-          if (!ranks.empty()) ranks += ',';
-          ranks += std::to_string(q);
-        }
-      msg += ' ';
-      msg += show(r);
-      msg += ranks.find(',') != std::string::npos ? " on ranks " : " on rank ";
-      msg += ranks;
-      msg += ';';
-    }
-    msg.back() = '.';
+    const std::string msg = difference_message(seq, field_names[f], all, n, f, show);
     if (me == 0) mpi::abort_job(msg.c_str());
     MPI_Barrier(mesh_comm);  // rank 0 aborts the job; the others wait for it
     std::_Exit(1);

@@ -203,8 +203,8 @@ int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std:
 // by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
 // normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
 // the later choices. Fills r (without slots) and returns this rank's
-// statistics (with the demand, without loads and drops). One loop over the
-// tokens of a group, kept whole: the softmax and the top-k are helpers, and
+// statistics (with the demand, without loads and drops). One piece: one
+// loop over the tokens of a group; the softmax and the top-k are helpers, and
 // what stays — weights, the aux sums, random routing, the demand — all
 // accumulate per group in the same pass.
 template <class T>
