@@ -1,7 +1,8 @@
 // bench/bench_train.cpp — training.
 //   scripts/mpirun -np 2 build/bench/bench_train
-// step: one training step of the trainer's model (examples/train.cpp:
-//   M=128, 4 heads of 32, H=256, E=8, 4 blocks, 16 sequences of 128 bytes),
+// step/sharded_update:0|1: one training step of the trainer's model
+//   (examples/train.cpp: M=128, 4 heads of 32, H=256, E=8, 4 blocks, 16
+//   sequences of 128 bytes), the weight update replicated (0) or sharded (1),
 //   forward-only model with the derived backward: tokens/s, the step split
 //   into all_to_all, all_reduce and the rest (compute), from the
 //   collectives' own timers (slowest rank), page faults per step, and the
@@ -16,6 +17,10 @@
 // they replaced, measured before it was deleted.)
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include <sys/resource.h>
 
@@ -49,11 +54,14 @@ local_tensor<std::int32_t, 2> bench_tokens(index_t B, index_t L) {
   return tok;
 }
 
-// The trainer's model, its parameters and Adam's state, and a batch.
+// The trainer's model, its parameters and Adam's state, and a batch; the
+// weight update replicated or sharded over the batch axes.
 struct trainer {
+  explicit trainer(bool sharded_update = false)
+      : ps(sharded_update ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{}) : parameters<grid>(m, 1)) {}
   const grid& m = gshard::bench::world_mesh<grid>();
   model::config c = trainer_config();
-  parameters<grid> ps{m, 1};
+  parameters<grid> ps;
   model::transformer<float, grid> tr{ps, c};
   adam opt{{}, ps};
   model::transformer<float, grid>::tokens_type tokens =
@@ -63,20 +71,23 @@ struct trainer {
 };
 
 void step(benchmark::State& state) {
-  trainer b;
+  trainer b(state.range(0) == 1);
   b.step();  // warm up
   b.step();
-  double a2a = 0, ar = 0, total = 0;
+  double a2a = 0, ar = 0, rs_ag = 0, total = 0;
   const long f0 = minor_faults();
   const double flops0 = model_flops();
   for (auto _ : state) {
     const double a0 = collective_seconds(collective::all_to_all), r0 = collective_seconds(collective::all_reduce);
+    const double s0 = collective_seconds(collective::reduce_scatter) + collective_seconds(collective::all_gather);
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = MPI_Wtime();
     b.step();
     const double t = gshard::bench::max_over_ranks(MPI_Wtime() - t0);
     a2a += gshard::bench::max_over_ranks(collective_seconds(collective::all_to_all) - a0);
     ar += gshard::bench::max_over_ranks(collective_seconds(collective::all_reduce) - r0);
+    rs_ag += gshard::bench::max_over_ranks(collective_seconds(collective::reduce_scatter) +
+                                           collective_seconds(collective::all_gather) - s0);
     total += t;
     state.SetIterationTime(t);
   }
@@ -85,7 +96,8 @@ void step(benchmark::State& state) {
   state.counters["step_ms"] = 1e3 * total / n;
   state.counters["all_to_all_ms"] = 1e3 * a2a / n;
   state.counters["all_reduce_ms"] = 1e3 * ar / n;
-  state.counters["compute_ms"] = 1e3 * (total - a2a - ar) / n;
+  state.counters["reduce_scatter+all_gather_ms"] = 1e3 * rs_ag / n;
+  state.counters["compute_ms"] = 1e3 * (total - a2a - ar - rs_ag) / n;
   state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / n;
   // Model FLOPs utilisation: the step's einsum FLOPs (each rank counts 1/P of
   // every einsum, counters.hpp) over step time x ranks x the measured peak.
@@ -101,6 +113,71 @@ void step_memory(benchmark::State& state) {
   for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { b.step(); }));
   state.counters["max_rss_MiB"] = gshard::bench::max_over_ranks(max_rss_mib());
   state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
+}
+
+// sharded_vs_replicated_update: the same step with each weight update,
+// interleaved step by step in one run (the machine's drift cancels): the
+// median ratio of step times, sharded over replicated.
+void sharded_vs_replicated_update(benchmark::State& state) {
+  trainer rep(false), sh(true);
+  const auto c = gshard::bench::compare(state, {[&] { rep.step(); }, [&] { sh.step(); }}, 1);
+  state.counters["replicated_ms"] = 1e3 * c.median_time[0];
+  state.counters["sharded_ms"] = 1e3 * c.median_time[1];
+  state.counters["sharded/replicated"] = c.median_ratio[1];
+}
+
+// kB of a "VmRSS:" / "VmHWM:" line of /proc/self/status, in MiB.
+double status_mib(const char* key) {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  const std::size_t n = std::strlen(key);
+  while (std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, key, n) == 0) kb = std::atof(line + n);
+  std::fclose(f);
+  return kb / 1024.0;
+}
+double local_mib(tensor_set& s) {
+  double b = 0;
+  for (auto& e : s) b += double(e->f32().size_bytes() + e->f64().size_bytes());
+  return b / (1024.0 * 1024.0);
+}
+
+// memory_per_rank/sharded_update:0|1 — GShard's weak scaling (paper §5.1):
+// the work per rank fixed (8 sequences of 128 bytes), the experts growing
+// with the ranks (E = 2P, two per rank), the trainer's model otherwise.
+// Peak resident memory per rank after three steps, and its parts: the
+// parameters, their gradients, Adam's state, and the rest (activations,
+// communication buffers, the heap's slack) over what the process held
+// before the model (MPI, the program). Run alone per process
+// (--benchmark_filter): the peak is the process's. scripts/memory_per_rank
+// runs it at 1, 2, 4 and 8 ranks.
+void memory_per_rank(benchmark::State& state) {
+  const double before = gshard::bench::max_over_ranks(status_mib("VmRSS:"));
+  const grid& m = gshard::bench::world_mesh<grid>();
+  const index_t P = m.nranks();
+  model::config c = trainer_config();
+  c.experts = 2 * P;
+  parameters<grid> ps = state.range(0) == 1 ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{})
+                                            : parameters<grid>(m, 1);
+  model::transformer<float, grid> tr(ps, c);
+  adam opt({}, ps);
+  using tokens_t = model::transformer<float, grid>::tokens_type;
+  const auto tokens = distribute<tokens_t>(m, bench_tokens(8 * P, 128));
+  std::uint64_t s = 0;
+  for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { model::train_step(tr, ps, opt, tokens, s++); }));
+  auto most = [](double v) { return gshard::bench::max_over_ranks(v); };
+  const double params = most(local_mib(ps.values())), grads = most(local_mib(ps.grads()));
+  const double optimizer = most(double(opt.state_bytes()) / (1024.0 * 1024.0));
+  const double peak = most(status_mib("VmHWM:"));
+  state.counters["experts"] = double(c.experts);
+  state.counters["peak_MiB"] = peak;
+  state.counters["before_model_MiB"] = before;
+  state.counters["params_MiB"] = params;
+  state.counters["grads_MiB"] = grads;
+  state.counters["optimizer_MiB"] = optimizer;
+  state.counters["rest_MiB"] = peak - before - params - grads - optimizer;
 }
 
 void moe_layer(benchmark::State& state) {
@@ -134,8 +211,12 @@ void moe_layer(benchmark::State& state) {
 }
 
 const int registered = [] {
-  benchmark::RegisterBenchmark("step", step)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
+      ->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
+      ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

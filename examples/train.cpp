@@ -56,6 +56,7 @@ struct options {
   model::config model;  // the routing options land in model.gating
   index_t experts = 8, hidden = 256, slot_hidden = 0;  // the model's FFNs
   bool aux_coef_given = false, second_given = false;
+  bool sharded_update = true;  // --weight-update sharded (the default) or replicated
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
@@ -94,7 +95,10 @@ constexpr const char* usage =
     "  --balance aux|bias GShard's aux loss, or DeepSeek-V3's per-expert bias (aux)\n"
     "  --bias-rate R      the bias step of --balance bias (1e-3)\n"
     "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
-    "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n";
+    "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n"
+    "optimizer:\n"
+    "  --weight-update sharded|replicated  a replicated weight's Adam update on 1/(data x expert) of it per\n"
+    "                     rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n";
 
 options parse(int argc, char** argv) {
   options o;
@@ -143,14 +147,16 @@ options parse(int argc, char** argv) {
     else if (a == "--z-loss") g.z_loss_coef = real();
     else if (a == "--bias-rate") g.bias_rate = real(), bias_rate_given = true;
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
-    else if (a == "--balance" || a == "--ffn" || a == "--second") {
+    else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update") {
       const std::string v = next();
-      if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
+      if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
+      else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? moe::ffn_kind::relu : moe::ffn_kind::swiglu;
       else if (a == "--second" && (v == "all" || v == "random"))
         g.second = v == "all" ? moe::second_policy::all : moe::second_policy::random, o.second_given = true;
       else
-        throw error("gshard train: " + a + " is " + (a == "--balance" ? "aux or bias" : a == "--ffn" ? "relu or swiglu" : "all or random") +
+        throw error("gshard train: " + a + " is " +
+                    (a == "--balance" ? "aux or bias" : a == "--ffn" ? "relu or swiglu" : a == "--second" ? "all or random" : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
@@ -344,7 +350,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
   const int batch_ranks = m.nranks() / int(model_axis >= 0 ? m.size(model_axis) : 1);
   if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, batch_ranks) : ""); !p.empty())
     throw error("gshard train: " + p);
-  parameters ps(m, o.seed);
+  parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})
+                                          : parameters<Mesh>(m, o.seed);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
   adam_config ac;
@@ -379,6 +386,15 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
                 long(o.seq));
     std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
                 gshard::detail::gemm_backend());
+  }
+  {  // Adam's moments on this rank, and what a replicated update would hold
+    double here = 0, whole = 0;
+    for (std::size_t i = 0; i < ps.size(); ++i)
+      here += 2.0 * double(opt.moment1()[i].f32().size_bytes()), whole += 2.0 * double(ps.values()[i].f32().size_bytes());
+    if (root)
+      std::printf("optimizer: Adam, weight update %s: moments %.2f MB on rank 0 (%.2f MB replicated)\n",
+                  ps.update_axes() == 0 || whole == here ? "replicated" : "sharded over the batch axes", here * 1e-6,
+                  whole * 1e-6);
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());

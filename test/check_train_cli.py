@@ -163,6 +163,7 @@ def main() -> int:
         (["--batch", "0"], "--batch takes a whole number from 1"),
         (["--steps", "abc"], "--steps takes a whole number from 1 to 2147483647, not 'abc'"),
         (["--aux-coef", "inf"], "--aux-coef takes a finite number >= 0, not 'inf'"),
+        (["--weight-update", "zero"], "--weight-update is sharded or replicated, not 'zero'"),
         (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
         (["--save-every", "5"], "--save-every needs --save FILE"),
         (["--stop-after", "3"], "--stop-after needs --save FILE"),

@@ -34,6 +34,13 @@ using checked = decltype(std::declval<const swiglu_block<float>&>()(
 using checked = decltype(std::declval<const swiglu_block<float>&>()(
     std::declval<tape&>().constant(std::declval<const named<float, "BM", grid, at>&>())));
 
+// context: sharded_update
+// docs/12: parameters whose replicated weights' update is sharded.
+using grid = mesh<axis<"data">, axis<"expert">>;
+inline void fragment(const grid& m, const model::config& c) {
+//@fragment
+}
+
 // context: statements
 inline void fragment() {
 //@fragment

@@ -227,6 +227,9 @@ struct trainer {
   adam opt;
   trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac = {})
       : ps(m, seed), tr(ps, c), opt(ac, ps) {}
+  template <class Axes>
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac, shard_weight_update<Axes> how)
+      : ps(m, seed, how), tr(ps, c), opt(ac, ps) {}
   typename model_t::tokens_type tokens(const local_tensor<std::int32_t, 2>& tok) const {
     return distribute<typename model_t::tokens_type>(ps.mesh(), tok);
   }
@@ -589,6 +592,151 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Bytes a rank sends and receives in a ring implementation of each counted
+// collective (the counters hold this rank's send size): all_reduce 2(p-1)/p,
+// reduce_scatter (p-1)/p of its input, all_gather (p-1) of its block.
+double wire_bytes(const collective_event& e, const detail::mesh_base& m) {
+  index_t p = 1;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (("," + e.axes + ",").find("," + std::string(m.axis_name(a)) + ",") != std::string::npos) p *= m.size(a);
+  const double n = double(e.bytes), f = double(p - 1) / double(p);
+  switch (e.kind) {
+    case collective::all_reduce: return 2 * f * n;
+    case collective::reduce_scatter: return f * n;
+    case collective::all_gather: return double(p - 1) * n;
+    default: return n;
+  }
+}
+std::size_t local_bytes(tensor_set& s) {
+  std::size_t b = 0;
+  for (auto& e : s) b += e->f32().size_bytes() + e->f64().size_bytes();
+  return b;
+}
+}  // namespace
+
+TEST_CASE("a sharded weight update trains like the replicated one, with its bytes, a fraction of its memory, and its checkpoints",
+          "[train][zero]") {
+  const int P = world_size();
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  adam_config ac;
+  ac.lr = 1e-2, ac.warmup_steps = 2, ac.weight_decay = 0.01;
+  const shard_weight_update<default_roles::batch> sharded;
+  const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
+  grid2 m(MPI_COMM_WORLD, {d, e});
+  grid2 self(MPI_COMM_SELF, {1, 1});
+
+  SECTION("double: the parameters of the 1-rank run within 1e-9 after 20 steps, on (data, expert) and (data, expert, model)") {
+    auto compare = [&](const auto& mesh, const auto& mesh1) {
+      using Mesh = std::remove_cvref_t<decltype(mesh)>;
+      trainer<double, Mesh> ref(mesh1, c, 3, ac), sh(mesh, c, 3, ac, sharded);
+      if (mesh.size(0) * mesh.size(1) > 1) {  // a weight replicated over the batch axes has a block of it per rank
+        std::size_t blocks = 0;
+        for (auto& g : sh.ps.grads()) blocks += g->as_sharded() != nullptr;
+        INFO(sh.ps.describe_update());
+        GSHARD_REQUIRE(blocks > 0);
+      }
+      const auto l1 = ref.steps(tok, 0, 20), l2 = sh.steps(tok, 0, 20);
+      double worst = 0, worst_loss = 0;
+      for (std::size_t i = 0; i < ref.ps.size(); ++i) {
+        const auto g1 = ref.ps.values()[i].gather_to_root(), g2 = sh.ps.values()[i].gather_to_root();
+        const auto* a = reinterpret_cast<const double*>(g1.data());
+        const auto* b = reinterpret_cast<const double*>(g2.data());
+        for (std::size_t j = 0; j < g2.size() / sizeof(double); ++j)  // (g2 is empty but on rank 0)
+          worst = std::max(worst, std::abs(a[j] - b[j]) / std::max(1e-3, std::abs(a[j])));
+      }
+      for (std::size_t i = 0; i < l1.size(); ++i) worst_loss = std::max(worst_loss, std::abs(l1[i] - l2[i]));
+      INFO("worst relative parameter difference " << worst << ", worst loss difference " << worst_loss);
+      GSHARD_REQUIRE(worst < 1e-9 && worst_loss < 1e-10 && l2.back() < l2.front());
+    };
+    compare(m, self);
+    compare(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), grid3(MPI_COMM_SELF, {1, 1, 1}));
+  }
+
+  SECTION("float: the losses of the replicated update to 4 decimals; its bytes on the wire; the moments' memory") {
+    trainer<float, grid2> rep(m, c, 3, ac), sh(m, c, 3, ac, sharded);
+    std::vector<double> l1, l2;
+    double bytes_rep = 0, bytes_sh = 0;
+    for (int step = 0; step < 8; ++step) {
+      {
+        collective_recorder rec;
+        l1.push_back(model::train_step(rep.tr, rep.ps, rep.opt, rep.tokens(tok), std::uint64_t(step)).loss);
+        for (const auto& ev : rec.events()) bytes_rep += wire_bytes(ev, m);
+      }
+      collective_recorder rec;
+      l2.push_back(model::train_step(sh.tr, sh.ps, sh.opt, sh.tokens(tok), std::uint64_t(step)).loss);
+      for (const auto& ev : rec.events()) bytes_sh += wire_bytes(ev, m);
+    }
+    double worst = 0;
+    for (std::size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, std::abs(l1[i] - l2[i]));
+    INFO("worst loss difference " << worst << "; bytes on the wire per rank: replicated " << bytes_rep << ", sharded "
+                                  << bytes_sh);
+    GSHARD_REQUIRE(worst < 5e-5);
+    GSHARD_REQUIRE(std::abs(bytes_sh - bytes_rep) <= 0.05 * bytes_rep);
+    // Each sharded moment is the replicated one's local size over its block count.
+    for (std::size_t i = 0; i < sh.ps.size(); ++i) {
+      const std::size_t a = rep.opt.moment1()[i].f32().size(), b = sh.opt.moment1()[i].f32().size();
+      const index_t parts = sh.opt.moment1()[i].replication() == rep.opt.moment1()[i].replication()
+                                ? 1
+                                : rep.opt.moment1()[i].replication() / sh.opt.moment1()[i].replication();
+      INFO(sh.ps.name(i) << ": " << a << " vs " << b << " elements in " << parts << " blocks");
+      GSHARD_REQUIRE(std::size_t(parts) * b == a);
+      GSHARD_REQUIRE((parts > 1) == (sh.ps.grads()[i].as_sharded() != nullptr));
+    }
+    INFO("moments per rank: replicated " << local_bytes(rep.opt.moment1()) << " B, sharded " << local_bytes(sh.opt.moment1()) << " B");
+    if (P > 1) GSHARD_REQUIRE(local_bytes(sh.opt.moment1()) < local_bytes(rep.opt.moment1()));
+    // The gradient of a sharded weight is only blocks: grad() says so;
+    // gathered, every gradient is the replicated update's.
+    if (P > 1) {
+      const auto& w = sh.tr.blocks()[0].ffn->w1;  // [M,H]: one of M, H divides by the batch ranks at 2, 3, 4 and 8
+      GSHARD_REQUIRE_THROWS_WITH(w.grad(), error, "gshard::param::grad: 'block0.w1' has its gradient only as this rank's block");
+      const auto a = gather(w.gathered_grad()), b = gather(rep.tr.blocks()[0].ffn->w1.grad());
+      float diff = 0;
+      for (index_t i = 0; i < a.size(); ++i) diff = std::max(diff, std::abs(a.data()[i] - b.data()[i]));
+      GSHARD_REQUIRE(diff < 1e-6f);
+    }
+    float worst_grad = 0;
+    for (std::size_t i = 0; i < sh.ps.size(); ++i) {
+      const auto a = sh.ps.grads()[i].gather_to_root(), b = rep.ps.grads()[i].gather_to_root();
+      GSHARD_REQUIRE(a.size() == b.size());
+      for (std::size_t j = 0; j < a.size() / sizeof(float); ++j)
+        worst_grad = std::max(worst_grad, std::abs(reinterpret_cast<const float*>(a.data())[j] -
+                                                   reinterpret_cast<const float*>(b.data())[j]));
+    }
+    INFO("worst gradient difference " << worst_grad);
+    GSHARD_REQUIRE(worst_grad < 1e-4f);
+  }
+
+  SECTION("checkpoints: sharded to replicated at 1 rank, replicated to sharded, and back") {
+    const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_zero_test_" + std::to_string(P))).string();
+    if (world_rank() == 0) std::filesystem::create_directories(dir);
+    MPI_Barrier(MPI_COMM_WORLD);
+    trainer<double, grid2> straight(m, c, 5, ac);
+    const auto want = straight.steps(tok, 0, 4);
+    trainer<double, grid2> a(m, c, 5, ac, sharded);
+    a.steps(tok, 0, 2);
+    save_checkpoint(dir + "/sharded.ckpt", m, a.parts(), {{"step", 2.0}});
+    trainer<double, grid2> b(self, c, 5, ac);  // each rank alone, replicated
+    b.opt.step = int(load_checkpoint(dir + "/sharded.ckpt", self, b.parts()).at("step"));
+    const auto lb = b.steps(tok, 2, 4);
+    trainer<double, grid2> r(m, c, 5, ac);
+    r.steps(tok, 0, 2);
+    save_checkpoint(dir + "/replicated.ckpt", m, r.parts(), {{"step", 2.0}});
+    trainer<double, grid2> s2(m, c, 5, ac, sharded);
+    s2.opt.step = int(load_checkpoint(dir + "/replicated.ckpt", m, s2.parts()).at("step"));
+    const auto ls = s2.steps(tok, 2, 4);
+    double worst = 0;
+    for (int i = 0; i < 2; ++i)
+      worst = std::max({worst, std::abs(lb[std::size_t(i)] - want[std::size_t(2 + i)]),
+                        std::abs(ls[std::size_t(i)] - want[std::size_t(2 + i)])});
+    INFO("worst resumed loss difference " << worst);
+    GSHARD_REQUIRE(worst < 1e-10);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) std::filesystem::remove_all(dir);
+  }
 }
 
 TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a stop check is a counted collective",

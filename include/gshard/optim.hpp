@@ -1,6 +1,9 @@
 // gshard/optim.hpp — Adam over a model's declared parameters: each rank
-// updates its own shards, and the moments are sharded like their parameter
-// (tensor_sets with the parameters' names and types). Gradient clipping by
+// updates its own shards, and the moments are sharded like their parameter's
+// gradient (tensor_sets with the parameters' names): in the parameter's
+// sharding, or — when the parameters shard the weight update
+// (shard_weight_update, ad/parameters.hpp) — in its update layout, a block
+// of 1/(the update axes' ranks) of it. Gradient clipping by
 // the global norm counts every element once: a shard held by several ranks
 // (replicated over some axes) contributes 1/replication of its square sum on
 // each, so one all_reduce gives the exact norm. Learning rate: linear
@@ -8,6 +11,8 @@
 #pragma once
 
 #include <cmath>
+#include <memory>
+#include <string>
 #include <numbers>
 #include <span>
 #include <utility>
@@ -47,17 +52,31 @@ inline double global_norm(tensor_set& s, const detail::mesh_base& m) {
   return std::sqrt(sq[0]);
 }
 
-// Adam's state for the parameters of one model.
+// Adam's state for the parameters of one model. The moments take the
+// gradients' layouts: a weight's own, or the block of its update layout
+// when the parameters shard the weight update (shard_weight_update).
 class adam {
  public:
   template <mesh_type Mesh>
-  adam(const adam_config& c, parameters<Mesh>& ps) : cfg(c), m_(ps.values().zeros_like()), v_(ps.values().zeros_like()) {}
+  adam(const adam_config& c, parameters<Mesh>& ps) : cfg(c), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()) {
+    for (auto& g : ps.grads()) weight_block_.push_back(g->as_sharded() ? g->zeros(g->name()) : nullptr);
+  }
 
   adam_config cfg;
   int step = 0;  // updates done
 
   tensor_set& moment1() { return m_; }
   tensor_set& moment2() { return v_; }
+  // This rank's bytes of Adam's state: both moments, and the weight blocks
+  // a sharded update works on.
+  std::size_t state_bytes() {
+    std::size_t b = 0;
+    for (tensor_set* s : {&m_, &v_})
+      for (auto& e : *s) b += e->f32().size_bytes() + e->f64().size_bytes();
+    for (auto& w : weight_block_)
+      if (w) b += w->f32().size_bytes() + w->f64().size_bytes();
+    return b;
+  }
 
   // One update of every parameter from its gradient; returns {the gradients'
   // global norm before clipping, the learning rate used}.
@@ -68,11 +87,19 @@ class adam {
     const double lr = cfg.lr_at(step);
     ++step;
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
+    if (m_.size() != ps.size())
+      throw error("gshard::adam: built for " + std::to_string(m_.size()) + " parameters, but the parameters have " +
+                  std::to_string(ps.size()) + "; build the optimizer after the model declares its parameters");
     for (std::size_t i = 0; i < ps.size(); ++i) {
-      auto& w = ps.values()[i];
       auto& g = ps.grads()[i];
+      // A sharded update runs on this rank's block of the weight and
+      // all_gathers the updated blocks; otherwise on the whole local shard.
+      auto* block = weight_block_[i] ? weight_block_[i]->as_sharded() : nullptr;
+      if (block) block->slice_from(ps.values()[i]);
+      detail::set_entry& w = block ? static_cast<detail::set_entry&>(*block) : ps.values()[i];
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
+      if (block) block->gather_into(ps.values()[i]);
     }
     return {norm, lr};
   }
@@ -91,6 +118,7 @@ class adam {
   }
 
   tensor_set m_, v_;
+  std::vector<std::unique_ptr<detail::set_entry>> weight_block_;  // per parameter: its block when the update is sharded
 };
 
 }  // namespace gshard

@@ -33,6 +33,10 @@ using other = mesh<axis<"data", 2>>;
 void f(parameters<other>& ps) { param<t<1, rep>> p(ps, "p", {2}, init::zeros()); }
 #elif defined(GSHARD_CASE_param_pending)
 void f(parameters<grid>& ps) { param<t<1, pend>> p(ps, "p", {2}, init::zeros()); }
+#elif defined(GSHARD_CASE_update_axes_kind)
+void f(const grid& m) { parameters<grid> ps(m, 1, shard_weight_update<expert_axes<"expert">>{}); }
+#elif defined(GSHARD_CASE_update_axes_none)
+void f(const grid& m) { parameters<grid> ps(m, 1, shard_weight_update<batch_axes<"dp", "ep">>{}); }
 #elif defined(GSHARD_CASE_backward_not_scalar)
 void f(tape& tp, const var<t<1, rep>>& l) { tp.backward(l); }
 #elif defined(GSHARD_CASE_embedding_tokens)

@@ -24,10 +24,13 @@
 #include "gshard/error.hpp"
 #include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
+#include "gshard/roles.hpp"
 
 namespace gshard {
 
 namespace detail {
+
+class sharded_entry;
 
 // One named tensor of a tensor_set, seen without its type.
 class set_entry {
@@ -48,6 +51,8 @@ class set_entry {
   virtual std::vector<char> gather_to_root() const = 0;
   // Every rank takes its shard of the global bytes rank 0 holds: one scatter.
   virtual void scatter_from_root(const char* global_bytes_on_root) = 0;
+  // Non-null for an entry held in a weight's update layout (see update_shard).
+  virtual sharded_entry* as_sharded() { return nullptr; }
 
  private:
   std::string name_;
@@ -102,6 +107,127 @@ class set_entry_of final : public set_entry {
   X value_;
 };
 
+// The layout in which the optimizer updates a weight of layout `w` when the
+// update is sharded over the mesh axes `axes` (bit a: axis a): the axes of
+// `axes` that `w` replicates (of size > 1) are appended, in mesh order and
+// minor-most, to the first dim whose local extent they divide. So the
+// weight's gradient, pending over those axes, arrives by reduce_scatter
+// instead of all_reduce, and the updated block returns by all_gather. `w`
+// itself when no such axis remains or no dim divides (`why` says which).
+struct update_choice {
+  rlayout layout{};
+  index_t parts = 1;      // ranks sharing the update of each element: the appended axes' sizes
+  const char* why = "";   // when parts == 1 though `axes` named axes the weight replicates
+};
+constexpr update_choice choose_update_layout(const rlayout& w, int rank, const index_t* extents, const index_t* sizes,
+                                             int naxes, std::uint32_t axes) {
+  update_choice c{w};
+  std::uint32_t take = 0;
+  index_t parts = 1;
+  for (int a = 0; a < naxes; ++a)
+    if (((axes >> a) & 1u) && w.is_free(a) && sizes[a] > 1) take |= 1u << a, parts *= sizes[a];
+  if (take == 0) return c;
+  for (int d = 0; d < rank; ++d) {
+    const index_t local = extents[d] / dim_parts(w, d, sizes);
+    if (local % parts != 0) continue;
+    for (int a = 0; a < naxes; ++a)
+      if ((take >> a) & 1u) c.layout.push(d, a);
+    c.parts = parts;
+    return c;
+  }
+  c.why = "no dim's local extent divides by the ranks of the update axes";
+  return c;
+}
+
+// A set entry held in a weight's update layout: the block of a gradient,
+// an optimizer moment or the weight itself that this rank updates. Its
+// layout is chosen when the weight is declared (its extents and the mesh's
+// sizes decide the dim), so it is a run-time value; the steps between it
+// and the weight's layout are planned by the same planner as every reshard.
+class sharded_entry : public set_entry {
+ public:
+  using set_entry::set_entry;
+  sharded_entry* as_sharded() override { return this; }
+  virtual const rlayout& layout() const = 0;
+  // This rank's block of `weight` (the entry of the same name in the
+  // parameters' values): a local copy.
+  virtual void slice_from(set_entry& weight) = 0;
+  // Every rank's block into `weight`: all_gathers over the update axes.
+  virtual void gather_into(set_entry& weight) const = 0;
+};
+
+template <class X>
+class update_shard final : public sharded_entry {
+  using T = typename X::value_type;
+  using Mesh = typename X::mesh_type;
+  static constexpr int R = X::rank;
+
+ public:
+  update_shard(std::string name, const Mesh& m, const typename X::extents_type& extents, const rlayout& l)
+      : sharded_entry(std::move(name)),
+        mesh_(&m),
+        extents_(extents),
+        layout_(l),
+        local_(local_extents<R>(l, extents, m)),
+        to_weight_(plan_reshard(l, X::layout, m.naxes(), m.sizes())),
+        from_weight_(plan_reshard(X::layout, l, m.naxes(), m.sizes())) {
+    local_.setZero();
+  }
+
+  const rlayout& layout() const override { return layout_; }
+  local_tensor<T, R>& local() { return local_; }
+
+  std::string notation() const override {
+    return detail::notation(unresolve(layout_, Mesh::names), R, dtype_name<T>(), X::labels, extents_.data());
+  }
+  int element_bytes() const override { return int(sizeof(T)); }
+  std::vector<index_t> extents() const override { return {extents_.begin(), extents_.end()}; }
+  std::span<float> f32() override {
+    if constexpr (std::is_same_v<T, float>) return {local_.data(), std::size_t(local_.size())};
+    else return {};
+  }
+  std::span<double> f64() override {
+    if constexpr (std::is_same_v<T, double>) return {local_.data(), std::size_t(local_.size())};
+    else return {};
+  }
+  index_t replication() const override {
+    index_t r = 1;
+    for (int a = 0; a < mesh_->naxes(); ++a)
+      if (layout_.is_free(a)) r *= mesh_->size(a);
+    return r;
+  }
+  std::string sharding_text() const override { return std::string(render(unresolve(layout_, Mesh::names)).view()); }
+  std::unique_ptr<set_entry> zeros(std::string name) const override {
+    return std::make_unique<update_shard<X>>(std::move(name), *mesh_, extents_, layout_);
+  }
+  std::vector<char> gather_to_root() const override {
+    return set_entry_of<X>(name(), whole()).gather_to_root();
+  }
+  void scatter_from_root(const char* bytes) override {
+    set_entry_of<X> w(name(), X(*mesh_, extents_));
+    w.scatter_from_root(bytes);
+    slice_from(w);
+  }
+  void slice_from(set_entry& weight) override {
+    const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
+    std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
+  }
+  void gather_into(set_entry& weight) const override {
+    const auto w = execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_);
+    std::copy(w.data(), w.data() + w.size(), weight_of(weight).local().data());
+  }
+
+ private:
+  static X& weight_of(set_entry& e) { return static_cast<set_entry_of<X>&>(e).value(); }
+  X whole() const { return X(*mesh_, extents_, execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_)); }
+
+  const Mesh* mesh_;
+  typename X::extents_type extents_;
+  rlayout layout_;
+  local_tensor<T, R> local_;
+  reshard_steps to_weight_, from_weight_;
+};
+
 inline std::uint64_t name_hash(std::string_view s) { return fnv1a(s); }  // a parameter's stream of initial values
 
 }  // namespace detail
@@ -123,11 +249,18 @@ class tensor_set {
     if (index_.count(name))
       throw error("gshard::tensor_set: the name '" + name + "' is declared twice (first as " +
                   entries_[index_.at(name)]->notation() + ", now as " + value.notation() + ")");
-    index_[name] = entries_.size();
     auto e = std::make_unique<detail::set_entry_of<X>>(name, std::move(value));
     X& ref = e->value();
-    entries_.push_back(std::move(e));
+    add_entry(std::move(e));
     return ref;
+  }
+  // Adds an entry of any kind (the name must be free).
+  void add_entry(std::unique_ptr<detail::set_entry> e) {
+    if (index_.count(e->name()))
+      throw error("gshard::tensor_set: the name '" + e->name() + "' is declared twice (first as " +
+                  entries_[index_.at(e->name())]->notation() + ", now as " + e->notation() + ")");
+    index_[e->name()] = entries_.size();
+    entries_.push_back(std::move(e));
   }
 
   std::size_t size() const { return entries_.size(); }
@@ -183,12 +316,45 @@ inline initializer ones() { return initializer::constant(1.0); }
 template <class X>
 class param;
 
+// How the optimizer updates a weight the mesh replicates. By default every
+// rank holding a copy updates all of it: its gradient is all_reduced and
+// Adam's moments are whole on each. shard_weight_update<batch_axes<...>>
+// shards the update over those axes (the weight-update sharding of Xu et
+// al. 2020; ZeRO stage 2): each rank's gradient block arrives by
+// reduce_scatter, the moments and the update live on that block, and the
+// updated block returns by all_gather — the bytes of the all_reduce, the
+// optimizer's memory divided by the axes' ranks. The axes are normally the
+// roles' batch axes: shard_weight_update<Roles::batch>. Axes the mesh lacks
+// are ignored, as in axis_roles.
+template <class Axes>
+struct shard_weight_update {
+  static_assert(sizeof(Axes) == 0,
+                "gshard::shard_weight_update: name the axes as batch_axes<\"data\", ...> (usually Roles::batch)");
+};
+template <fixed_string... A>
+struct shard_weight_update<batch_axes<A...>> {
+  template <class Mesh>
+  static constexpr std::uint32_t mask() {
+    std::uint32_t m = 0;
+    for (int a = 0; a < Mesh::axis_count; ++a)
+      if (detail::names_contain(batch_axes<A...>::names, Mesh::names[std::size_t(a)])) m |= 1u << a;
+    return m;
+  }
+};
+
 // A model's parameters on one mesh: their values and, after a tape's
-// backward, their gradients (each in the parameter's own sharding).
+// backward, their gradients (each in the parameter's own sharding, or in its
+// update layout when the update is sharded).
 template <mesh_type Mesh>
 class parameters {
  public:
   parameters(const Mesh& m, std::uint64_t seed) : mesh_(&m), seed_(seed) {}
+  template <class Axes>
+  parameters(const Mesh& m, std::uint64_t seed, shard_weight_update<Axes> how)
+      : mesh_(&m), seed_(seed), update_axes_(decltype(how)::template mask<Mesh>()) {
+    static_assert(decltype(how)::template mask<Mesh>() != 0,
+                  "gshard::shard_weight_update: none of its axes is an axis of the parameters' mesh");
+  }
   parameters(const parameters&) = delete;
   parameters& operator=(const parameters&) = delete;
 
@@ -215,11 +381,33 @@ class parameters {
     X value(*mesh_, extents);
     if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
     else value.local().setConstant(typename X::value_type(init.value));
-    X zero(*mesh_, extents);
     values_.add(name, std::move(value));
-    grads_.add(std::move(name), std::move(zero));
+    const auto u = detail::choose_update_layout(X::layout, X::rank, extents.data(), mesh_->sizes(), mesh_->naxes(),
+                                                update_axes_);
+    if (u.parts == 1) grads_.add(std::move(name), X(*mesh_, extents));
+    else grads_.add_entry(std::make_unique<detail::update_shard<X>>(std::move(name), *mesh_, extents, u.layout));
     has_grad_.push_back(false);
+    update_why_.push_back(u.why);
     return values_.size() - 1;
+  }
+
+  // The mesh axes (bit a: axis a) the update of a replicated weight is
+  // sharded over; 0 for the replicated update.
+  std::uint32_t update_axes() const { return update_axes_; }
+
+  // One line per parameter: its sharding, and where its update runs.
+  std::string describe_update() {
+    std::string out;
+    for (std::size_t i = 0; i < size(); ++i) {
+      out += values_[i].name() + "  " + values_[i].notation();
+      if (auto* sh = grads_[i].as_sharded()) {
+        out += "  update " + sh->notation() + ": gradient by reduce_scatter, weight by all_gather\n";
+        continue;
+      }
+      const char* why = update_why_[i];
+      out += why[0] ? std::string("  update replicated: ") + why + "\n" : "  update as the weight\n";
+    }
+    return out;
   }
 
   // Declares a buffer (state the optimizer does not touch); returns its position.
@@ -238,12 +426,16 @@ class parameters {
  private:
   const Mesh* mesh_;
   std::uint64_t seed_;
+  std::uint32_t update_axes_ = 0;
   tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
+  std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)
 };
 
 template <mesh_type Mesh>
 parameters(const Mesh&, std::uint64_t) -> parameters<Mesh>;
+template <mesh_type Mesh, class Axes>
+parameters(const Mesh&, std::uint64_t, shard_weight_update<Axes>) -> parameters<Mesh>;
 
 // A declared parameter of tensor type X: a handle into its parameters. A
 // model holds these as members, each constructed (so declared) once:
@@ -266,8 +458,23 @@ class param {
 
   const X& value() const { return owner_->values().template at<X>(index_); }
   X& value() { return owner_->values().template at<X>(index_); }
-  // The gradient of the last backward, in the parameter's sharding (zeros if it received none).
-  const X& grad() const { return owner_->grads().template at<X>(index_); }
+  // The gradient of the last backward, in the parameter's sharding (zeros if
+  // it received none). Under shard_weight_update a replicated weight's
+  // gradient exists only as blocks: grad() throws; gathered_grad() all_gathers it.
+  const X& grad() const {
+    if (auto* sh = owner_->grads()[index_].as_sharded())
+      throw error("gshard::param::grad: '" + name() + "' has its gradient only as this rank's block " + sh->notation() +
+                  " (the parameters shard the weight update); use gathered_grad()");
+    return owner_->grads().template at<X>(index_);
+  }
+  X gathered_grad() const {
+    auto& g = owner_->grads()[index_];
+    if (!g.as_sharded()) return owner_->grads().template at<X>(index_);
+    X whole(value().mesh(), value().extents());
+    detail::set_entry_of<X> w(name(), std::move(whole));
+    g.as_sharded()->gather_into(w);
+    return std::move(w.value());
+  }
   const std::string& name() const { return owner_->name(index_); }
   std::size_t index() const { return index_; }
   const parameters<mesh_type>* owner() const { return owner_; }

@@ -223,13 +223,16 @@ class tape {
       auto& ps = *const_cast<parameters<typename X::mesh_type>*>(p.owner());
       std::optional<trace::span> span;
       if (trace::enabled()) span.emplace("gradient " + p.name(), "backward");
-      auto g = slot<X>(id).template take<typename X::sharding_type>();  // the one reduction of its contributions
+      // The one reduction of its contributions: into the parameter's
+      // sharding, or (a sharded weight update) into its update layout.
+      auto* shard = ps.grads()[p.index()].as_sharded();
+      auto g = slot<X>(id).take(shard ? shard->layout() : X::layout);
       if (!g) return;
       // Copied into the gradient's own buffer, not moved: a buffer that lives
       // from step to step stays where it is, so the heap does not fragment
       // around it (moving it made the heap grow every few steps).
-      auto& dst = ps.grads().template at<X>(p.index()).local();
-      std::copy(g->data(), g->data() + g->local().size(), dst.data());
+      auto& dst = shard ? static_cast<detail::update_shard<X>*>(shard)->local() : ps.grads().template at<X>(p.index()).local();
+      std::copy(g->data(), g->data() + g->size(), dst.data());
       ps.set_has_grad(p.index(), true);
     });
     return {*this, std::move(view), id};
