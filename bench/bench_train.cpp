@@ -150,10 +150,13 @@ double local_mib(tensor_set& s) {
 // Peak resident memory per rank after three steps, and its parts: the
 // parameters, their gradients, Adam's state, and the rest (activations,
 // communication buffers, the heap's slack) over what the process held
-// before the model (MPI, the program). Run alone per process
-// (--benchmark_filter): the peak is the process's. scripts/memory_per_rank
-// runs it at 1, 2, 4 and 8 ranks.
+// before the model (MPI, the program). The peak is reset at its start, but
+// the heap keeps what earlier benchmarks freed: run it alone per process
+// (--benchmark_filter), as scripts/memory_per_rank does at 1, 2, 4 and 8 ranks.
 void memory_per_rank(benchmark::State& state) {
+  // The peak from here on: "5" resets VmHWM to the current RSS (proc(5),
+  // clear_refs), so earlier benchmarks of the process do not count.
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) std::fputs("5", f), std::fclose(f);
   const double before = gshard::bench::max_over_ranks(status_mib("VmRSS:"));
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks();

@@ -97,8 +97,8 @@ constexpr const char* usage =
     "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
     "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n"
     "optimizer:\n"
-    "  --weight-update sharded|replicated  a replicated weight's Adam update on 1/(data x expert) of it per\n"
-    "                     rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n";
+    "  --weight-update sharded|replicated  the Adam update of a weight replicated over batch axes on a block\n"
+    "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n";
 
 options parse(int argc, char** argv) {
   options o;

@@ -748,7 +748,7 @@ TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a s
   if (world_rank() == 0) std::filesystem::create_directories(dir);
   barrier(world_group());
   grid2 m(MPI_COMM_WORLD, {1, P});  // binding a mesh creates communicators: before the watch
-  trainer<float, grid2> run(m, c, 5);
+  trainer<float, grid2> run(m, c, 5, {}, shard_weight_update<default_roles::batch>{});  // the trainer's default
   const auto tokens = run.tokens(tok);
   const preemption stop;
   collective_recorder rec;
@@ -770,6 +770,10 @@ TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a s
                  w.calls("MPI_Alltoall") == int(rec.calls(collective::all_to_all)) &&
                  w.calls("MPI_Allreduce") == int(rec.calls(collective::all_reduce)) &&
                  w.calls("MPI_Barrier") == int(rec.calls(collective::barrier)) &&
+                 w.calls("MPI_Allgather") == int(rec.calls(collective::all_gather)) &&
+                 // the sharded update's gradients: gshard's ring reduce_scatter over "expert", P-1 exchanges each
+                 w.calls("MPI_Sendrecv") == int(rec.calls(collective::reduce_scatter)) * (P - 1) &&
+                 (P == 1 || rec.calls(collective::reduce_scatter) > 0) &&
                  w.calls("MPI_Comm_split") + w.calls("MPI_Comm_dup") == 0);
   barrier(world_group());
   if (world_rank() == 0) std::filesystem::remove_all(dir);

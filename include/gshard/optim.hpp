@@ -58,7 +58,8 @@ inline double global_norm(tensor_set& s, const detail::mesh_base& m) {
 class adam {
  public:
   template <mesh_type Mesh>
-  adam(const adam_config& c, parameters<Mesh>& ps) : cfg(c), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()) {
+  adam(const adam_config& c, parameters<Mesh>& ps)
+      : cfg(c), owner_(&ps), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()) {
     for (auto& g : ps.grads()) weight_block_.push_back(g->as_sharded() ? g->zeros(g->name()) : nullptr);
   }
 
@@ -82,14 +83,17 @@ class adam {
   // global norm before clipping, the learning rate used}.
   template <mesh_type Mesh>
   std::pair<double, double> update(parameters<Mesh>& ps) {
+    if (static_cast<const void*>(&ps) != owner_)
+      throw error("gshard::adam: these are not the parameters the optimizer was built for (its moments have their "
+                  "layouts); build one adam per parameters");
+    if (m_.size() != ps.size())
+      throw error("gshard::adam: built for " + std::to_string(m_.size()) + " parameters, but the parameters have " +
+                  std::to_string(ps.size()) + "; build the optimizer after the model declares its parameters");
     const double norm = global_norm(ps.grads(), ps.mesh());
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
     const double lr = cfg.lr_at(step);
     ++step;
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
-    if (m_.size() != ps.size())
-      throw error("gshard::adam: built for " + std::to_string(m_.size()) + " parameters, but the parameters have " +
-                  std::to_string(ps.size()) + "; build the optimizer after the model declares its parameters");
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
       // A sharded update runs on this rank's block of the weight and
@@ -117,6 +121,7 @@ class adam {
     }
   }
 
+  const void* owner_;
   tensor_set m_, v_;
   std::vector<std::unique_ptr<detail::set_entry>> weight_block_;  // per parameter: its block when the update is sharded
 };

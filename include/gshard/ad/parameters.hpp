@@ -11,6 +11,7 @@
 // declaration order (parameters, their gradients, optimizer moments).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -213,12 +214,19 @@ class update_shard final : public sharded_entry {
     std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
   }
   void gather_into(set_entry& weight) const override {
+    X& dst = weight_of(weight);
     const auto w = execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_);
-    std::copy(w.data(), w.data() + w.size(), weight_of(weight).local().data());
+    std::copy(w.data(), w.data() + w.size(), dst.local().data());
   }
 
  private:
-  static X& weight_of(set_entry& e) { return static_cast<set_entry_of<X>&>(e).value(); }
+  X& weight_of(set_entry& e) const {
+    auto* w = dynamic_cast<set_entry_of<X>*>(&e);
+    if (!w || w->value().extents() != extents_)
+      throw error("gshard::update_shard: '" + name() + "' is given '" + e.name() + "' " + e.notation() +
+                  " as its weight; it is the block of a " + X(*mesh_, extents_).notation());
+    return w->value();
+  }
   X whole() const { return X(*mesh_, extents_, execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_)); }
 
   const Mesh* mesh_;
@@ -234,7 +242,9 @@ inline std::uint64_t name_hash(std::string_view s) { return fnv1a(s); }  // a pa
 
 // Named sharded tensors of any types, in the order they were added; the
 // names are unique. Parameters, gradients and optimizer moments are
-// tensor_sets with the same names and types, walked in the same order.
+// tensor_sets with the same names, walked in the same order; a gradient or
+// moment has its parameter's type, or is held in the parameter's update
+// layout when the update is sharded (detail::update_shard).
 class tensor_set {
  public:
   tensor_set() = default;
@@ -284,9 +294,14 @@ class tensor_set {
     return z;
   }
 
-  // Typed access by position (the caller knows the type it declared).
+  // Typed access by position (the caller knows the type it declared). An
+  // entry held in a weight's update layout (a sharded gradient or moment) is
+  // not an X: refused.
   template <class X>
   X& at(std::size_t i) {
+    if (auto* sh = entries_[i]->as_sharded())
+      throw error("gshard::tensor_set::at: '" + sh->name() + "' is held in its weight's update layout " + sh->notation() +
+                  ", not as the weight's type; read it through the set_entry interface (f32(), f64(), gather_to_root())");
     return static_cast<detail::set_entry_of<X>&>(*entries_[i]).value();
   }
 
@@ -401,7 +416,7 @@ class parameters {
     for (std::size_t i = 0; i < size(); ++i) {
       out += values_[i].name() + "  " + values_[i].notation();
       if (auto* sh = grads_[i].as_sharded()) {
-        out += "  update " + sh->notation() + ": gradient by reduce_scatter, weight by all_gather\n";
+        out += "  update " + sh->notation() + ": gradient reduced onto it, weight all_gathered from it\n";
         continue;
       }
       const char* why = update_why_[i];
@@ -460,7 +475,8 @@ class param {
   X& value() { return owner_->values().template at<X>(index_); }
   // The gradient of the last backward, in the parameter's sharding (zeros if
   // it received none). Under shard_weight_update a replicated weight's
-  // gradient exists only as blocks: grad() throws; gathered_grad() all_gathers it.
+  // gradient exists only as blocks: grad() throws; gathered_grad() all_gathers
+  // it — a collective: every rank calls it, or none.
   const X& grad() const {
     if (auto* sh = owner_->grads()[index_].as_sharded())
       throw error("gshard::param::grad: '" + name() + "' has its gradient only as this rank's block " + sh->notation() +

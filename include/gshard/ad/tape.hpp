@@ -1,7 +1,8 @@
 // gshard/ad/tape.hpp — reverse-mode differentiation over sharded tensors.
 // A forward run on a tape records, per operation, a closure holding what its
 // gradient rule reads; backward(loss) runs them in reverse and leaves every
-// parameter's gradient in the parameter's own sharding.
+// parameter's gradient in the parameter's own sharding (or its update
+// layout, under shard_weight_update).
 //
 // Why a tape of typed closures: the shardings are types, so each closure is
 // compiled with its operands' types and its gradient einsums are planned at
@@ -11,8 +12,13 @@
 // produce them — often still pending: the gradient of a replicated weight
 // used with batch-split activations is partial over the batch axes — and are
 // added while pending; the slot is reduced once, by the planner's collective
-// for its layout, when the gradient is taken. So a weight used three times
-// costs one all_reduce, and no collective is inserted by the tape itself.
+// for its layout, when the gradient is taken: into the parameter's sharding
+// (an all_reduce over the batch axes), or — when the parameters shard the
+// weight update — into its update layout (reduce_scatters). So a weight used
+// three times costs one reduction, and no collective is inserted by the tape
+// itself. The slots hold whole contributions until the end of the backward:
+// the gradient's peak memory is the parameter's size, whichever layout it
+// is reduced into.
 #pragma once
 
 #include <cstdint>
@@ -207,7 +213,8 @@ class tape {
   }
 
   // A declared parameter as a value on this tape; its gradient is collected
-  // over every use and reduced once, into the parameter's sharding.
+  // over every use and reduced once, into the parameter's sharding (or its
+  // update layout).
   template <class X>
   var<X> use(const param<X>& p) {
     if (static_cast<const void*>(p.owner()) != params_)
@@ -232,6 +239,9 @@ class tape {
       // from step to step stays where it is, so the heap does not fragment
       // around it (moving it made the heap grow every few steps).
       auto& dst = shard ? static_cast<detail::update_shard<X>*>(shard)->local() : ps.grads().template at<X>(p.index()).local();
+      if (dst.size() != g->size())
+        throw error("gshard::tape: the gradient of '" + p.name() + "' has " + std::to_string(g->size()) +
+                    " elements on this rank but its buffer " + std::to_string(dst.size()));
       std::copy(g->data(), g->data() + g->size(), dst.data());
       ps.set_has_grad(p.index(), true);
     });
