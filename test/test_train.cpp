@@ -710,7 +710,7 @@ TEST_CASE("a sharded weight update trains like the replicated one, with its byte
     GSHARD_REQUIRE(worst_grad < 1e-4f);
   }
 
-  SECTION("checkpoints: sharded to replicated at 1 rank, replicated to sharded, and back") {
+  SECTION("checkpoints: sharded at P ranks to replicated at 1, replicated at P to sharded at P") {
     const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_zero_test_" + std::to_string(P))).string();
     if (world_rank() == 0) std::filesystem::create_directories(dir);
     MPI_Barrier(MPI_COMM_WORLD);
