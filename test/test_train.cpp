@@ -708,6 +708,14 @@ TEST_CASE("a sharded weight update trains like the replicated one, with its byte
     }
     INFO("worst gradient difference " << worst_grad);
     GSHARD_REQUIRE(worst_grad < 1e-4f);
+    // Misuse: an optimizer built for other parameters (its moments have other layouts); typed access to a block.
+    adam other({}, rep.ps);
+    GSHARD_REQUIRE_THROWS_WITH(other.update(sh.ps), error, "gshard::adam: these are not the parameters the optimizer was built for");
+    if (P == 2 || P == 4 || P == 8) {  // block0.norm1 [M=8] divides: held as a block
+      using norm_t = std::remove_cvref_t<decltype(sh.tr.blocks()[0].norm1.value())>;
+      GSHARD_REQUIRE_THROWS_WITH(sh.ps.grads().at<norm_t>(sh.tr.blocks()[0].norm1.index()), error,
+                                 "gshard::tensor_set::at: 'block0.norm1' is held in its weight's update layout");
+    }
   }
 
   SECTION("checkpoints: sharded at P ranks to replicated at 1, replicated at P to sharded at P") {
