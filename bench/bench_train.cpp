@@ -138,11 +138,7 @@ double status_mib(const char* key) {
   std::fclose(f);
   return kb / 1024.0;
 }
-double local_mib(tensor_set& s) {
-  double b = 0;
-  for (auto& e : s) b += double(e->f32().size_bytes() + e->f64().size_bytes());
-  return b / (1024.0 * 1024.0);
-}
+double local_mib(tensor_set& s) { return double(s.local_bytes()) / (1024.0 * 1024.0); }
 
 // memory_per_rank/sharded_update:0|1 — GShard's weak scaling (paper §5.1):
 // the work per rank fixed (8 sequences of 128 bytes), the experts growing

@@ -388,9 +388,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
                 gshard::detail::gemm_backend());
   }
   {  // Adam's moments on this rank, and what a replicated update would hold
-    double here = 0, whole = 0;
-    for (std::size_t i = 0; i < ps.size(); ++i)
-      here += 2.0 * double(opt.moment1()[i].f32().size_bytes()), whole += 2.0 * double(ps.values()[i].f32().size_bytes());
+    const double here = double(opt.moment1().local_bytes() + opt.moment2().local_bytes());
+    const double whole = 2.0 * double(ps.values().local_bytes());
     if (root)
       std::printf("optimizer: Adam, weight update %s: moments %.2f MB on rank 0 (%.2f MB replicated)\n",
                   ps.update_axes() == 0 || whole == here ? "replicated" : "sharded over the batch axes", here * 1e-6,

@@ -71,11 +71,9 @@ class adam {
   // This rank's bytes of Adam's state: both moments, and the weight blocks
   // a sharded update works on.
   std::size_t state_bytes() {
-    std::size_t b = 0;
-    for (tensor_set* s : {&m_, &v_})
-      for (auto& e : *s) b += e->f32().size_bytes() + e->f64().size_bytes();
+    std::size_t b = m_.local_bytes() + v_.local_bytes();
     for (auto& w : weight_block_)
-      if (w) b += w->f32().size_bytes() + w->f64().size_bytes();
+      if (w) b += w->local_bytes();
     return b;
   }
 

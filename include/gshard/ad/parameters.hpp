@@ -33,6 +33,15 @@ namespace detail {
 
 class sharded_entry;
 
+// Ranks holding each element of a tensor of layout `l`: the product of the
+// axes it neither splits nor sums over.
+inline index_t replication_of(const rlayout& l, const mesh_base& m) {
+  index_t r = 1;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (l.is_free(a)) r *= m.size(a);
+  return r;
+}
+
 // One named tensor of a tensor_set, seen without its type.
 class set_entry {
  public:
@@ -46,6 +55,7 @@ class set_entry {
   virtual std::span<float> f32() = 0;                     // this rank's shard; empty unless float
   virtual std::span<double> f64() = 0;                    // this rank's shard; empty unless double
   virtual index_t replication() const = 0;                // ranks holding each element
+  std::size_t local_bytes() { return f32().size_bytes() + f64().size_bytes(); }  // this rank's shard
   virtual std::string sharding_text() const = 0;
   virtual std::unique_ptr<set_entry> zeros(std::string name) const = 0;
   // The global tensor's bytes (row-major) on rank 0, nothing elsewhere: one gather.
@@ -79,12 +89,7 @@ class set_entry_of final : public set_entry {
     if constexpr (std::is_same_v<T, double>) return {value_.data(), std::size_t(value_.local().size())};
     else return {};
   }
-  index_t replication() const override {
-    index_t r = 1;
-    for (int a = 0; a < value_.mesh().naxes(); ++a)
-      if (X::layout.is_free(a)) r *= value_.mesh().size(a);
-    return r;
-  }
+  index_t replication() const override { return replication_of(X::layout, value_.mesh()); }
   std::string sharding_text() const override { return std::string(X::sharding_type::text); }
   std::unique_ptr<set_entry> zeros(std::string name) const override {
     return std::make_unique<set_entry_of<X>>(std::move(name), X(value_.mesh(), value_.extents()));
@@ -191,12 +196,7 @@ class update_shard final : public sharded_entry {
     if constexpr (std::is_same_v<T, double>) return {local_.data(), std::size_t(local_.size())};
     else return {};
   }
-  index_t replication() const override {
-    index_t r = 1;
-    for (int a = 0; a < mesh_->naxes(); ++a)
-      if (layout_.is_free(a)) r *= mesh_->size(a);
-    return r;
-  }
+  index_t replication() const override { return replication_of(layout_, *mesh_); }
   std::string sharding_text() const override { return std::string(render(unresolve(layout_, Mesh::names)).view()); }
   std::unique_ptr<set_entry> zeros(std::string name) const override {
     return std::make_unique<update_shard<X>>(std::move(name), *mesh_, extents_, layout_);
@@ -274,6 +274,12 @@ class tensor_set {
   }
 
   std::size_t size() const { return entries_.size(); }
+  // This rank's bytes of every tensor (its shards).
+  std::size_t local_bytes() {
+    std::size_t b = 0;
+    for (auto& e : entries_) b += e->local_bytes();
+    return b;
+  }
   detail::set_entry& operator[](std::size_t i) { return *entries_[i]; }
   const detail::set_entry& operator[](std::size_t i) const { return *entries_[i]; }
   // The entry called `name`, or nullptr.
