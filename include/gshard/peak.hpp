@@ -25,18 +25,22 @@ namespace {
 
 namespace peak_detail {  // not `detail`: a second one would make gshard's ambiguous
 // fp32 FMAs on registers only, for the widest vector unit this build targets:
-// 16 independent accumulators (more than FMA latency x ports on current
-// x86 cores), no memory traffic. Returns GFLOP/s (2 per lane per FMA).
+// independent accumulators, at least FMA latency x ports on current x86 cores
+// (4 x 2 = 8 on Zen 3, Skylake), and fewer than the vector registers so none
+// spills: AVX-512 has 32, so 16; AVX2 and SSE have 16 (two hold the
+// multiplicands), so 12 — with 16 on AVX2, GCC spilled three accumulators to
+// the stack and the loop measured 53.7 GFLOP/s instead of 93 on a Zen 3 core.
+// No memory traffic. Returns GFLOP/s (2 per lane per FMA).
 inline double fma_loop_gflops(long iterations) {
 #if defined(__AVX512F__)
   using vec = __m512;
-  constexpr int lanes = 16;
+  constexpr int lanes = 16, accumulators = 16;
   auto fma = [](vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); };
   auto set = [](float v) { return _mm512_set1_ps(v); };
   auto sum = [](vec v) { return _mm512_reduce_add_ps(v); };
 #elif defined(__AVX2__) && defined(__FMA__)
   using vec = __m256;
-  constexpr int lanes = 8;
+  constexpr int lanes = 8, accumulators = 12;
   auto fma = [](vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); };
   auto set = [](float v) { return _mm256_set1_ps(v); };
   auto sum = [](vec v) {
@@ -46,26 +50,26 @@ inline double fma_loop_gflops(long iterations) {
   };
 #else
   using vec = float;
-  constexpr int lanes = 1;
+  constexpr int lanes = 1, accumulators = 12;
   auto fma = [](vec a, vec b, vec c) { return a * b + c; };
   auto set = [](float v) { return v; };
   auto sum = [](vec v) { return v; };
 #endif
-  vec acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = set(1.0f + 1e-3f * float(i));
+  vec acc[accumulators];
+  for (int i = 0; i < accumulators; ++i) acc[i] = set(1.0f + 1e-3f * float(i));
   const vec a = set(0.999999f), b = set(1e-7f);
   const auto t0 = std::chrono::steady_clock::now();
   for (long it = 0; it < iterations; ++it) {
     // Unrolled, or GCC keeps acc in memory: one FMA chain through a store
     // (measured: 56 instead of 167 GFLOP/s on an AVX-512 core).
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc[i] = fma(acc[i], a, b);
+    for (int i = 0; i < accumulators; ++i) acc[i] = fma(acc[i], a, b);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   float keep = 0;
-  for (int i = 0; i < 16; ++i) keep += sum(acc[i]);
+  for (int i = 0; i < accumulators; ++i) keep += sum(acc[i]);
   if (keep == 12345.678f) std::puts("");  // the result is used: the loop is not removed
-  return 2.0 * lanes * 16 * double(iterations) / seconds * 1e-9;
+  return 2.0 * lanes * accumulators * double(iterations) / seconds * 1e-9;
 }
 
 inline const char* fma_unit_name() {
