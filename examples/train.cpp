@@ -339,7 +339,7 @@ std::string duration(double s) {
 }
 
 template <class Mesh>
-int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
+int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
   const bool root = m.rank() == 0;
   model::config c = o.model;
   c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = 4;
@@ -368,8 +368,6 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus) {
       if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
         std::printf("note: the checkpoint was trained with %s = %g; this run uses %g\n", key.c_str(), it->second, now);
   }
-  // The machine, measured: MFU is against the FMA peak of these cores.
-  const double peak = measure_fma_peak(m.all_axes());
   if (root) {
     std::printf("text: %s\n", corpus.source.c_str());
     double count = 0;  // the parameters, global
@@ -549,11 +547,14 @@ int main(int argc, char** argv) {
     if (env.rank() == 0) std::fputs(usage, stdout);
     return 0;
   }
+  // The machine, measured before anything else runs: MFU is against the
+  // FMA peak of these cores.
+  const double peak = measure_fma_peak(world_group());
   const examples::corpus corpus = examples::load_corpus("train", o.text_path);
   if (corpus.text.size() < 4096)
     throw error("gshard train: the text has " + std::to_string(corpus.text.size()) + " bytes; give at least 4096");
   try {
-    return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, corpus); });
+    return examples::on_fitting_mesh([&](const auto& m) { return train(m, o, corpus, peak); });
   } catch (const std::bad_alloc&) {  // perhaps on this rank alone: the terminate handler ends the job with it
     throw error("gshard train: out of memory with --batch " + std::to_string(o.batch) + " --seq " + std::to_string(o.seq) +
                 "; give a smaller --batch or --seq");
