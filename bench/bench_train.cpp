@@ -10,6 +10,7 @@
 // step_memory: peak resident memory per rank of a process that ran steps
 //   (run it alone with --benchmark_filter: the peak is the process's), and
 //   page faults per step after three warm-up steps.
+// remat, remat_vs_kept: rematerialisation at 8 blocks (below).
 // moe_layer: the MoE layer alone in its reference configuration (4096
 //   tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
 //   backward: expert-FFN GFLOP/s (6 GEMMs per expert).
@@ -57,10 +58,12 @@ local_tensor<std::int32_t, 2> bench_tokens(index_t B, index_t L) {
 // The trainer's model, its parameters and Adam's state, and a batch; the
 // weight update replicated or sharded over the batch axes.
 struct trainer {
-  explicit trainer(bool sharded_update = false)
-      : ps(sharded_update ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{}) : parameters<grid>(m, 1)) {}
+  explicit trainer(bool sharded_update = false) : trainer(trainer_config(), sharded_update) {}
+  explicit trainer(const model::config& cfg, bool sharded_update = false)
+      : c(cfg),
+        ps(sharded_update ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{}) : parameters<grid>(m, 1)) {}
   const grid& m = gshard::bench::world_mesh<grid>();
-  model::config c = trainer_config();
+  model::config c;
   parameters<grid> ps;
   model::transformer<float, grid> tr{ps, c};
   adam opt{{}, ps};
@@ -179,6 +182,54 @@ void memory_per_rank(benchmark::State& state) {
   state.counters["rest_MiB"] = peak - before - params - grads - optimizer;
 }
 
+// remat/blocks:0|8 — the trainer's model at 8 blocks, no block or every
+// block rematerialised (config::remat): step time, the peak resident memory
+// per rank over what the process held before the model, and its part that
+// is not parameters, gradients or Adam's state (VmHWM reset at the
+// start, one invocation of 8 steps: run it alone per process, as
+// scripts/remat does), and the FLOPs
+// recomputed in the backward as a share of the model's.
+void remat(benchmark::State& state) {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) std::fputs("5", f), std::fclose(f);
+  const double before = gshard::bench::max_over_ranks(status_mib("VmRSS:"));
+  model::config c = trainer_config();
+  c.layers = 8;
+  for (int l = 0; l < int(state.range(0)); ++l) c.remat.push_back(l);
+  trainer b(c);
+  b.step();
+  b.step();
+  double total = 0;
+  const double f0 = model_flops(), r0 = recomputed_flops();
+  for (auto _ : state) {
+    const double t = gshard::bench::slowest([&] { b.step(); });
+    total += t;
+    state.SetIterationTime(t);
+  }
+  const double n = double(state.iterations());
+  auto most = [](double v) { return gshard::bench::max_over_ranks(v); };
+  const double peak = most(status_mib("VmHWM:")) - before;
+  const double state_mib = most(local_mib(b.ps.values()) + local_mib(b.ps.grads()) + double(b.opt.state_bytes()) / (1024.0 * 1024.0));
+  state.counters["step_ms"] = 1e3 * total / n;
+  state.counters["peak_MiB"] = peak;
+  state.counters["params+grads+adam_MiB"] = state_mib;
+  state.counters["rest_MiB"] = peak - state_mib;
+  state.counters["recomputed/model_flops"] = (recomputed_flops() - r0) / (model_flops() - f0);
+}
+
+// remat_vs_kept: the step at 8 blocks with every block rematerialised over
+// the one that keeps them, interleaved step by step (the median ratio).
+void remat_vs_kept(benchmark::State& state) {
+  model::config c = trainer_config();
+  c.layers = 8;
+  trainer kept(c);
+  c.remat = {0, 1, 2, 3, 4, 5, 6, 7};
+  trainer re(c);
+  const auto r = gshard::bench::compare(state, {[&] { kept.step(); }, [&] { re.step(); }}, 1);
+  state.counters["kept_ms"] = 1e3 * r.median_time[0];
+  state.counters["remat_ms"] = 1e3 * r.median_time[1];
+  state.counters["remat/kept"] = r.median_ratio[1];
+}
+
 void moe_layer(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
@@ -216,6 +267,8 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
       ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

@@ -55,6 +55,8 @@ struct options {
   std::string metrics;  // JSON lines, one per step
   model::config model;  // the routing options land in model.gating
   index_t experts = 8, hidden = 256, slot_hidden = 0;  // the model's FFNs
+  int layers = 4;
+  std::string remat = "none";  // --remat: none, all, or a list of blocks
   bool aux_coef_given = false, second_given = false;
   bool sharded_update = true;  // --weight-update sharded (the default) or replicated
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
@@ -83,6 +85,9 @@ constexpr const char* usage =
     "  --experts E        experts per MoE layer (8); 0: a dense model\n"
     "  --hidden H         hidden units of the dense FFNs and of each expert (256)\n"
     "  --slot-hidden H    with --experts 0: hidden units of the FFNs in the MoE layers' blocks (--hidden)\n"
+    "  --layers N         Transformer blocks (4); blocks 1, 3, ... have the MoE layers\n"
+    "  --remat none|all|LIST  blocks (LIST: 0,2,3) that keep only their input and recompute their forward in\n"
+    "                     the backward: less memory for one more forward of each (none)\n"
     "routing (docs/05_moe.md):\n"
     "  --top-k K          experts per token (2: GShard; 1: Switch)\n"
     "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
@@ -99,6 +104,28 @@ constexpr const char* usage =
     "optimizer:\n"
     "  --weight-update sharded|replicated  the Adam update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n";
+
+// --remat's value: none, all, or blocks as a comma-separated list.
+std::vector<int> remat_blocks(const std::string& v, int layers) {
+  std::vector<int> blocks;
+  if (v == "none") return blocks;
+  if (v == "all") {
+    for (int l = 0; l < layers; ++l) blocks.push_back(l);
+    return blocks;
+  }
+  for (std::size_t at = 0; at <= v.size();) {
+    const std::size_t comma = std::min(v.find(',', at), v.size());
+    try {
+      const int b = int(examples::number<long long>("train", "--remat", v.substr(at, comma - at), 0, layers - 1));
+      if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
+    } catch (const error&) {
+      throw error("gshard train: --remat is none, all, or blocks from 0 to " + std::to_string(layers - 1) +
+                  " separated by commas (1,3); not '" + v + "'");
+    }
+    at = comma + 1;
+  }
+  return blocks;
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -139,6 +166,8 @@ options parse(int argc, char** argv) {
     else if (a == "--experts") o.experts = integer(0);
     else if (a == "--hidden") o.hidden = integer(1);
     else if (a == "--slot-hidden") o.slot_hidden = integer(1);
+    else if (a == "--layers") o.layers = integer(1);
+    else if (a == "--remat") o.remat = next();
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
     else if (a == "--dropless") g.dropless = true;
@@ -161,6 +190,7 @@ options parse(int argc, char** argv) {
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
+  o.model.remat = remat_blocks(o.remat, o.layers);
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
   if (o.save.empty() && (o.save_every > 0 || o.stop_after > 0))
@@ -342,7 +372,7 @@ template <class Mesh>
 int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
   const bool root = m.rank() == 0;
   model::config c = o.model;
-  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = 4;
+  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = o.layers;
   c.hidden = o.hidden, c.experts = o.experts, c.slot_hidden = o.slot_hidden;
   const std::string& text = corpus.text;
   const std::size_t split = corpus.split;
@@ -384,6 +414,11 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
                 long(o.seq));
     std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
                 gshard::detail::gemm_backend());
+    if (!c.remat.empty()) {
+      std::string list;
+      for (int b : c.remat) list += (list.empty() ? "" : ", ") + std::to_string(b);
+      std::printf("rematerialised blocks: %s (each keeps its input and runs its forward again in the backward)\n", list.c_str());
+    }
   }
   {  // Adam's moments on this rank, and what a replicated update would hold
     const double here = double(opt.moment1().local_bytes() + opt.moment2().local_bytes());

@@ -41,6 +41,20 @@ inline void fragment(const grid& m, const model::config& c) {
 //@fragment
 }
 
+// context: remat_block
+// docs/12: remat around a function of vars, returning a var or a tuple.
+using grid = mesh<axis<"data">>;
+using act = tensor<float, 2, grid, sharding<split<0, "data">>>;
+template <class Block, class MoeBlock>
+void fragment(const var<act>& x, const Block& block, const MoeBlock& moe_block) {
+//@fragment
+}
+inline void instantiate(tape& t, const act& a) {
+  const auto block = [](const var<act>& in) { return relu(in); };
+  const auto moe_block = [](const var<act>& in) { return std::tuple{relu(in), in}; };
+  fragment(t.constant(a), block, moe_block);
+}
+
 // context: statements
 inline void fragment() {
 //@fragment

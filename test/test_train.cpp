@@ -327,6 +327,98 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
   }
 }
 
+TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, move the router bias once", "[train][remat]") {
+  const int P = world_size();
+  // Every block rematerialised against none: the same gradients (double,
+  // 1e-12 relative), losses, routing and router bias after two steps; the
+  // recomputed forwards' FLOPs counted apart from the model's; the forward's
+  // collectives again in the backward.
+  auto check = [&](const auto& m, model::config c) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    const auto tok = some_tokens(2 * P, 6);
+    trainer<double, Mesh> kept(m, c, 3);
+    c.remat = {0, 1};
+    trainer<double, Mesh> re(m, c, 3);
+    struct run {
+      double loss, flops, recomputed;
+      std::size_t collectives;
+      std::vector<std::int64_t> load;
+    };
+    auto step = [&](auto& tr, int s) {
+      collective_recorder rec;
+      const double f0 = model_flops(), r0 = recomputed_flops();
+      const auto r = model::train_step(tr.tr, tr.ps, tr.opt, tr.tokens(tok), std::uint64_t(s));
+      return run{r.loss, model_flops() - f0, recomputed_flops() - r0, rec.events().size(), r.moe.at(0).expert_load};
+    };
+    // The blocks' forward FLOPs (this rank's share): a forward's, less the unembedding's 2·B·L·M·V.
+    const double blocks_forward = [&] {
+      const double f0 = model_flops();
+      tape t(kept.ps, tape::no_grad);
+      (void)kept.tr.forward(t, kept.tokens(tok), 0);
+      return model_flops() - f0 - 2.0 * double(2 * P * 6 * c.model * c.vocab) / double(P);
+    }();
+    double worst = 0;
+    for (int s = 0; s < 2; ++s) {
+      const run a = step(kept, s), b = step(re, s);
+      GSHARD_REQUIRE(a.loss == b.loss);
+      GSHARD_REQUIRE(a.load == b.load);
+      GSHARD_REQUIRE(a.flops == b.flops);
+      GSHARD_REQUIRE(a.recomputed == 0);
+      GSHARD_REQUIRE(std::abs(b.recomputed - blocks_forward) <= 1e-12 * blocks_forward);
+      GSHARD_REQUIRE(b.collectives > a.collectives);
+      for (std::size_t i = 0; i < kept.ps.size(); ++i) {  // the gradients of this step, gathered
+        const auto g1 = kept.ps.grads()[i].gather_to_root(), g2 = re.ps.grads()[i].gather_to_root();
+        const auto* x = reinterpret_cast<const double*>(g1.data());
+        const auto* y = reinterpret_cast<const double*>(g2.data());
+        for (std::size_t j = 0; j < g1.size() / sizeof(double); ++j)
+          worst = std::max(worst, std::abs(x[j] - y[j]) / std::max(1e-6, std::abs(x[j])));
+      }
+    }
+    worst = sum_all(worst);
+    INFO(m.describe() << ": worst relative gradient difference " << worst);
+    GSHARD_REQUIRE(worst < 1e-12);
+    const auto& b1 = kept.tr.blocks()[1].moe, &b2 = re.tr.blocks()[1].moe;
+    if (b1->bias) {
+      double moved = 0;
+      for (index_t e = 0; e < c.experts; ++e) {
+        GSHARD_REQUIRE(b1->bias->value().data()[e] == b2->bias->value().data()[e]);
+        moved += std::abs(b1->bias->value().data()[e]);
+      }
+      GSHARD_REQUIRE(moved > 0);
+    }
+  };
+  auto c = tiny(P);
+  check(grid2(MPI_COMM_WORLD, {1, P}), c);
+  c.gating.balance = moe::balance_mode::bias, c.gating.bias_rate = 0.01, c.gating.second = moe::second_policy::random;
+  check(grid2(MPI_COMM_WORLD, {1, P}), c);
+  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P, moe::ffn_kind::swiglu));
+
+  // Misuse: a block that does not exist; a function reading a tracked value
+  // it was not given.
+  {
+    auto bad = tiny(P);
+    bad.remat = {2};
+    grid2 m(MPI_COMM_WORLD, {1, P});
+    parameters<grid2> ps(m, 1);
+    GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid2>(ps, bad)), error,
+                               "gshard::model::transformer: config.remat names block 2 of a model with 2 blocks (0 to 1)");
+  }
+  {
+    grid1 m(MPI_COMM_WORLD);
+    parameters<grid1> ps(m, 1);
+    param<tensor<double, 1, grid1, replicate>> w(ps, "w", {3}, init::ones());
+    tape t(ps);
+    auto x = t.constant(distribute<replicate>(m, random_tensor<1, double>({3}, 4)));
+    auto wx = x * t.use(w);  // tracked
+    GSHARD_REQUIRE_THROWS_WITH(remat([wx](const auto& in) { return in * wx; }, x), error,
+                               "gshard::remat: the function uses a tracked value f64[3] that it was not given as an input");
+    auto y = remat([&w, &t](const auto& in) { return in * t.use(w); }, x);  // a parameter: declared, so allowed
+    const auto r = distribute<replicate>(m, random_tensor<1, double>({3}, 5));
+    t.backward(einsum<"i,i->">(y, t.constant(r)));
+    for (index_t i = 0; i < 3; ++i) GSHARD_REQUIRE(w.grad().local()(i) == x.value().local()(i) * r.local()(i));
+  }
+}
+
 TEST_CASE("one training step runs exactly the collectives its types imply, and their bytes", "[train][collectives]") {
   const int P = world_size();
   const auto c = tiny(P);  // block 0 dense, block 1 MoE

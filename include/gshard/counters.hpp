@@ -112,14 +112,32 @@ inline double collective_seconds(collective kind) {
 // einsum's work once however it is split or repeated (the convention of
 // model FLOPs utilisation), and a rank's count times P is the whole job's.
 // Since the start of the program; a step's is the difference around it.
+// A forward recomputed in the backward (rematerialisation, ad/remat.hpp)
+// is work the hardware does again, not the model's: its FLOPs go to
+// recomputed_flops() instead.
 namespace detail {
-inline double& model_flops_total() {
-  static double f = 0;
+struct flop_totals {
+  double model = 0, recomputed = 0;
+  int recompute_depth = 0;
+};
+inline flop_totals& flops() {
+  static flop_totals f;
   return f;
 }
+// While one lives, einsums' FLOPs count as recomputed.
+struct recomputing_flops {
+  recomputing_flops() { ++flops().recompute_depth; }
+  ~recomputing_flops() { --flops().recompute_depth; }
+  recomputing_flops(const recomputing_flops&) = delete;
+  recomputing_flops& operator=(const recomputing_flops&) = delete;
+};
 }  // namespace detail
-inline double model_flops() { return detail::model_flops_total(); }
-inline void add_model_flops(double f) { detail::model_flops_total() += f; }
+inline double model_flops() { return detail::flops().model; }
+inline double recomputed_flops() { return detail::flops().recomputed; }
+inline void add_model_flops(double f) {
+  auto& t = detail::flops();
+  (t.recompute_depth > 0 ? t.recomputed : t.model) += f;
+}
 
 // Totals since the start of the program, per (kind, axes).
 inline const std::vector<collective_total>& collective_totals() { return detail::counters().totals; }

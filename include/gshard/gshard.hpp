@@ -37,6 +37,7 @@
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
+#include "gshard/ad/remat.hpp"
 #include "gshard/ad/tape.hpp"
 #include "gshard/checkpoint.hpp"
 #include "gshard/grad.hpp"

@@ -56,9 +56,6 @@ auto as_var(tape& t, const A& a) {
   else return a;
 }
 
-template <class V>
-using tensor_of = typename std::remove_cvref_t<V>::tensor_type;
-
 // The tensor of a var to compute on: moved out of an rvalue var nothing else
 // holds, copied otherwise.
 template <class V>

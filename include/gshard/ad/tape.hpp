@@ -19,6 +19,11 @@
 // itself. The slots hold whole contributions until the end of the backward:
 // the gradient's peak memory is the parameter's size, whichever layout it
 // is reduced into.
+//
+// Rematerialisation (gshard/ad/remat.hpp) runs a function's forward once
+// with nothing recorded (suspended) and again in the backward (recomputing);
+// a model's state updates (the router bias) go through after_step(), so the
+// recomputed forward sees the state the first one saw and moves it once.
 #pragma once
 
 #include <cstdint>
@@ -181,6 +186,9 @@ template <class V>
 struct is_var : std::false_type {};
 template <class X>
 struct is_var<var<X>> : std::true_type {};
+// The tensor type of a var (of a reference to one).
+template <class V>
+using tensor_of = typename std::remove_cvref_t<V>::tensor_type;
 }  // namespace detail
 
 template <class V>
@@ -202,8 +210,24 @@ class tape {
   tape(parameters<Mesh>& ps, no_grad_t) : params_(&ps), recording_(false) {}
   tape(const tape&) = delete;
   tape& operator=(const tape&) = delete;
+  ~tape() { run_after_step(); }
 
+  // A training forward: its ops record their rules (also while a
+  // rematerialised function runs unrecorded, and while it is recomputed).
   bool recording() const { return recording_; }
+  // True while a rematerialised function's forward runs again in the
+  // backward: code with side effects (trace counters, statistics) skips them.
+  bool recomputing() const { return recomputing_ > 0; }
+
+  // A state update of this training step (the router bias of bias
+  // balancing): it runs when the step's tape ends — after its backward, or
+  // when the tape is destroyed without one — so every forward of the step,
+  // a recomputed one too, sees the state as the step began. Ignored while
+  // recomputing (the first forward registered it). Runs nothing collective.
+  void after_step(std::function<void()> update) {
+    if (recomputing()) return;
+    after_step_.push_back(std::move(update));
+  }
 
   // A value that receives no gradient (inputs, masks).
   template <class X>
@@ -221,7 +245,7 @@ class tape {
       throw error("gshard::tape: parameter '" + p.name() + "' " + p.value().notation() +
                   " is declared in another gshard::parameters than this tape's; declare it in the model's parameters");
     std::shared_ptr<const X> view(std::shared_ptr<void>(), &p.value());  // the parameters own it
-    if (!recording_) return {*this, std::move(view), -1};
+    if (!recording_ || suspended_ > 0) return {*this, std::move(view), -1};
     const auto it = param_slots_.find(p.index());
     if (it != param_slots_.end()) return {*this, std::move(view), it->second};
     const int id = new_slot<X>(p.value().mesh(), p.value().extents());
@@ -251,12 +275,15 @@ class tape {
   // The output of an operation: tracked when the tape records and an input is.
   template <class X>
   var<X> output(X value, bool any_input_tracked) {
+    if (any_input_tracked && suspended_ > 0)
+      throw error("gshard::remat: the function uses a tracked value " + value.notation() +
+                  " that it was not given as an input; pass every value it reads as an argument of remat");
     const int id = recording_ && any_input_tracked ? new_slot<X>(value.mesh(), value.extents()) : -1;
     return {*this, std::make_shared<X>(std::move(value)), id};  // not const: take_value may move it
   }
 
   // A gradient rule, run once during the backward (after every rule recorded later).
-  void record(std::function<void()> rule) { rules_.push_back(std::move(rule)); }
+  void record(std::function<void()> rule) { recording_into_->push_back(std::move(rule)); }
 
   template <class X>
   detail::slot_of<X>& slot(int id) {
@@ -292,9 +319,26 @@ class tape {
     for (auto& f : finish_) f();
     finish_.clear();
     reset_grads_(true);
+    run_after_step();
   }
 
  private:
+  template <class F, class... X>
+  friend auto remat(F f, const var<X>&... inputs);
+
+  void run_after_step() {
+    auto updates = std::move(after_step_);
+    after_step_.clear();
+    for (auto& u : updates) u();
+  }
+
+  // A var that shares v's tensor and gets a slot of its own: a
+  // rematerialised function's output, computed unrecorded.
+  template <class X>
+  var<X> track(const var<X>& v) {
+    return {*this, v.shared(), new_slot<X>(v.mesh(), v.extents())};
+  }
+
   // before == false: marks every parameter as without gradient; true: zeros
   // the gradients of those still without one.
   template <mesh_type Mesh>
@@ -326,8 +370,12 @@ class tape {
   void* params_;
   bool recording_;
   bool done_ = false;
+  int suspended_ = 0;    // > 0: a rematerialised function's first forward (no slots, no rules)
+  int recomputing_ = 0;  // > 0: its forward again, in the backward
   std::vector<std::unique_ptr<detail::grad_slot_base>> slots_;
   std::vector<std::function<void()>> rules_;
+  std::vector<std::function<void()>>* recording_into_ = &rules_;  // a recomputed forward's own list
+  std::vector<std::function<void()>> after_step_;
   std::vector<std::function<void()>> finish_;
   std::map<std::size_t, int> param_slots_;
   std::function<void(bool)> reset_grads_;

@@ -13,16 +13,19 @@
 // over the batch axes.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
+#include "gshard/ad/remat.hpp"
 #include "gshard/moe/layer.hpp"
 #include "gshard/roles.hpp"
 
@@ -44,7 +47,11 @@ struct config {
   moe::gating_config gating{};  // top-k, capacity, dropless, z-loss, balancing (moe/gating.hpp)
   moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
+  // Blocks that keep only their input and recompute their forward in the
+  // backward (rematerialisation): less memory, one more forward of each.
+  std::vector<int> remat;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
+  bool remats(int layer) const { return std::find(remat.begin(), remat.end(), layer) != remat.end(); }
   index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
 };
 
@@ -95,7 +102,9 @@ class transformer {
   };
 
   // tokens [B, L+1]: predicts tokens[:, 1:] from tokens[:, :-1]. `step` keys
-  // the random routing. On a tape made with tape::no_grad nothing is kept.
+  // the random routing. On a tape made with tape::no_grad nothing is kept;
+  // a block in config::remat keeps only its input and runs again in the
+  // backward (gshard/ad/remat.hpp).
   output forward(tape& t, const tokens_type& tokens, std::uint64_t step,
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
@@ -103,26 +112,10 @@ class transformer {
     std::vector<var<tensor<double, 0, Mesh, replicate>>> aux, z;
     std::vector<moe::gating_stats> stats;
     for (int layer = 0; layer < c_.layers; ++layer) {
-      const block_params& b = blocks_[std::size_t(layer)];
-      std::optional<trace::span> block_span, sub;  // named only when tracing
-      const auto named_span = [&](std::optional<trace::span>& s, const char* what) {
-        s.reset();
-        if (trace::enabled()) s.emplace("block " + std::to_string(layer) + what, "model");
-      };
-      named_span(block_span, "");
-      named_span(sub, " attention");
-      x = x + attention(rms_norm(x, b.norm1), b.attn);
-      named_span(sub, b.moe ? " MoE" : " FFN");
-      auto h = rms_norm(x, b.norm2);
-      if (b.moe) {  // the groups are the sequences: G = B, S = L
-        auto r = (*b.moe)(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(layer), mode);
-        x = x + relabel<"BLM">(std::move(r.y));
-        aux.push_back(std::move(r.aux));
-        z.push_back(std::move(r.z_loss));
-        stats.push_back(std::move(r.stats));
-      } else {
-        x = x + ffn(std::move(h), *b.ffn);
-      }
+      const auto run = [this, layer, step, mode](const var<activation>& in) { return block(in, layer, step, mode); };
+      auto [y, a, zl, st] = c_.remats(layer) ? remat(run, x) : run(x);
+      x = std::move(y);
+      if (a) aux.push_back(std::move(*a)), z.push_back(std::move(*zl)), stats.push_back(std::move(*st));
     }
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
     auto ce = cross_entropy(logits, targets);
@@ -136,6 +129,28 @@ class transformer {
       if (c_.gating.z_loss_coef != 0) out.loss = out.loss + c_.gating.z_loss_coef * zl;
     }
     return out;
+  }
+
+  // Block `layer`: x + attention(norm(x)), then x + ffn(norm(x)) — an MoE
+  // layer in blocks 1, 3, ..., which adds its aux loss, z-loss and routing
+  // statistics to the output (the groups are the sequences: G = B, S = L).
+  using scalar_var = var<tensor<double, 0, Mesh, replicate>>;
+  std::tuple<var<activation>, std::optional<scalar_var>, std::optional<scalar_var>, std::optional<moe::gating_stats>>
+  block(var<activation> x, int layer, std::uint64_t step, moe::dispatch_mode mode = moe::dispatch_mode::index) const {
+    const block_params& b = blocks_[std::size_t(layer)];
+    std::optional<trace::span> block_span, sub;  // named only when tracing
+    const auto named_span = [&](std::optional<trace::span>& s, const char* what) {
+      s.reset();
+      if (trace::enabled()) s.emplace("block " + std::to_string(layer) + what, "model");
+    };
+    named_span(block_span, "");
+    named_span(sub, " attention");
+    x = x + attention(rms_norm(x, b.norm1), b.attn);
+    named_span(sub, b.moe ? " MoE" : " FFN");
+    auto h = rms_norm(x, b.norm2);
+    if (!b.moe) return {x + ffn(std::move(h), *b.ffn), std::nullopt, std::nullopt, std::nullopt};
+    auto r = (*b.moe)(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(layer), mode);
+    return {x + relabel<"BLM">(std::move(r.y)), std::move(r.aux), std::move(r.z_loss), std::move(r.stats)};
   }
 
   // Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT,
@@ -176,6 +191,10 @@ class transformer {
     if (c.experts > 0) moe::validate(c.gating, c.experts);
     if (c.shared_experts < 0)
       throw error("gshard::model::transformer: config.shared_experts = " + std::to_string(c.shared_experts) + " is negative");
+    for (int l : c.remat)
+      if (l < 0 || l >= c.layers)
+        throw error("gshard::model::transformer: config.remat names block " + std::to_string(l) + " of a model with " +
+                    std::to_string(c.layers) + " blocks (0 to " + std::to_string(c.layers - 1) + ")");
     index_t parts = 1;
     for (int a = 0; a < m.naxes(); ++a)
       if ((roles::model_mask >> a) & 1u) parts *= m.size(a);

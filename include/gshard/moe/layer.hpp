@@ -98,8 +98,8 @@ struct layer {
 
   // x: [G,S,M] at the groups (labelled "GSM", at_tokens). `stream` keys the
   // random routing (the layer and the step). On a recording tape, with
-  // balance_mode::bias, the router bias moves after the routing (so a
-  // gradient check or a recomputed forward moves it too).
+  // balance_mode::bias, the router bias moves when the step's tape ends
+  // (tape::after_step), so a recomputed forward routes as the first did.
   template <class V>
     requires var_type<V>
   auto operator()(const V& x, const gating_config& cfg, std::uint64_t stream,
@@ -116,8 +116,9 @@ struct layer {
     const bool training = x.on_tape().recording();
     auto route = moe::gate(einsum<"GSM,ME->GSE">(x, gate), cfg, stream, bias ? bias->value().data() : nullptr,
                            training);  // router logits: local
-    if (bias && training) update_bias(route.stats, cfg.bias_rate);
-    trace_counters(name, route.stats);
+    if (bias && training)
+      x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
+    if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
     auto xe = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
       if (mode == dispatch_mode::index) return reshard<at_experts>(dispatch(route, x));
       return einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x);
@@ -147,15 +148,16 @@ struct layer {
 
   // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices
   // each expert got before capacity, summed over every group (the same on
-  // every rank). The bias is the layer's state, not a parameter: it moves on
-  // every recording forward, even of a const layer.
-  void update_bias(const gating_stats& st, double rate) const {
+  // every rank). The bias is the layer's state, not a parameter: it moves
+  // once per recording forward (when its tape ends), even of a const layer.
+  template <class Demand>
+  void update_bias(const Demand& demand, double rate) const {
     double mean = 0;
-    for (auto v : st.expert_demand) mean += double(v);
-    mean /= double(std::max<std::size_t>(st.expert_demand.size(), 1));
+    for (auto v : demand) mean += double(v);
+    mean /= double(std::max<std::size_t>(demand.size(), 1));
     double* b = bias->value().data();
-    for (std::size_t e = 0; e < st.expert_demand.size(); ++e) {
-      const double err = mean - double(st.expert_demand[e]);
+    for (std::size_t e = 0; e < demand.size(); ++e) {
+      const double err = mean - double(demand[e]);
       b[e] += rate * double((err > 0) - (err < 0));
     }
   }
