@@ -16,9 +16,9 @@
 // (an all_reduce over the batch axes), or — when the parameters shard the
 // weight update — into its update layout (reduce_scatters). So a weight used
 // three times costs one reduction, and no collective is inserted by the tape
-// itself. The slots hold whole contributions until the end of the backward:
-// the gradient's peak memory is the parameter's size, whichever layout it
-// is reduced into.
+// itself. A parameter's slot is reduced as soon as its gradient is complete
+// (every rule recorded after its first use has run), so it holds the whole
+// contribution only from its last use in the forward to its first one.
 //
 // Rematerialisation (gshard/ad/remat.hpp) runs a function's forward once
 // with nothing recorded (suspended) and again in the backward (recomputing);
@@ -245,12 +245,18 @@ class tape {
       throw error("gshard::tape: parameter '" + p.name() + "' " + p.value().notation() +
                   " is declared in another gshard::parameters than this tape's; declare it in the model's parameters");
     std::shared_ptr<const X> view(std::shared_ptr<void>(), &p.value());  // the parameters own it
-    if (!recording_ || suspended_ > 0) return {*this, std::move(view), -1};
+    if (!recording_) return {*this, std::move(view), -1};
+    // Rules recorded from here on may use it (a rematerialised function's
+    // first, unrecorded, pass counts: its recomputation runs in the rule
+    // recorded after it): once the backward has run them, its gradient is
+    // complete.
+    const std::size_t first = param_first_.try_emplace(p.index(), recomputing_ ? running_rule_ : rules_.size()).first->second;
+    if (suspended_ > 0) return {*this, std::move(view), -1};
     const auto it = param_slots_.find(p.index());
     if (it != param_slots_.end()) return {*this, std::move(view), it->second};
     const int id = new_slot<X>(p.value().mesh(), p.value().extents());
     param_slots_[p.index()] = id;
-    finish_.push_back([this, id, p] {
+    finish_.push_back({first, [this, id, p] {
       auto& ps = *const_cast<parameters<typename X::mesh_type>*>(p.owner());
       std::optional<trace::span> span;
       if (trace::enabled()) span.emplace("gradient " + p.name(), "backward");
@@ -268,7 +274,7 @@ class tape {
                     " elements on this rank but its buffer " + std::to_string(dst.size()));
       std::copy(g->data(), g->data() + g->size(), dst.data());
       ps.set_has_grad(p.index(), true);
-    });
+    }});
     return {*this, std::move(view), id};
   }
 
@@ -310,13 +316,19 @@ class tape {
       one.local()() = typename L::value_type(1);
       slot<L>(loss.slot()).add(std::move(one));
     }
+    reset_grads_(false);
+    // Each parameter's gradient is reduced as soon as it is complete — when
+    // every rule recorded after its first use has run — not at the end: its
+    // slot's memory goes then, and its collective runs between the
+    // backward's others (in the same order on every rank).
     for (std::size_t i = rules_.size(); i-- > 0;) {
+      finish_complete(i + 1);
+      running_rule_ = i;
       rules_[i]();
       rules_[i] = nullptr;  // frees what the rule kept
     }
     rules_.clear();
-    reset_grads_(false);
-    for (auto& f : finish_) f();
+    finish_complete(0);
     finish_.clear();
     reset_grads_(true);
     run_after_step();
@@ -325,6 +337,17 @@ class tape {
  private:
   template <class F, class... X>
   friend auto remat(F f, const var<X>&... inputs);
+
+  // Reduces the gradients of the parameters first used at rule `from` or
+  // later, in the order they were first used.
+  void finish_complete(std::size_t from) {
+    for (auto& f : finish_)
+      if (f.reduce && f.first_rule >= from) {
+        auto reduce = std::move(f.reduce);
+        f.reduce = nullptr;
+        reduce();
+      }
+  }
 
   void run_after_step() {
     auto updates = std::move(after_step_);
@@ -376,8 +399,14 @@ class tape {
   std::vector<std::function<void()>> rules_;
   std::vector<std::function<void()>>* recording_into_ = &rules_;  // a recomputed forward's own list
   std::vector<std::function<void()>> after_step_;
-  std::vector<std::function<void()>> finish_;
+  struct param_finish {
+    std::size_t first_rule;          // the parameter's gradient is complete once the rules from here on have run
+    std::function<void()> reduce;    // its one reduction, into its buffer; empty once run
+  };
+  std::vector<param_finish> finish_;
   std::map<std::size_t, int> param_slots_;
+  std::map<std::size_t, std::size_t> param_first_;  // parameter index -> the first rule that may use it
+  std::size_t running_rule_ = 0;                    // the rule the backward runs (a recomputation records new uses there)
   std::function<void(bool)> reset_grads_;
 };
 
