@@ -419,69 +419,74 @@ TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, m
   }
 }
 
-TEST_CASE("one training step runs exactly the collectives its types imply, and their bytes", "[train][collectives]") {
+TEST_CASE("one training step runs exactly the collectives, FLOPs and state the cost model counts", "[train][collectives][cost]") {
+  // gshard/model/cost.hpp counts a step from the config and the mesh's
+  // sizes alone; here a real step's counters must equal it: the calls and
+  // bytes of every collective per kind and axes, the model FLOPs, the
+  // declared weights and the bytes of parameters, gradients and Adam's state
+  // — for the replicated and the sharded weight update, on (data, expert)
+  // and (data, expert, model) meshes, with GShard's routing, with SwiGLU
+  // shared experts and top-1, and for a dense model.
   const int P = world_size();
-  const auto c = tiny(P);  // block 0 dense, block 1 MoE
-  const index_t B = 2 * P, L = 6, V = c.vocab, M = c.model, N = c.heads, K = c.head_dim, H = c.hidden, E = c.experts;
-  const index_t C = moe::capacity(L, E, c.gating);
-  auto ran = [&](const auto& m) {
+  const index_t B = 2 * P, L = 6;
+  auto ran = [&](const auto& m, const model::config& c, bool sharded) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    trainer<float, Mesh> run(m, c, 3);
+    trainer<float, Mesh> run = sharded ? trainer<float, Mesh>(m, c, 3, {}, shard_weight_update<default_roles::batch>{})
+                                       : trainer<float, Mesh>(m, c, 3);
     const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
+    const double f0 = model_flops();
     model::train_step(run.tr, run.ps, run.opt, tokens, 0);
+    const double flops = model_flops() - f0;
     std::map<std::string, std::pair<int, std::size_t>> seen;  // calls and bytes per kind(axes)
     for (const auto& e : rec.events()) {
       auto& s = seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
       ++s.first;
       s.second += e.bytes;
     }
-    return seen;
-  };
-  auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
-    std::string t;
-    for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
-    return t;
-  };
-  // What the types imply, for ranks along data (d), expert (e), model (m):
-  // all_to_all over expert: the MoE layer's two and their transposes, each [E,B/(de),C,M].
-  // all_reduce over the batch axes: the gradient of every weight replicated
-  // over them (embed, unembed, final norm; per block norm1, norm2, wq, wk,
-  // wv, wo; dense w1, w2; the router), each once however often it is used;
-  // the cross-entropy's sum and count; the MoE layer's statistics.
-  // Over "data": the two expert weights (replicated over data only). Over
-  // "model": after each attention (2), dense FFN and expert FFN in the
-  // forward, and their input gradients in the backward. Over the whole mesh:
-  // the global norm.
-  auto want = [&](index_t d, index_t e, index_t mm, bool model_axis) {  // (a size-1 axis still runs its collectives)
-    const std::size_t f = sizeof(float);
-    const index_t Bl = B / (d * e);
-    std::size_t weights = std::size_t(V * M + M * V + M + 2 * (2 * M + 3 * M * N * K / mm + N * K * M / mm) + M * H / mm +
-                                      H * M / mm + M * E) * f;
-    std::map<std::string, std::pair<int, std::size_t>> w;
-    w["all_to_all(expert)"] = {4, std::size_t(4 * E * Bl * C * M) * f};
-    // the MoE statistics: E loads, tokens, k drops, k skips, invalid, aux, z-loss
-    w["all_reduce(data,expert)"] = {18 + 2, weights + 2 * 8 + std::size_t(2 * E + 4 + 2 * c.gating.top_k) * 8};
-    w["all_reduce(data)"] = {2, std::size_t(2 * (E / e) * M * (H / mm)) * f};
-    if (model_axis) {
-      w["all_reduce(model)"] = {8, std::size_t(2 * (3 * Bl * L * M) + 2 * (E / e) * (B / d) * C * M) * f};
-      w["all_reduce(data,expert,model)"] = {1, 8};
-    } else {
-      w["all_reduce(data,expert)"].first += 1;
-      w["all_reduce(data,expert)"].second += 8;
+    const bool three = m.naxes() == 3;
+    const model::cost::mesh_sizes ms{m.size(0), m.size(1), three ? m.size(2) : 1, three};
+    const auto w = model::cost::count_step(c, ms, {B, L, sharded, int(sizeof(float))});
+    std::map<std::string, std::pair<int, std::size_t>> want;
+    for (const auto& x : w.collectives) {
+      std::string axes;
+      for (int a = 0; a < ms.naxes(); ++a)
+        if ((x.axes >> a) & 1u) axes += (axes.empty() ? "" : ",") + std::string(Mesh::names[std::size_t(a)].view());
+      want[std::string(name_of(x.kind)) + "(" + axes + ")"] = {x.calls, std::size_t(x.bytes)};
     }
-    return w;
+    auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
+      std::string t;
+      for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
+      return t;
+    };
+    // The declared weights, and the state's bytes on this rank.
+    const auto ws = model::cost::weights(c);
+    std::string weight_diff = ws.size() == run.ps.size() ? "" : "counted " + std::to_string(ws.size()) + " weights";
+    for (std::size_t i = 0; weight_diff.empty() && i < ws.size(); ++i)
+      if (ws[i].name != run.ps.name(i) || ws[i].extents != run.ps.values()[i].extents() ||
+          double(run.ps.values()[i].local_bytes()) != double(model::cost::local_elements(ws[i].layout, ws[i].extents, ms)) * sizeof(float))
+        weight_diff = "weight " + std::to_string(i) + ": declared " + run.ps.name(i) + " " + run.ps.values()[i].notation() +
+                      ", counted " + ws[i].name;
+    INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
+                      << "\nran: " << text(seen) << "\nwant: " << text(want) << "\nmodel FLOPs " << flops << " counted "
+                      << w.model_flops << "\n" << weight_diff);
+    GSHARD_REQUIRE(seen == want);
+    GSHARD_REQUIRE(std::abs(flops - w.model_flops) <= 1e-12 * w.model_flops);
+    GSHARD_REQUIRE(weight_diff.empty());
+    GSHARD_REQUIRE(double(run.ps.values().local_bytes()) == w.parameter_bytes);
+    GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
+    GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.adam_bytes);
   };
-  {
-    const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
-    const auto got = ran(grid2(MPI_COMM_WORLD, {d, e})), expected = want(d, e, 1, false);
-    INFO("ran: " << text(got) << "\nwant: " << text(expected));
-    GSHARD_REQUIRE(got == expected);
-  }
-  const auto s = data_expert_model_sizes(P);
-  const auto got = ran(grid3(MPI_COMM_WORLD, s)), expected = want(s[0], s[1], s[2], true);
-  INFO("ran: " << text(got) << "\nwant: " << text(expected));
-  GSHARD_REQUIRE(got == expected);
+  auto shared_top1 = tiny(P, moe::ffn_kind::swiglu);
+  shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
+  auto dense = tiny(P);
+  dense.experts = 0, dense.slot_hidden = 16;
+  const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
+  for (const auto& c : {tiny(P), shared_top1, dense})
+    for (bool sharded : {false, true}) {
+      ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded);
+      ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded);
+    }
 }
 
 TEST_CASE("the same seed gives the same losses at every rank count, and bit-identical reruns", "[train][determinism]") {

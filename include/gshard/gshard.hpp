@@ -49,5 +49,6 @@
 #include "gshard/moe/layer.hpp"
 #include "gshard/moe/metrics.hpp"
 
+#include "gshard/model/cost.hpp"
 #include "gshard/model/train.hpp"
 #include "gshard/model/transformer.hpp"

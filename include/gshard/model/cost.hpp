@@ -1,0 +1,360 @@
+// gshard/model/cost.hpp — a training step of the MoE Transformer counted
+// from its config and its mesh's sizes, without running it: every einsum
+// (FLOPs and local GEMM shape), every collective as the planners choose it
+// (kind, axes, calls, bytes — what the counters would record), the
+// element-wise traffic, the memory per rank; and, from a machine's GEMM rate,
+// memory bandwidth and each collective's α–β, the step's predicted time.
+// So a job can be sized before it runs (examples/cost.cpp), and the count is
+// checked against the counters of real steps (test_train.cpp).
+//
+// The mesh is the roles' (data, expert[, model]): the batch over data ×
+// expert, the experts over expert, heads and hidden units over model — the
+// trainer's meshes, and GShard's own (D ranks on one axis: data 1, expert D).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gshard/ad/parameters.hpp"
+#include "gshard/model/transformer.hpp"
+#include "gshard/reshard_plan.hpp"
+
+namespace gshard::model::cost {
+
+// Axis indices of the cost model's mesh, and their masks.
+inline constexpr int data_axis = 0, expert_axis = 1, model_axis = 2;
+inline constexpr std::uint32_t data_bit = 1u << data_axis, expert_bit = 1u << expert_axis, model_bit = 1u << model_axis;
+
+struct mesh_sizes {
+  index_t data = 1, expert = 1, model = 1;
+  bool has_model_axis = false;  // a "model" axis (of any size, 1 too: its collectives still run)
+  index_t ranks() const { return data * expert * model; }
+  const index_t* sizes() const { return &data; }
+  int naxes() const { return has_model_axis ? 3 : 2; }
+};
+
+// One declared weight: its name (as the transformer declares it), global
+// extents and layout over the cost model's axes.
+struct weight {
+  std::string name;
+  std::vector<index_t> extents;
+  detail::rlayout layout{};
+  bool expert = false;  // split over the expert axis (the experts' FFNs)
+  index_t elements() const {
+    index_t n = 1;
+    for (index_t e : extents) n *= e;
+    return n;
+  }
+};
+
+// Every weight the transformer declares for `c`, in its order.
+inline std::vector<weight> weights(const config& c) {
+  std::vector<weight> w;
+  auto add = [&](std::string name, std::vector<index_t> extents, std::vector<std::vector<int>> split, bool expert = false) {
+    weight x{std::move(name), std::move(extents), {}, expert};
+    for (std::size_t d = 0; d < split.size(); ++d)
+      for (int a : split[d]) x.layout.push(int(d), a);
+    w.push_back(std::move(x));
+  };
+  const index_t M = c.model, N = c.heads, K = c.head_dim, E = c.experts;
+  add("embed", {c.vocab, M}, {});
+  for (int l = 0; l < c.layers; ++l) {
+    const std::string b = "block" + std::to_string(l) + ".";
+    const index_t H = c.ffn_hidden(l);
+    add(b + "norm1", {M}, {});
+    for (const char* q : {"wq", "wk", "wv"}) add(b + q, {M, N, K}, {{}, {model_axis}});
+    add(b + "wo", {N, K, M}, {{model_axis}});
+    add(b + "norm2", {M}, {});
+    if (c.is_moe(l)) {
+      add(b + "gate", {M, E}, {});
+      add(b + "wi", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
+      if (c.ffn == moe::ffn_kind::swiglu) add(b + "wi_up", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
+      add(b + "wo_experts", {E, H, M}, {{expert_axis}, {model_axis}}, true);
+      if (c.shared_experts > 0) {  // (moe::layer declares the SwiGLU input first)
+        const index_t Hs = H * c.shared_experts;
+        if (c.ffn == moe::ffn_kind::swiglu) add(b + "shared_w1_up", {M, Hs}, {{}, {model_axis}});
+        add(b + "shared_w1", {M, Hs}, {{}, {model_axis}});
+        add(b + "shared_w2", {Hs, M}, {{model_axis}});
+      }
+    } else {
+      add(b + "w1", {M, H}, {{}, {model_axis}});
+      if (c.ffn == moe::ffn_kind::swiglu) add(b + "w1_up", {M, H}, {{}, {model_axis}});
+      add(b + "w2", {H, M}, {{model_axis}});
+    }
+  }
+  add("final_norm", {M}, {});
+  add("unembed", {M, c.vocab}, {});
+  return w;
+}
+
+// Elements of a layout's shard.
+inline index_t local_elements(const detail::rlayout& l, const std::vector<index_t>& extents, const mesh_sizes& m) {
+  index_t n = 1;
+  for (std::size_t d = 0; d < extents.size(); ++d) n *= extents[d] / detail::dim_parts(l, int(d), m.sizes());
+  return n;
+}
+
+// One einsum of the step: its spec, how often it runs, its FLOPs on this
+// rank (forward and backward; model FLOPs, as model_flops() counts them) and
+// the local GEMMs of its forward (batch × m×n×k).
+struct einsum_work {
+  std::string spec;
+  int calls = 0;                           // forward calls per step
+  index_t batch = 1, m = 0, n = 0, k = 0;  // the local GEMMs of one forward call
+  double flops = 0;                        // model FLOPs per step on this rank: forward + the two operand gradients
+  // FLOPs this rank's GEMMs run per step (more than `flops` where the einsum
+  // is not split over every axis: each of those ranks runs all of it).
+  double local_flops() const { return 3.0 * 2.0 * double(calls) * double(batch) * double(m) * double(n) * double(k); }
+};
+
+// One kind of collective over one set of axes: calls and bytes per step on
+// a rank, as gshard's counters count them (a call's bytes are its input's).
+struct collective_work {
+  collective kind{};
+  std::uint32_t axes = 0;  // data_bit | expert_bit | model_bit
+  int calls = 0;
+  double bytes = 0;
+  std::string what;  // what it carries
+};
+
+struct step_work {
+  std::vector<einsum_work> einsums;
+  std::vector<collective_work> collectives;
+  double model_flops = 0;        // per rank: Σ einsums
+  double elementwise_bytes = 0;  // per rank: an estimate of the bytes element-wise work reads and writes
+  // Memory per rank (bytes): the state, exact; the activations a step keeps
+  // for its backward, an estimate.
+  double parameter_bytes = 0, gradient_bytes = 0, adam_bytes = 0, activation_bytes = 0;
+  index_t capacity = 0;  // C of the MoE layers
+};
+
+struct step_options {
+  index_t batch = 16, seq = 128;  // the global batch: B sequences of L tokens
+  bool sharded_update = true;     // the weight update sharded over the batch axes (shard_weight_update)
+  int element_bytes = 4;          // float
+};
+
+namespace detail_cost {
+using gshard::detail::rlayout;
+
+// Adds `bytes` to the (kind, axes) entry, or a new one.
+inline void add(std::vector<collective_work>& cs, collective kind, std::uint32_t axes, int calls, double bytes,
+                const std::string& what) {
+  for (auto& c : cs)
+    if (c.kind == kind && c.axes == axes) {
+      c.calls += calls, c.bytes += bytes;
+      if (c.what.find(what) == std::string::npos) c.what += ", " + what;
+      return;
+    }
+  cs.push_back({kind, axes, calls, bytes, what});
+}
+
+// The collectives of a reshard plan on a tensor of `extents`, its input in `from`.
+inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, const rlayout& to, const std::vector<index_t>& extents,
+                     const mesh_sizes& m, int element_bytes, const std::string& what) {
+  const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
+  for (int i = 0; i < plan.n; ++i) {
+    const auto& s = plan.step[i];
+    if (!is_collective(s.kind)) continue;
+    add(cs, collective_of(s.kind), s.mask, 1, double(local_elements(plan.state[i], extents, m)) * element_bytes, what);
+  }
+}
+}  // namespace detail_cost
+
+// What one training step (forward, backward, Adam) does on each rank.
+inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
+  const index_t d = m.data, e = m.expert, mm = m.model;
+  const index_t B = o.batch, L = o.seq, M = c.model, N = c.heads, K = c.head_dim, V = c.vocab, E = c.experts;
+  if (B % (d * e) != 0 || N % mm != 0 || (E > 0 && E % e != 0))
+    throw shape_error("gshard::model::cost: batch " + std::to_string(B) + ", heads " + std::to_string(N) + " and experts " +
+                      std::to_string(E) + " do not divide over data " + std::to_string(d) + " x expert " + std::to_string(e) +
+                      " x model " + std::to_string(mm));
+  const int f = o.element_bytes, k = c.gating.top_k;
+  const index_t Bl = B / (d * e), Tl = Bl * L, Nl = N / mm;
+  step_work w;
+  w.capacity = E > 0 ? moe::capacity(L, E, c.gating) : 0;
+  const index_t C = w.capacity;
+
+  // Einsums: model FLOPs (the global einsum's over the P ranks, forward x 3:
+  // each operand's gradient costs one forward) and the local GEMMs a rank
+  // runs (an einsum not split over "model" runs whole on each of its ranks).
+  const double P = double(m.ranks());
+  auto einsum = [&](std::string spec, int calls, double global_flops, index_t batch, index_t gm, index_t gn, index_t gk) {
+    const double fl = 3.0 * double(calls) * global_flops / P;
+    w.einsums.push_back({std::move(spec), calls, batch, gm, gn, gk, fl});
+    w.model_flops += fl;
+  };
+  const double T = double(B * L);
+  const int ffn_inputs = c.ffn == moe::ffn_kind::swiglu ? 2 : 1;
+  int moe_layers = 0, dense_layers = 0;
+  for (int l = 0; l < c.layers; ++l) (c.is_moe(l) ? moe_layers : dense_layers)++;
+  const int layers = c.layers;
+  einsum("BLM,MNK->BLNK", 3 * layers, 2 * T * M * N * K, 1, Tl, Nl * K, M);
+  einsum("BLNK,BTNK->BNLT", layers, 2 * T * N * L * K, Bl * Nl, L, L, K);
+  einsum("BNLT,BTNK->BLNK", layers, 2 * T * N * L * K, Bl * Nl, L, K, L);
+  einsum("BLNK,NKM->BLM", layers, 2 * T * N * K * M, 1, Tl, M, Nl * K);
+  // Dense FFNs (and a dense model's "slot" FFNs, of their own width).
+  for (int l = 0; l < layers; ++l) {
+    if (c.is_moe(l)) continue;
+    const index_t H = c.ffn_hidden(l);
+    einsum("BLM,MH->BLH", ffn_inputs, 2 * T * M * H, 1, Tl, H / mm, M);
+    einsum("BLH,HM->BLM", 1, 2 * T * M * H, 1, Tl, M, H / mm);
+  }
+  if (moe_layers > 0) {
+    const index_t El = E / e, Gd = B / d, H = c.hidden;
+    const double slots = double(E * B * C);  // E x G x C, G = B
+    einsum("GSM,ME->GSE", moe_layers, 2 * T * M * E, 1, Tl, E, M);
+    einsum("EGCM,EMH->EGCH", ffn_inputs * moe_layers, 2 * slots * M * H, El, Gd * C, H / mm, M);
+    einsum("EGCH,EHM->EGCM", moe_layers, 2 * slots * M * H, El, Gd * C, M, H / mm);
+    if (c.shared_experts > 0) {
+      const index_t Hs = c.hidden * c.shared_experts;
+      einsum("GSM,MH->GSH", ffn_inputs * moe_layers, 2 * T * M * Hs, 1, Tl, Hs / mm, M);
+      einsum("GSH,HM->GSM", moe_layers, 2 * T * M * Hs, 1, Tl, M, Hs / mm);
+    }
+  }
+  einsum("BLM,MV->BLV", 1, 2 * T * M * V, 1, Tl, V, M);
+
+  // Collectives. The forward's and their transposes in the backward.
+  auto& cs = w.collectives;
+  using detail_cost::add;
+  const std::uint32_t batch = data_bit | expert_bit, all = batch | (m.has_model_axis ? model_bit : 0u);
+  if (moe_layers > 0) {
+    const double xe = double((E)*Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
+    add(cs, collective::all_to_all, expert_bit, 4 * moe_layers, 4.0 * moe_layers * xe, "MoE dispatch and combine, forward and backward");
+    // The gating counters, aux loss and z-loss: 2E + 4 + 2k doubles per MoE layer.
+    add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * double(2 * E + 4 + 2 * k) * 8, "MoE statistics");
+    if (c.gating.dropless) add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * 8, "dropless capacity");
+  }
+  add(cs, collective::all_reduce, batch, 1, 2 * 8, "cross-entropy's sum and count");
+  if (m.has_model_axis) {  // after each model-split contraction, and its input's gradient
+    const double act = double(Tl * M) * f;
+    int per_tokens = 2 * layers + 2 * dense_layers + (c.shared_experts > 0 ? 2 * moe_layers : 0);
+    add(cs, collective::all_reduce, model_bit, per_tokens, per_tokens * act, "activations of model-split contractions");
+    if (moe_layers > 0)
+      add(cs, collective::all_reduce, model_bit, 2 * moe_layers,
+          2.0 * moe_layers * double((E / e) * (B / d) * C * M) * f, "expert FFN outputs and inputs' gradients");
+  }
+  add(cs, collective::all_reduce, all, 1, 8, "global gradient norm");
+  // The weights' gradients: from the pending sum over the batch axes that do
+  // not split them, into the weight (replicated update) or its update layout.
+  for (const weight& x : weights(c)) {
+    gshard::detail::rlayout pending = x.layout;
+    pending.partial = batch & ~x.layout.split_mask();
+    gshard::detail::rlayout target = x.layout;
+    const index_t n = local_elements(x.layout, x.extents, m);
+    w.parameter_bytes += double(n) * f;
+    if (o.sharded_update) {
+      const auto u = gshard::detail::choose_update_layout(x.layout, int(x.extents.size()), x.extents.data(), m.sizes(),
+                                                          m.naxes(), batch);
+      if (u.parts > 1) {
+        target = u.layout;
+        detail_cost::add_plan(cs, target, x.layout, x.extents, m, f, "updated weights");
+      }
+    }
+    const double g = double(local_elements(target, x.extents, m)) * f;
+    w.gradient_bytes += g;
+    w.adam_bytes += (target == x.layout ? 2 : 3) * g;  // the moments, and the weight's block a sharded update works on
+    detail_cost::add_plan(cs, pending, target, x.extents, m, f, "weight gradients");
+  }
+
+  // Element-wise traffic (an estimate: each op reads its inputs and writes
+  // its output once, the backward about twice the forward's) and the
+  // activations the backward keeps (an estimate: the einsums' inputs, the
+  // softmax's and activations' outputs, the norms' inputs).
+  const double act = double(Tl * M), scores = double(Bl * Nl * L * L), qkv = double(Tl * Nl * K);
+  double ew = 0, keep = 0;
+  for (int l = 0; l < layers; ++l) {
+    ew += 2 * 2 * act + 2 * 3 * act + 7 * scores;  // two norms, two residual adds, scale + mask + softmax
+    keep += 4 * act + 4 * qkv + 2 * scores;        // norms' inputs and outputs, q k v o, the logits and probabilities
+    if (c.is_moe(l)) {
+      const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm);
+      ew += 4 * double(E * Bl * C * M) + 2 * double(k) * act + (ffn_inputs == 2 ? 5 : 2) * slots * Hl;  // dispatch, combine, activation
+      keep += 2 * double(E * Bl * C * M) + ffn_inputs * slots * Hl + slots * double(M);
+    } else {
+      const double Hl = double(c.ffn_hidden(l) / mm);
+      ew += (ffn_inputs == 2 ? 5 : 2) * double(Tl) * Hl;
+      keep += ffn_inputs * double(Tl) * Hl + act;
+    }
+  }
+  ew += 4 * double(Tl * V);  // the cross-entropy's softmax
+  keep += 2 * double(Tl * V);
+  w.elementwise_bytes = 3.0 * ew * f + 7.0 * (w.gradient_bytes);  // forward, backward (~2x), Adam's seven passes
+  w.activation_bytes = keep * f;
+  return w;
+}
+
+// A collective's cost: α seconds per message round, β bytes per second on a
+// rank's link.
+struct alpha_beta {
+  double alpha = 0, beta = 0;
+};
+
+// What runs the step: the GEMM rate and element-wise bandwidth of one rank,
+// and each collective's α–β.
+struct machine {
+  double gemm_flops = 0;             // FLOP/s per rank on the model's GEMMs
+  double elementwise_bytes_per_s = 0;
+  alpha_beta all_to_all, all_reduce, reduce_scatter, all_gather;
+  const alpha_beta& of(collective k) const {
+    switch (k) {
+      case collective::all_to_all: return all_to_all;
+      case collective::reduce_scatter: return reduce_scatter;
+      case collective::all_gather: return all_gather;
+      default: return all_reduce;
+    }
+  }
+};
+
+// Seconds of `calls` calls of one collective moving `bytes` in all (their
+// inputs' bytes, as counted) over groups of p ranks, by the bandwidth-optimal
+// algorithms (ring all_reduce, reduce_scatter and all_gather, pairwise
+// all_to_all): α per round, and the bytes a rank sends over β.
+inline double seconds(collective kind, index_t p, int calls, double bytes, const alpha_beta& ab) {
+  if (p <= 1 || ab.beta <= 0) return calls * (p <= 1 ? 0.0 : ab.alpha);
+  const double q = double(p - 1), share = q / double(p);
+  switch (kind) {
+    case collective::all_reduce: return calls * 2 * q * ab.alpha + 2 * share * bytes / ab.beta;
+    case collective::all_gather: return calls * q * ab.alpha + q * bytes / ab.beta;
+    default: return calls * q * ab.alpha + share * bytes / ab.beta;  // reduce_scatter, all_to_all
+  }
+}
+
+// The ranks of a set of the cost model's axes.
+inline index_t group_size(std::uint32_t axes, const mesh_sizes& m) {
+  index_t p = 1;
+  for (int a = 0; a < m.naxes(); ++a)
+    if ((axes >> a) & 1u) p *= m.sizes()[a];
+  return p;
+}
+
+struct prediction {
+  double gemm_s = 0, elementwise_s = 0, communication_s = 0;
+  std::vector<double> collective_s;  // per entry of step_work::collectives
+  double total_s() const { return gemm_s + elementwise_s + communication_s; }
+  double communication_share() const { return total_s() > 0 ? communication_s / total_s() : 0.0; }
+};
+
+// The step's time on `mc`, nothing overlapped (as gshard runs it today).
+// `gemm_rate(e)`, when given, is the rate of one einsum's GEMMs (measured on
+// its shapes); otherwise mc.gemm_flops.
+template <class Rate = std::nullptr_t>
+prediction predict(const step_work& w, const mesh_sizes& m, const machine& mc, Rate gemm_rate = nullptr) {
+  prediction p;
+  for (const einsum_work& e : w.einsums) {
+    double rate = mc.gemm_flops;
+    if constexpr (!std::is_same_v<Rate, std::nullptr_t>) rate = gemm_rate(e);
+    p.gemm_s += e.local_flops() / rate;
+  }
+  p.elementwise_s = w.elementwise_bytes / mc.elementwise_bytes_per_s;
+  for (const collective_work& c : w.collectives) {
+    const double s = seconds(c.kind, group_size(c.axes, m), c.calls, c.bytes, mc.of(c.kind));
+    p.collective_s.push_back(s);
+    p.communication_s += s;
+  }
+  return p;
+}
+
+}  // namespace gshard::model::cost
