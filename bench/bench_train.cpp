@@ -11,17 +11,21 @@
 //   (run it alone with --benchmark_filter: the peak is the process's), and
 //   page faults per step after three warm-up steps.
 // remat, remat_vs_kept: rematerialisation at 8 blocks (below).
+// cost_model: the cost model's predicted step against the measured one (below).
 // moe_layer: the MoE layer alone in its reference configuration (4096
 //   tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
 //   backward: expert-FFN GFLOP/s (6 GEMMs per expert).
 // (docs/10_performance.md compares these with the hand-written backward
 // they replaced, measured before it was deleted.)
 #include <gshard/gshard.hpp>
+#include <gshard/model/machine.hpp>
 #include <gshard/model/train.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include <sys/resource.h>
 
@@ -230,6 +234,51 @@ void remat_vs_kept(benchmark::State& state) {
   state.counters["remat/kept"] = r.median_ratio[1];
 }
 
+// cost_model: the cost model's prediction of the trainer's step
+// (gshard/model/cost.hpp), from this machine measured in the same run,
+// against the step measured. Measured: each einsum of the step (forward and
+// both gradients) by gshard's local einsum kernel on this rank's extents;
+// element-wise work by its three classes — a triad on 2 MiB arrays (the
+// attention's scores here), gshard's row softmax, gshard's Adam; each
+// collective's α and β over the world (gshard's own collectives at 64 KiB
+// and 4 MiB, median of 9). The slowest rank's figure each time.
+// predicted/measured is the figure; the parts say where it differs.
+namespace costs = gshard::model::cost;
+
+void cost_model(benchmark::State& state) {
+  trainer b(true);  // the trainer's default: the sharded weight update
+  const costs::mesh_sizes ms{b.m.size(0), b.m.size(1), 1, false};
+  const auto work = costs::count_step(b.c, ms, {16, 128, true, int(sizeof(float))});
+  const costs::machine mc = costs::measure_machine(world_group());
+  std::vector<double> einsum_s;
+  for (const auto& e : work.einsums) einsum_s.push_back(costs::einsum_seconds(e));
+  const auto p = costs::predict(work, ms, mc, [&](const costs::einsum_work& e) {
+    return gshard::bench::max_over_ranks(einsum_s[std::size_t(&e - work.einsums.data())]);
+  });
+  b.step();
+  b.step();
+  std::vector<double> times;
+  for (auto _ : state) {
+    const double t = gshard::bench::slowest([&] { b.step(); });
+    times.push_back(t);
+    state.SetIterationTime(t);
+  }
+  const double measured = gshard::bench::median(times);
+  state.counters["measured_ms"] = 1e3 * measured;
+  state.counters["predicted_ms"] = 1e3 * p.total_s();
+  state.counters["predicted/measured"] = p.total_s() / measured;
+  state.counters["gemm_ms"] = 1e3 * p.gemm_s;
+  state.counters["elementwise_ms"] = 1e3 * p.elementwise_s;
+  state.counters["communication_ms"] = 1e3 * p.communication_s;
+  state.counters["elementwise_GB/s"] = mc.elementwise_bytes_per_s * 1e-9;
+  state.counters["exp_G/s"] = mc.exp_per_s * 1e-9;
+  state.counters["adam_G/s"] = mc.adam_elements_per_s * 1e-9;
+  if (world_group().size > 1) {
+    state.counters["a2a_alpha_us"] = mc.all_to_all.alpha * 1e6, state.counters["a2a_GB/s"] = mc.all_to_all.beta * 1e-9;
+    state.counters["ar_alpha_us"] = mc.all_reduce.alpha * 1e6, state.counters["ar_GB/s"] = mc.all_reduce.beta * 1e-9;
+  }
+}
+
 void moe_layer(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
@@ -269,6 +318,7 @@ const int registered = [] {
       ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

@@ -452,7 +452,8 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
       std::string axes;
       for (int a = 0; a < ms.naxes(); ++a)
         if ((x.axes >> a) & 1u) axes += (axes.empty() ? "" : ",") + std::string(Mesh::names[std::size_t(a)].view());
-      want[std::string(name_of(x.kind)) + "(" + axes + ")"] = {x.calls, std::size_t(x.bytes)};
+      auto& to = want[std::string(name_of(x.kind)) + "(" + axes + ")"];
+      to.first += x.calls, to.second += std::size_t(x.bytes);
     }
     auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
       std::string t;

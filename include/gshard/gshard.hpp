@@ -50,5 +50,6 @@
 #include "gshard/moe/metrics.hpp"
 
 #include "gshard/model/cost.hpp"
+#include "gshard/model/machine.hpp"
 #include "gshard/model/train.hpp"
 #include "gshard/model/transformer.hpp"

@@ -13,12 +13,18 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/einsum_spec.hpp"
 #include "gshard/model/transformer.hpp"
 #include "gshard/reshard_plan.hpp"
 
@@ -97,21 +103,30 @@ inline index_t local_elements(const detail::rlayout& l, const std::vector<index_
   return n;
 }
 
-// One einsum of the step: its spec, how often it runs, its FLOPs on this
-// rank (forward and backward; model FLOPs, as model_flops() counts them) and
-// the local GEMMs of its forward (batch × m×n×k).
+// One einsum of the step: its spec, how often its forward runs, and each
+// label's extent, global and on this rank. Its backward runs the two
+// transposed einsums ("O,B->A" and "A,O->B"), each of the forward's FLOPs.
 struct einsum_work {
   std::string spec;
-  int calls = 0;                           // forward calls per step
-  index_t batch = 1, m = 0, n = 0, k = 0;  // the local GEMMs of one forward call
-  double flops = 0;                        // model FLOPs per step on this rank: forward + the two operand gradients
+  int calls = 0;
+  std::array<index_t, 128> global{}, local{};  // by label letter
+  // Model FLOPs per step on this rank (model_flops()'s count: the global
+  // einsum's over the P ranks), forward and backward.
+  double flops = 0;
   // FLOPs this rank's GEMMs run per step (more than `flops` where the einsum
   // is not split over every axis: each of those ranks runs all of it).
-  double local_flops() const { return 3.0 * 2.0 * double(calls) * double(batch) * double(m) * double(n) * double(k); }
+  double local_flops() const { return 3.0 * double(calls) * gshard::detail::parse_einsum(spec).flops(local.data()); }
+  // The einsums of a step: the forward, then the gradients of its operands.
+  std::array<std::string, 3> specs() const {
+    const gshard::detail::einsum_spec e = gshard::detail::parse_einsum(spec);
+    const std::string a(e.term(0)), b(e.term(1)), o(e.out_term());
+    return {spec, o + "," + b + "->" + a, a + "," + o + "->" + b};
+  }
 };
 
-// One kind of collective over one set of axes: calls and bytes per step on
-// a rank, as gshard's counters count them (a call's bytes are its input's).
+// One kind of collective over one set of axes, for one purpose: calls and
+// bytes per step on a rank, as gshard's counters count them (a call's bytes
+// are its input's).
 struct collective_work {
   collective kind{};
   std::uint32_t axes = 0;  // data_bit | expert_bit | model_bit
@@ -124,7 +139,8 @@ struct step_work {
   std::vector<einsum_work> einsums;
   std::vector<collective_work> collectives;
   double model_flops = 0;        // per rank: Σ einsums
-  double elementwise_bytes = 0;  // per rank: an estimate of the bytes element-wise work reads and writes
+  // Element-wise work per rank, estimates: bytes of stream passes, exponentials, Adam's elements.
+  double elementwise_bytes = 0, exp_elements = 0, adam_elements = 0;
   // Memory per rank (bytes): the state, exact; the activations a step keeps
   // for its backward, an estimate.
   double parameter_bytes = 0, gradient_bytes = 0, adam_bytes = 0, activation_bytes = 0;
@@ -140,13 +156,12 @@ struct step_options {
 namespace detail_cost {
 using gshard::detail::rlayout;
 
-// Adds `bytes` to the (kind, axes) entry, or a new one.
+// Adds calls and bytes to the (kind, axes, what) entry, or a new one.
 inline void add(std::vector<collective_work>& cs, collective kind, std::uint32_t axes, int calls, double bytes,
                 const std::string& what) {
   for (auto& c : cs)
-    if (c.kind == kind && c.axes == axes) {
+    if (c.kind == kind && c.axes == axes && c.what == what) {
       c.calls += calls, c.bytes += bytes;
-      if (c.what.find(what) == std::string::npos) c.what += ", " + what;
       return;
     }
   cs.push_back({kind, axes, calls, bytes, what});
@@ -178,44 +193,47 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   w.capacity = E > 0 ? moe::capacity(L, E, c.gating) : 0;
   const index_t C = w.capacity;
 
-  // Einsums: model FLOPs (the global einsum's over the P ranks, forward x 3:
-  // each operand's gradient costs one forward) and the local GEMMs a rank
-  // runs (an einsum not split over "model" runs whole on each of its ranks).
+  // Einsums, with each label's global and local extent.
   const double P = double(m.ranks());
-  auto einsum = [&](std::string spec, int calls, double global_flops, index_t batch, index_t gm, index_t gn, index_t gk) {
-    const double fl = 3.0 * double(calls) * global_flops / P;
-    w.einsums.push_back({std::move(spec), calls, batch, gm, gn, gk, fl});
-    w.model_flops += fl;
+  const index_t Gd = B / d;  // groups at the experts: G over data only
+  auto einsum = [&](std::string spec, int calls, std::initializer_list<std::tuple<char, index_t, index_t>> labels) {
+    einsum_work x{std::move(spec), calls, {}, {}, 0};
+    for (const auto& [l, g, loc] : labels) x.global[std::size_t(l)] = g, x.local[std::size_t(l)] = loc;
+    x.flops = 3.0 * double(calls) * gshard::detail::parse_einsum(x.spec).flops(x.global.data()) / P;
+    w.model_flops += x.flops;
+    w.einsums.push_back(std::move(x));
   };
-  const double T = double(B * L);
   const int ffn_inputs = c.ffn == moe::ffn_kind::swiglu ? 2 : 1;
   int moe_layers = 0, dense_layers = 0;
   for (int l = 0; l < c.layers; ++l) (c.is_moe(l) ? moe_layers : dense_layers)++;
   const int layers = c.layers;
-  einsum("BLM,MNK->BLNK", 3 * layers, 2 * T * M * N * K, 1, Tl, Nl * K, M);
-  einsum("BLNK,BTNK->BNLT", layers, 2 * T * N * L * K, Bl * Nl, L, L, K);
-  einsum("BNLT,BTNK->BLNK", layers, 2 * T * N * L * K, Bl * Nl, L, K, L);
-  einsum("BLNK,NKM->BLM", layers, 2 * T * N * K * M, 1, Tl, M, Nl * K);
+  const std::tuple<char, index_t, index_t> b_{'B', B, Bl}, l_{'L', L, L}, t_{'T', L, L}, m_{'M', M, M}, n_{'N', N, Nl}, k_{'K', K, K},
+      v_{'V', V, V};
+  einsum("BLM,MNK->BLNK", 3 * layers, {b_, l_, m_, n_, k_});
+  einsum("BLNK,BTNK->BNLT", layers, {b_, l_, t_, n_, k_});
+  einsum("BNLT,BTNK->BLNK", layers, {b_, l_, t_, n_, k_});
+  einsum("BLNK,NKM->BLM", layers, {b_, l_, n_, k_, m_});
   // Dense FFNs (and a dense model's "slot" FFNs, of their own width).
   for (int l = 0; l < layers; ++l) {
     if (c.is_moe(l)) continue;
-    const index_t H = c.ffn_hidden(l);
-    einsum("BLM,MH->BLH", ffn_inputs, 2 * T * M * H, 1, Tl, H / mm, M);
-    einsum("BLH,HM->BLM", 1, 2 * T * M * H, 1, Tl, M, H / mm);
+    const std::tuple<char, index_t, index_t> h_{'H', c.ffn_hidden(l), c.ffn_hidden(l) / mm};
+    einsum("BLM,MH->BLH", ffn_inputs, {b_, l_, m_, h_});
+    einsum("BLH,HM->BLM", 1, {b_, l_, m_, h_});
   }
   if (moe_layers > 0) {
-    const index_t El = E / e, Gd = B / d, H = c.hidden;
-    const double slots = double(E * B * C);  // E x G x C, G = B
-    einsum("GSM,ME->GSE", moe_layers, 2 * T * M * E, 1, Tl, E, M);
-    einsum("EGCM,EMH->EGCH", ffn_inputs * moe_layers, 2 * slots * M * H, El, Gd * C, H / mm, M);
-    einsum("EGCH,EHM->EGCM", moe_layers, 2 * slots * M * H, El, Gd * C, M, H / mm);
+    const std::tuple<char, index_t, index_t> g_{'G', B, Bl}, s_{'S', L, L}, e_{'E', E, E}, ee_{'E', E, E / e},
+        gd_{'G', B, Gd}, c_{'C', C, C}, h_{'H', c.hidden, c.hidden / mm};
+    einsum("GSM,ME->GSE", moe_layers, {g_, s_, m_, e_});
+    einsum("EGCM,EMH->EGCH", ffn_inputs * moe_layers, {ee_, gd_, c_, m_, h_});
+    einsum("EGCH,EHM->EGCM", moe_layers, {ee_, gd_, c_, m_, h_});
     if (c.shared_experts > 0) {
       const index_t Hs = c.hidden * c.shared_experts;
-      einsum("GSM,MH->GSH", ffn_inputs * moe_layers, 2 * T * M * Hs, 1, Tl, Hs / mm, M);
-      einsum("GSH,HM->GSM", moe_layers, 2 * T * M * Hs, 1, Tl, M, Hs / mm);
+      const std::tuple<char, index_t, index_t> hs_{'H', Hs, Hs / mm};
+      einsum("GSM,MH->GSH", ffn_inputs * moe_layers, {g_, s_, m_, hs_});
+      einsum("GSH,HM->GSM", moe_layers, {g_, s_, m_, hs_});
     }
   }
-  einsum("BLM,MV->BLV", 1, 2 * T * M * V, 1, Tl, V, M);
+  einsum("BLM,MV->BLV", 1, {b_, l_, m_, v_});
 
   // Collectives. The forward's and their transposes in the backward.
   auto& cs = w.collectives;
@@ -260,28 +278,35 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     detail_cost::add_plan(cs, pending, target, x.extents, m, f, "weight gradients");
   }
 
-  // Element-wise traffic (an estimate: each op reads its inputs and writes
-  // its output once, the backward about twice the forward's) and the
-  // activations the backward keeps (an estimate: the einsums' inputs, the
-  // softmax's and activations' outputs, the norms' inputs).
+  // Element-wise work, an estimate: the stream passes (elements read or
+  // written by norms, residual adds, the scores' scale and mask, dispatch,
+  // combine and the all_to_alls' packing, activations; the backward twice
+  // the forward's), the exponentials (softmaxes, SwiGLU's sigmoid) and
+  // Adam's elements; and the activations the backward keeps (the einsums'
+  // inputs, the softmaxes' and activations' outputs, the norms' inputs).
   const double act = double(Tl * M), scores = double(Bl * Nl * L * L), qkv = double(Tl * Nl * K);
-  double ew = 0, keep = 0;
+  double stream = 4 * act, exps = 2 * double(Tl * V), keep = 2 * double(Tl * V);  // embedding; cross-entropy, forward and backward
+  stream += 2 * 3 * double(Tl * V);
   for (int l = 0; l < layers; ++l) {
-    ew += 2 * 2 * act + 2 * 3 * act + 7 * scores;  // two norms, two residual adds, scale + mask + softmax
-    keep += 4 * act + 4 * qkv + 2 * scores;        // norms' inputs and outputs, q k v o, the logits and probabilities
+    stream += 2 * (6 * act + 6 * act + 8 * scores);  // two norms, two residual adds, scale, mask, softmax
+    exps += scores;
+    keep += 4 * act + 4 * qkv + 2 * scores;  // norms' inputs and outputs, q k v o, the logits and probabilities
+    const double gated = ffn_inputs == 2 ? 1.0 : 0.0;
     if (c.is_moe(l)) {
-      const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm);
-      ew += 4 * double(E * Bl * C * M) + 2 * double(k) * act + (ffn_inputs == 2 ? 5 : 2) * slots * Hl;  // dispatch, combine, activation
-      keep += 2 * double(E * Bl * C * M) + ffn_inputs * slots * Hl + slots * double(M);
+      const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm), xe = double(E * Bl * C * M);
+      stream += 2 * (xe + 4 * double(k) * act + 4 * xe + (2 + 3 * gated) * slots * Hl);  // dispatch, combine, packing, activation
+      exps += double(Tl * E) + 2 * gated * slots * Hl;
+      keep += 2 * xe + ffn_inputs * slots * Hl + slots * double(M);
     } else {
       const double Hl = double(c.ffn_hidden(l) / mm);
-      ew += (ffn_inputs == 2 ? 5 : 2) * double(Tl) * Hl;
+      stream += 2 * (2 + 3 * gated) * double(Tl) * Hl;
+      exps += 2 * gated * double(Tl) * Hl;
       keep += ffn_inputs * double(Tl) * Hl + act;
     }
   }
-  ew += 4 * double(Tl * V);  // the cross-entropy's softmax
-  keep += 2 * double(Tl * V);
-  w.elementwise_bytes = 3.0 * ew * f + 7.0 * (w.gradient_bytes);  // forward, backward (~2x), Adam's seven passes
+  w.elementwise_bytes = stream * f;
+  w.exp_elements = exps;
+  w.adam_elements = w.gradient_bytes / f;
   w.activation_bytes = keep * f;
   return w;
 }
@@ -295,8 +320,8 @@ struct alpha_beta {
 // What runs the step: the GEMM rate and element-wise bandwidth of one rank,
 // and each collective's α–β.
 struct machine {
-  double gemm_flops = 0;             // FLOP/s per rank on the model's GEMMs
-  double elementwise_bytes_per_s = 0;
+  double gemm_flops = 0;  // FLOP/s per rank on the model's GEMMs
+  double elementwise_bytes_per_s = 0, exp_per_s = 0, adam_elements_per_s = 0;
   alpha_beta all_to_all, all_reduce, reduce_scatter, all_gather;
   const alpha_beta& of(collective k) const {
     switch (k) {
@@ -338,17 +363,17 @@ struct prediction {
 };
 
 // The step's time on `mc`, nothing overlapped (as gshard runs it today).
-// `gemm_rate(e)`, when given, is the rate of one einsum's GEMMs (measured on
-// its shapes); otherwise mc.gemm_flops.
-template <class Rate = std::nullptr_t>
-prediction predict(const step_work& w, const mesh_sizes& m, const machine& mc, Rate gemm_rate = nullptr) {
+// `einsum_seconds(e)`, when given, is one einsum's seconds per step
+// (measured on its shapes); otherwise its local FLOPs at mc.gemm_flops.
+template <class EinsumSeconds = std::nullptr_t>
+prediction predict(const step_work& w, const mesh_sizes& m, const machine& mc, EinsumSeconds einsum_seconds = nullptr) {
   prediction p;
   for (const einsum_work& e : w.einsums) {
-    double rate = mc.gemm_flops;
-    if constexpr (!std::is_same_v<Rate, std::nullptr_t>) rate = gemm_rate(e);
-    p.gemm_s += e.local_flops() / rate;
+    if constexpr (std::is_same_v<EinsumSeconds, std::nullptr_t>) p.gemm_s += e.local_flops() / mc.gemm_flops;
+    else p.gemm_s += einsum_seconds(e);
   }
-  p.elementwise_s = w.elementwise_bytes / mc.elementwise_bytes_per_s;
+  p.elementwise_s = w.elementwise_bytes / mc.elementwise_bytes_per_s + w.exp_elements / mc.exp_per_s +
+                    w.adam_elements / mc.adam_elements_per_s;
   for (const collective_work& c : w.collectives) {
     const double s = seconds(c.kind, group_size(c.axes, m), c.calls, c.bytes, mc.of(c.kind));
     p.collective_s.push_back(s);

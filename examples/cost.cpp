@@ -1,0 +1,201 @@
+// examples/cost.cpp — sizes a training job before it runs: one step of
+// gshard's MoE Transformer on a mesh you describe, counted by the cost model
+// (gshard/model/cost.hpp: every einsum, every collective as the planners
+// choose it, the state's memory) and timed from a machine — this core,
+// measured, unless given — and the network's α–β, which you give.
+//   build/examples/cost --gshard --alpha 5e-6 --bandwidth 12.5
+//   build/examples/cost --experts 64 --expert 64 --layers 12 --alpha 2e-6 --bandwidth 25
+// One process; no mpirun needed (the local measurements take a few seconds).
+#include <gshard/gshard.hpp>
+#include <gshard/model/machine.hpp>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+using namespace gshard;
+namespace costs = gshard::model::cost;
+
+namespace {
+
+constexpr const char* usage =
+    "usage: cost [options]   (one process)\n"
+    "Counts one training step of gshard's MoE Transformer per rank — FLOPs, collectives, memory —\n"
+    "and predicts its time from this core's measured rates and the network's alpha and bandwidth.\n"
+    "  --gshard             GShard's configurations (M 1024, H 8192, 16 heads of 64, 36 blocks, E = D\n"
+    "                       experts at D = 128, 512, 2048 ranks on one expert axis), as a table\n"
+    "model (default: examples/train's): --model M --heads N --head-dim K --hidden H --experts E\n"
+    "  --layers N --vocab V --top-k K --capacity-factor F --min-capacity C (4) --shared-experts N --swiglu\n"
+    "batch: --seq L (128; 1024 with --gshard)  --sequences-per-rank B (8; 4 with --gshard)\n"
+    "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
+    "  over expert, heads and hidden units over model\n"
+    "  --replicated-update  the Adam update of replicated weights on every rank (default: sharded)\n"
+    "network (needed for more than one rank): --alpha S (seconds per message round)\n"
+    "  --bandwidth G (GB/s each rank sends and receives)\n"
+    "machine, per rank (default: this core, measured): --gemm-gflops G --stream-gbps W\n"
+    "  --exp-per-ns X (softmax elements per ns) --adam-per-ns Y (Adam elements per ns)\n";
+
+struct options {
+  model::config c;
+  costs::mesh_sizes mesh{1, 2, 1, false};
+  index_t seq = 128, per_rank = 8;
+  bool seq_given = false, per_rank_given = false;
+  bool sharded = true, gshard_table = false, help = false;
+  double alpha = -1, bandwidth = -1;
+  double gemm = 0, stream = 0, exp = 0, adam = 0;
+};
+
+options parse(int argc, char** argv) {
+  options o;
+  o.c.model = 128, o.c.heads = 4, o.c.head_dim = 32, o.c.hidden = 256, o.c.experts = 8, o.c.layers = 4;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw error("gshard cost: " + a + " needs a value");
+      return argv[++i];
+    };
+    auto whole = [&](long long lo) { return index_t(examples::number<long long>("cost", a, next(), lo)); };
+    auto real = [&](double lo) { return examples::number<double>("cost", a, next(), lo); };
+    if (a == "--help" || a == "-h") o.help = true;
+    else if (a == "--gshard") o.gshard_table = true;
+    else if (a == "--model") o.c.model = whole(1);
+    else if (a == "--heads") o.c.heads = whole(1);
+    else if (a == "--head-dim") o.c.head_dim = whole(1);
+    else if (a == "--hidden") o.c.hidden = whole(1);
+    else if (a == "--experts") o.c.experts = whole(0);
+    else if (a == "--layers") o.c.layers = int(whole(1));
+    else if (a == "--vocab") o.c.vocab = whole(1);
+    else if (a == "--top-k") o.c.gating.top_k = int(whole(1));
+    else if (a == "--capacity-factor") o.c.gating.capacity_factor = real(0);
+    else if (a == "--min-capacity") o.c.gating.min_capacity = whole(1);
+    else if (a == "--shared-experts") o.c.shared_experts = int(whole(0));
+    else if (a == "--swiglu") o.c.ffn = moe::ffn_kind::swiglu;
+    else if (a == "--seq") o.seq = whole(1), o.seq_given = true;
+    else if (a == "--sequences-per-rank") o.per_rank = whole(1), o.per_rank_given = true;
+    else if (a == "--data") o.mesh.data = whole(1);
+    else if (a == "--expert") o.mesh.expert = whole(1);
+    else if (a == "--model-axis") o.mesh.model = whole(1), o.mesh.has_model_axis = true;
+    else if (a == "--replicated-update") o.sharded = false;
+    else if (a == "--alpha") o.alpha = real(0);
+    else if (a == "--bandwidth") o.bandwidth = real(1e-9);
+    else if (a == "--gemm-gflops") o.gemm = real(1e-9);
+    else if (a == "--stream-gbps") o.stream = real(1e-9);
+    else if (a == "--exp-per-ns") o.exp = real(1e-9);
+    else if (a == "--adam-per-ns") o.adam = real(1e-9);
+    else throw error("gshard cost: unknown option " + a + " (--help lists them)");
+  }
+  return o;
+}
+
+std::string bytes_text(double b) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  char t[32];
+  std::snprintf(t, sizeof t, "%.1f %s", b, unit[u]);
+  return t;
+}
+
+std::string axes_text(std::uint32_t axes) {
+  std::string t;
+  for (const auto& [bit, name] : {std::pair{costs::data_bit, "data"}, {costs::expert_bit, "expert"}, {costs::model_bit, "model"}})
+    if (axes & bit) t += (t.empty() ? "" : ",") + std::string(name);
+  return t;
+}
+
+// The machine: what the options give, the rest measured on this core.
+costs::machine machine_of(const options& o) {
+  const bool given = o.gemm > 0 && o.stream > 0 && o.exp > 0 && o.adam > 0;
+  costs::machine mc = given ? costs::machine{} : costs::measure_machine(world_group());
+  if (o.gemm > 0) mc.gemm_flops = o.gemm * 1e9;
+  if (o.stream > 0) mc.elementwise_bytes_per_s = o.stream * 1e9;
+  if (o.exp > 0) mc.exp_per_s = o.exp * 1e9;
+  if (o.adam > 0) mc.adam_elements_per_s = o.adam * 1e9;
+  const costs::alpha_beta net{o.alpha, o.bandwidth * 1e9};
+  mc.all_to_all = mc.all_reduce = mc.reduce_scatter = mc.all_gather = net;
+  return mc;
+}
+
+void describe(const options& o, const costs::machine& mc) {
+  const model::config& c = o.c;
+  const costs::mesh_sizes& m = o.mesh;
+  const index_t B = o.per_rank * m.data * m.expert;
+  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4});
+  const auto p = costs::predict(w, m, mc);
+  double params = 0;
+  for (const auto& x : costs::weights(c)) params += double(x.elements());
+  std::printf("model: M %ld, %ld heads of %ld, H %ld, %d blocks, E %ld (top-%d, capacity factor %g: C %ld), V %ld; %.3gB parameters\n",
+              long(c.model), long(c.heads), long(c.head_dim), long(c.hidden), c.layers, long(c.experts), c.gating.top_k,
+              c.gating.capacity_factor, long(w.capacity), long(c.vocab), params * 1e-9);
+  std::printf("mesh: data %ld x expert %ld%s = %ld ranks; %ld sequences of %ld per rank (batch %ld); weight update %s\n",
+              long(m.data), long(m.expert), m.has_model_axis ? (" x model " + std::to_string(m.model)).c_str() : "",
+              long(m.ranks()), long(o.per_rank), long(o.seq), long(B), o.sharded ? "sharded" : "replicated");
+  std::printf("machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s, softmax %.2f/ns, Adam %.2f/ns; network alpha %.3g s, %.3g GB/s\n",
+              mc.gemm_flops * 1e-9, mc.elementwise_bytes_per_s * 1e-9, mc.exp_per_s * 1e-9, mc.adam_elements_per_s * 1e-9,
+              mc.all_to_all.alpha, mc.all_to_all.beta * 1e-9);
+  std::printf("per rank and step: %.3g TFLOP of model FLOPs; collectives:\n", w.model_flops * 1e-12);
+  for (std::size_t i = 0; i < w.collectives.size(); ++i) {
+    const auto& x = w.collectives[i];
+    std::printf("  %-15s over %-18s %6d calls %12s %10.3f s  (%s)\n", std::string(name_of(x.kind)).c_str(),
+                axes_text(x.axes).c_str(), x.calls, bytes_text(x.bytes).c_str(), p.collective_s[i], x.what.c_str());
+  }
+  std::printf("memory per rank: parameters %s, gradients %s, Adam %s, activations about %s\n", bytes_text(w.parameter_bytes).c_str(),
+              bytes_text(w.gradient_bytes).c_str(), bytes_text(w.adam_bytes).c_str(), bytes_text(w.activation_bytes).c_str());
+  std::printf("predicted step: %.3f s = GEMMs %.3f + element-wise %.3f + communication %.3f (%.0f%%), nothing overlapped\n",
+              p.total_s(), p.gemm_s, p.elementwise_s, p.communication_s, 100 * p.communication_share());
+}
+
+// GShard's own: M 1024, H 8192, 16 heads (of 64), 36 blocks (18 MoE), top-2,
+// capacity factor 2, E = D experts (one per rank), D ranks on one axis; the
+// work per rank fixed (weak scaling, as GShard §5.1 grows E with D): by
+// default 4 sequences of 1024 tokens per rank.
+void gshard_table(options o, const costs::machine& mc) {
+  o.c.model = 1024, o.c.hidden = 8192, o.c.heads = 16, o.c.head_dim = 64, o.c.layers = 36;
+  if (!o.seq_given) o.seq = 1024;
+  if (!o.per_rank_given) o.per_rank = 4;
+  std::printf("GShard's configurations: M 1024, H 8192, 16 heads of 64, 36 blocks (18 MoE), top-2, capacity factor %g,\n"
+              "V %ld, %ld sequences of %ld per rank, E = D (data 1 x expert D), weight update %s\n"
+              "machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s; network alpha %.3g s, %.3g GB/s per rank\n\n",
+              o.c.gating.capacity_factor, long(o.c.vocab), long(o.per_rank), long(o.seq), o.sharded ? "sharded" : "replicated",
+              mc.gemm_flops * 1e-9, mc.elementwise_bytes_per_s * 1e-9, mc.all_to_all.alpha, mc.all_to_all.beta * 1e-9);
+  std::printf("| D | params | C | TFLOP/rank | step (s) | GEMMs | element-wise | all_to_all | gradients + update | other collectives | comm share | state/rank | activations/rank |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (index_t D : {128, 512, 2048}) {
+    o.c.experts = D;
+    o.mesh = {1, D, 1, false};
+    const auto w = costs::count_step(o.c, o.mesh, {o.per_rank * D, o.seq, o.sharded, 4});
+    const auto p = costs::predict(w, o.mesh, mc);
+    double params = 0, a2a = 0, grads = 0, other = 0;
+    for (const auto& x : costs::weights(o.c)) params += double(x.elements());
+    for (std::size_t i = 0; i < w.collectives.size(); ++i) {
+      const auto& x = w.collectives[i];
+      double& into = x.kind == collective::all_to_all ? a2a : x.what == "weight gradients" || x.what == "updated weights" ? grads : other;
+      into += p.collective_s[i];
+    }
+    std::printf("| %ld | %.0fB | %ld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %s | %s |\n", long(D),
+                params * 1e-9, long(w.capacity), w.model_flops * 1e-12, p.total_s(), p.gemm_s, p.elementwise_s, a2a, grads,
+                other, 100 * p.communication_share(), bytes_text(w.parameter_bytes + w.gradient_bytes + w.adam_bytes).c_str(),
+                bytes_text(w.activation_bytes).c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mpi::environment env(argc, argv);
+  const options o = parse(argc, argv);
+  if (o.help) {
+    std::fputs(usage, stdout);
+    return 0;
+  }
+  if (world_group().size != 1) throw error("gshard cost: run it as one process; it describes the ranks, it does not use them");
+  const bool many = o.gshard_table || o.mesh.ranks() > 1;
+  if (many && (o.alpha < 0 || o.bandwidth < 0))
+    throw error("gshard cost: give the network's --alpha (seconds per message round) and --bandwidth (GB/s per rank) "
+                "for a mesh of more than one rank; e.g. --alpha 5e-6 --bandwidth 12.5 for 100 Gbit/s links");
+  const costs::machine mc = machine_of(o);
+  if (o.gshard_table) gshard_table(o, mc);
+  else describe(o, mc);
+  return 0;
+}

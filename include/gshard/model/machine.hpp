@@ -1,0 +1,158 @@
+// gshard/model/machine.hpp — the machine a cost model predicts for
+// (gshard/model/cost.hpp), measured in this run on the kernels a step runs:
+// each einsum by gshard's local einsum kernel on a rank's extents, the
+// element-wise work by its three classes (a stream triad, gshard's row
+// softmax, gshard's Adam), and each collective's α–β by gshard's own
+// collectives at two sizes. Every rank measures at once, as a job runs.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gshard/collectives.hpp"
+#include "gshard/detail/local_einsum.hpp"
+#include "gshard/detail/softmax_row.hpp"
+#include "gshard/model/cost.hpp"
+#include "gshard/optim.hpp"
+
+namespace gshard::model::cost {
+
+namespace detail_measure {
+// The median time of `reps` runs of f, after one to warm up.
+inline double median_seconds(int reps, const std::function<void()>& f) {
+  f();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+// Keeps a result alive past the optimiser.
+inline void keep(const void* p) { asm volatile("" : : "g"(p) : "memory"); }
+}  // namespace detail_measure
+
+// Seconds per step of one einsum of a step on this rank: its forward and
+// both operand gradients by the local einsum kernel gshard's einsums run
+// (the same strides, batch loops and copies) on this rank's extents, median
+// of 5. Local: no communication.
+inline double einsum_seconds(const einsum_work& e) {
+  double total = 0;
+  for (const std::string& spec : e.specs()) {
+    const auto s = gshard::detail::parse_einsum(spec);
+    std::array<index_t, max_rank> ea{}, eb{}, eo{};
+    std::size_t na = 1, nb = 1, no = 1;
+    for (int d = 0; d < s.in_rank[0]; ++d) na *= std::size_t(ea[std::size_t(d)] = e.local[std::size_t(s.in[0][d])]);
+    for (int d = 0; d < s.in_rank[1]; ++d) nb *= std::size_t(eb[std::size_t(d)] = e.local[std::size_t(s.in[1][d])]);
+    for (int d = 0; d < s.out_rank; ++d) no *= std::size_t(eo[std::size_t(d)] = e.local[std::size_t(s.out[d])]);
+    std::vector<float> a(na, 0.5f), b(nb, 0.25f), o(no);
+    total += detail_measure::median_seconds(
+        5, [&] { gshard::detail::local_einsum<float>(s, a.data(), ea.data(), b.data(), eb.data(), o.data(), eo.data()); });
+  }
+  return double(e.calls) * total;
+}
+
+// FLOP/s of one fp32 GEMM of m×k by k×n (gshard's GEMM), median of 5.
+inline double gemm_flops(index_t m, index_t n, index_t k) {
+  std::vector<float> a(std::size_t(m * k), 0.5f), b(std::size_t(k * n), 0.25f), c(std::size_t(m * n));
+  const double t = detail_measure::median_seconds(
+      5, [&] { gshard::detail::gemm<float>(false, false, m, n, k, 1.f, a.data(), k, b.data(), n, 0.f, c.data(), n); });
+  return 2.0 * double(m) * double(n) * double(k) / t;
+}
+
+// Bytes per second of a[i] = b[i] + s·c[i] over arrays of `n` floats (two
+// reads, one write): the stream passes of element-wise work.
+inline double triad_bytes_per_s(std::size_t n) {
+  std::vector<float> a(n), b(n, 1.f), c(n, 2.f);
+  const double t = detail_measure::median_seconds(20, [&] {
+    for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    detail_measure::keep(a.data());
+  });
+  return 3.0 * 4.0 * double(n) / t;
+}
+
+// Elements per second of gshard's row softmax over rows of `row` entries.
+inline double softmax_per_s(index_t row) {
+  const index_t rows = std::max<index_t>(1, (index_t(1) << 19) / row);
+  std::vector<float> x(std::size_t(rows * row)), y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = float(i % 97) * 0.01f;
+  const double t = detail_measure::median_seconds(10, [&] {
+    for (index_t r = 0; r < rows; ++r) gshard::detail::softmax_row(x.data() + r * row, row, y.data() + r * row);
+    detail_measure::keep(y.data());
+  });
+  return double(x.size()) / t;
+}
+
+// Elements per second of gshard's Adam on one weight of `n` floats (its
+// global norm and update), each rank on its own (a mesh over MPI_COMM_SELF).
+inline double adam_per_s(index_t n) {
+  using self_mesh = mesh<axis<"x">>;
+  const self_mesh m(MPI_COMM_SELF);
+  parameters<self_mesh> ps(m, 1);
+  param<tensor<float, 1, self_mesh, replicate>> w(ps, "w", {n}, init::normal(1.0));
+  adam opt({}, ps);
+  return double(n) / detail_measure::median_seconds(5, [&] { opt.update(ps); });
+}
+
+// α and β of one kind of collective over `g`: its median time (the slowest
+// rank's, 9 runs after a barrier) at 64 KiB and 4 MiB per rank, fitted to
+// seconds(). Collective over g.
+inline alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_group& g) {
+  const std::size_t small = 16 << 10, large = 1 << 20;  // floats
+  const index_t p = g.size;
+  auto time = [&](std::size_t n) {
+    std::vector<float> in(n, 1.f), out(kind == collective::all_gather ? n * std::size_t(p) : n);
+    std::vector<double> t;
+    for (int r = 0; r < 9; ++r) {
+      barrier(g);
+      const auto t0 = std::chrono::steady_clock::now();
+      switch (kind) {
+        case collective::all_to_all: all_to_all<float>(g, in, out); break;
+        case collective::reduce_scatter: reduce_scatter<float>(g, in, std::span<float>(out.data(), n / std::size_t(p))); break;
+        case collective::all_gather: all_gather<float>(g, in, out); break;
+        default: all_reduce<float>(g, std::span<const float>(in), std::span<float>(out)); break;
+      }
+      t.push_back(all_reduce(g, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), reduction::max));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double t1 = time(small), t2 = time(large);
+  // T(n) = rounds·α + unit·bytes/β: two sizes, two unknowns.
+  const double unit = seconds(kind, p, 0, 1.0, {0, 1.0}), rounds = seconds(kind, p, 1, 0.0, {1.0, 1.0});
+  alpha_beta ab;
+  ab.beta = unit * 4.0 * double(large - small) / std::max(t2 - t1, 1e-9);
+  ab.alpha = std::max(0.0, (t1 - unit * 4.0 * double(small) / ab.beta) / rounds);
+  return ab;
+}
+
+// This machine, measured: the GEMM rate of a 1024³ product (for einsums not
+// timed on their own shapes), the element-wise rates (the slowest rank's),
+// and, over `g` if it has more than one rank, each collective's α–β.
+// Collective over g; a few seconds.
+inline machine measure_machine(const gshard::detail::axis_group& g) {
+  auto slowest = [&](double rate) { return -all_reduce(g, -rate, reduction::max); };
+  machine mc;
+  mc.gemm_flops = slowest(gemm_flops(1024, 1024, 1024));
+  mc.elementwise_bytes_per_s = slowest(triad_bytes_per_s(std::size_t(1) << 19));
+  mc.exp_per_s = slowest(softmax_per_s(128));
+  mc.adam_elements_per_s = slowest(adam_per_s(index_t(1) << 20));
+  if (g.size > 1)
+    for (collective k : {collective::all_to_all, collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+      alpha_beta& ab = k == collective::all_to_all       ? mc.all_to_all
+                       : k == collective::all_reduce     ? mc.all_reduce
+                       : k == collective::reduce_scatter ? mc.reduce_scatter
+                                                         : mc.all_gather;
+      ab = fit_alpha_beta(k, g);
+    }
+  return mc;
+}
+
+}  // namespace gshard::model::cost
