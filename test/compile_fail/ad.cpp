@@ -1,5 +1,6 @@
 // The autodiff and MoE operations misused; one case per -DGSHARD_CASE_<name>.
 #include <gshard/ad/nn.hpp>
+#include <gshard/ad/remat.hpp>
 #include <gshard/moe/layer.hpp>
 
 using namespace gshard;
@@ -39,6 +40,10 @@ void f(const grid& m) { parameters<grid> ps(m, 1, shard_weight_update<expert_axe
 void f(const grid& m) { parameters<grid> ps(m, 1, shard_weight_update<batch_axes<"dp", "ep">>{}); }
 #elif defined(GSHARD_CASE_backward_not_scalar)
 void f(tape& tp, const var<t<1, rep>>& l) { tp.backward(l); }
+#elif defined(GSHARD_CASE_remat_no_input)
+void f() { (void)remat([] { return 0; }); }
+#elif defined(GSHARD_CASE_remat_output)
+void f(const var<t<1, rep>>& x) { (void)remat([](const auto&) { return 1.0; }, x); }
 #elif defined(GSHARD_CASE_embedding_tokens)
 void f(tape& tp, const t<2, rows>& tok, const param<t<2, rep>>& table) { (void)embedding(tp, tok, table); }
 #elif defined(GSHARD_CASE_embedding_tokens_pending)

@@ -4,6 +4,9 @@
 // element-wise work by its three classes (a stream triad, gshard's row
 // softmax, gshard's Adam), and each collective's α–β by gshard's own
 // collectives at two sizes. Every rank measures at once, as a job runs.
+// Each measure is a template on the element type (float unless asked), so a
+// translation unit that includes this header and measures nothing compiles
+// none of the kernels.
 #pragma once
 
 #include <algorithm>
@@ -43,7 +46,8 @@ inline void keep(const void* p) { asm volatile("" : : "g"(p) : "memory"); }
 // both operand gradients by the local einsum kernel gshard's einsums run
 // (the same strides, batch loops and copies) on this rank's extents, median
 // of 5. Local: no communication.
-inline double einsum_seconds(const einsum_work& e) {
+template <class T = float>
+double einsum_seconds(const einsum_work& e) {
   double total = 0;
   for (const std::string& spec : e.specs()) {
     const auto s = gshard::detail::parse_einsum(spec);
@@ -52,37 +56,40 @@ inline double einsum_seconds(const einsum_work& e) {
     for (int d = 0; d < s.in_rank[0]; ++d) na *= std::size_t(ea[std::size_t(d)] = e.local[std::size_t(s.in[0][d])]);
     for (int d = 0; d < s.in_rank[1]; ++d) nb *= std::size_t(eb[std::size_t(d)] = e.local[std::size_t(s.in[1][d])]);
     for (int d = 0; d < s.out_rank; ++d) no *= std::size_t(eo[std::size_t(d)] = e.local[std::size_t(s.out[d])]);
-    std::vector<float> a(na, 0.5f), b(nb, 0.25f), o(no);
+    std::vector<T> a(na, T(0.5)), b(nb, T(0.25)), o(no);
     total += detail_measure::median_seconds(
-        5, [&] { gshard::detail::local_einsum<float>(s, a.data(), ea.data(), b.data(), eb.data(), o.data(), eo.data()); });
+        5, [&] { gshard::detail::local_einsum<T>(s, a.data(), ea.data(), b.data(), eb.data(), o.data(), eo.data()); });
   }
   return double(e.calls) * total;
 }
 
-// FLOP/s of one fp32 GEMM of m×k by k×n (gshard's GEMM), median of 5.
-inline double gemm_flops(index_t m, index_t n, index_t k) {
-  std::vector<float> a(std::size_t(m * k), 0.5f), b(std::size_t(k * n), 0.25f), c(std::size_t(m * n));
+// FLOP/s of one GEMM of m×k by k×n (gshard's GEMM), median of 5.
+template <class T = float>
+double gemm_flops(index_t m, index_t n, index_t k) {
+  std::vector<T> a(std::size_t(m * k), T(0.5)), b(std::size_t(k * n), T(0.25)), c(std::size_t(m * n));
   const double t = detail_measure::median_seconds(
-      5, [&] { gshard::detail::gemm<float>(false, false, m, n, k, 1.f, a.data(), k, b.data(), n, 0.f, c.data(), n); });
+      5, [&] { gshard::detail::gemm<T>(false, false, m, n, k, T(1), a.data(), k, b.data(), n, T(0), c.data(), n); });
   return 2.0 * double(m) * double(n) * double(k) / t;
 }
 
-// Bytes per second of a[i] = b[i] + s·c[i] over arrays of `n` floats (two
+// Bytes per second of a[i] = b[i] + s·c[i] over arrays of `n` elements (two
 // reads, one write): the stream passes of element-wise work.
-inline double triad_bytes_per_s(std::size_t n) {
-  std::vector<float> a(n), b(n, 1.f), c(n, 2.f);
+template <class T = float>
+double triad_bytes_per_s(std::size_t n) {
+  std::vector<T> a(n), b(n, T(1)), c(n, T(2));
   const double t = detail_measure::median_seconds(20, [&] {
-    for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + T(0.5) * c[i];
     detail_measure::keep(a.data());
   });
-  return 3.0 * 4.0 * double(n) / t;
+  return 3.0 * double(sizeof(T)) * double(n) / t;
 }
 
 // Elements per second of gshard's row softmax over rows of `row` entries.
-inline double softmax_per_s(index_t row) {
+template <class T = float>
+double softmax_per_s(index_t row) {
   const index_t rows = std::max<index_t>(1, (index_t(1) << 19) / row);
-  std::vector<float> x(std::size_t(rows * row)), y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = float(i % 97) * 0.01f;
+  std::vector<T> x(std::size_t(rows * row)), y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = T(i % 97) * T(0.01);
   const double t = detail_measure::median_seconds(10, [&] {
     for (index_t r = 0; r < rows; ++r) gshard::detail::softmax_row(x.data() + r * row, row, y.data() + r * row);
     detail_measure::keep(y.data());
@@ -90,13 +97,14 @@ inline double softmax_per_s(index_t row) {
   return double(x.size()) / t;
 }
 
-// Elements per second of gshard's Adam on one weight of `n` floats (its
+// Elements per second of gshard's Adam on one weight of `n` elements (its
 // global norm and update), each rank on its own (a mesh over MPI_COMM_SELF).
-inline double adam_per_s(index_t n) {
+template <class T = float>
+double adam_per_s(index_t n) {
   using self_mesh = mesh<axis<"x">>;
   const self_mesh m(MPI_COMM_SELF);
   parameters<self_mesh> ps(m, 1);
-  param<tensor<float, 1, self_mesh, replicate>> w(ps, "w", {n}, init::normal(1.0));
+  param<tensor<T, 1, self_mesh, replicate>> w(ps, "w", {n}, init::normal(1.0));
   adam opt({}, ps);
   return double(n) / detail_measure::median_seconds(5, [&] { opt.update(ps); });
 }
@@ -104,20 +112,21 @@ inline double adam_per_s(index_t n) {
 // α and β of one kind of collective over `g`: its median time (the slowest
 // rank's, 9 runs after a barrier) at 64 KiB and 4 MiB per rank, fitted to
 // seconds(). Collective over g.
-inline alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_group& g) {
-  const std::size_t small = 16 << 10, large = 1 << 20;  // floats
+template <class T = float>
+alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_group& g) {
+  const std::size_t small = (64 << 10) / sizeof(T), large = (4 << 20) / sizeof(T);  // elements
   const index_t p = g.size;
   auto time = [&](std::size_t n) {
-    std::vector<float> in(n, 1.f), out(kind == collective::all_gather ? n * std::size_t(p) : n);
+    std::vector<T> in(n, T(1)), out(kind == collective::all_gather ? n * std::size_t(p) : n);
     std::vector<double> t;
     for (int r = 0; r < 9; ++r) {
       barrier(g);
       const auto t0 = std::chrono::steady_clock::now();
       switch (kind) {
-        case collective::all_to_all: all_to_all<float>(g, in, out); break;
-        case collective::reduce_scatter: reduce_scatter<float>(g, in, std::span<float>(out.data(), n / std::size_t(p))); break;
-        case collective::all_gather: all_gather<float>(g, in, out); break;
-        default: all_reduce<float>(g, std::span<const float>(in), std::span<float>(out)); break;
+        case collective::all_to_all: all_to_all<T>(g, in, out); break;
+        case collective::reduce_scatter: reduce_scatter<T>(g, in, std::span<T>(out.data(), n / std::size_t(p))); break;
+        case collective::all_gather: all_gather<T>(g, in, out); break;
+        default: all_reduce<T>(g, std::span<const T>(in), std::span<T>(out)); break;
       }
       t.push_back(all_reduce(g, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), reduction::max));
     }
@@ -128,8 +137,9 @@ inline alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_gro
   // T(n) = rounds·α + unit·bytes/β: two sizes, two unknowns.
   const double unit = seconds(kind, p, 0, 1.0, {0, 1.0}), rounds = seconds(kind, p, 1, 0.0, {1.0, 1.0});
   alpha_beta ab;
-  ab.beta = unit * 4.0 * double(large - small) / std::max(t2 - t1, 1e-9);
-  ab.alpha = std::max(0.0, (t1 - unit * 4.0 * double(small) / ab.beta) / rounds);
+  const double bytes = double(sizeof(T));
+  ab.beta = unit * bytes * double(large - small) / std::max(t2 - t1, 1e-9);
+  ab.alpha = std::max(0.0, (t1 - unit * bytes * double(small) / ab.beta) / rounds);
   return ab;
 }
 
@@ -137,20 +147,21 @@ inline alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_gro
 // timed on their own shapes), the element-wise rates (the slowest rank's),
 // and, over `g` if it has more than one rank, each collective's α–β.
 // Collective over g; a few seconds.
-inline machine measure_machine(const gshard::detail::axis_group& g) {
+template <class T = float>
+machine measure_machine(const gshard::detail::axis_group& g) {
   auto slowest = [&](double rate) { return -all_reduce(g, -rate, reduction::max); };
   machine mc;
-  mc.gemm_flops = slowest(gemm_flops(1024, 1024, 1024));
-  mc.elementwise_bytes_per_s = slowest(triad_bytes_per_s(std::size_t(1) << 19));
-  mc.exp_per_s = slowest(softmax_per_s(128));
-  mc.adam_elements_per_s = slowest(adam_per_s(index_t(1) << 20));
+  mc.gemm_flops = slowest(gemm_flops<T>(1024, 1024, 1024));
+  mc.elementwise_bytes_per_s = slowest(triad_bytes_per_s<T>(std::size_t(1) << 19));
+  mc.exp_per_s = slowest(softmax_per_s<T>(128));
+  mc.adam_elements_per_s = slowest(adam_per_s<T>(index_t(1) << 20));
   if (g.size > 1)
     for (collective k : {collective::all_to_all, collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
       alpha_beta& ab = k == collective::all_to_all       ? mc.all_to_all
                        : k == collective::all_reduce     ? mc.all_reduce
                        : k == collective::reduce_scatter ? mc.reduce_scatter
                                                          : mc.all_gather;
-      ab = fit_alpha_beta(k, g);
+      ab = fit_alpha_beta<T>(k, g);
     }
   return mc;
 }
