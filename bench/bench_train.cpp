@@ -12,9 +12,12 @@
 //   page faults per step after three warm-up steps.
 // remat, remat_vs_kept: rematerialisation at 8 blocks (below).
 // cost_model: the cost model's predicted step against the measured one (below).
+// buckets_vs_per_weight: gradient buckets against one collective per weight (below).
 // moe_layer: the MoE layer alone in its reference configuration (4096
 //   tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
-//   backward: expert-FFN GFLOP/s (6 GEMMs per expert).
+//   backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
+//   called directly in the same iterations: of_gemm_rate, the median ratio
+//   of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
 // (docs/10_performance.md compares these with the hand-written backward
 // they replaced, measured before it was deleted.)
 #include <gshard/gshard.hpp>
@@ -131,6 +134,26 @@ void sharded_vs_replicated_update(benchmark::State& state) {
   state.counters["replicated_ms"] = 1e3 * c.median_time[0];
   state.counters["sharded_ms"] = 1e3 * c.median_time[1];
   state.counters["sharded/replicated"] = c.median_ratio[1];
+}
+
+// buckets_vs_per_weight: the step (sharded update) with the weights'
+// gradient reductions and gathers in buckets (parameters' default) over
+// one collective per weight, interleaved step by step (the median ratio);
+// and the collectives each issues per step.
+void buckets_vs_per_weight(benchmark::State& state) {
+  trainer per(true), bucketed(true);
+  per.ps.set_bucket_bytes(0);
+  auto calls = [](trainer& t) {
+    collective_recorder rec;
+    t.step();
+    return double(rec.events().size());
+  };
+  state.counters["collectives_per_weight"] = calls(per);
+  state.counters["collectives_bucketed"] = calls(bucketed);
+  const auto c = gshard::bench::compare(state, {[&] { per.step(); }, [&] { bucketed.step(); }}, 1);
+  state.counters["per_weight_ms"] = 1e3 * c.median_time[0];
+  state.counters["bucketed_ms"] = 1e3 * c.median_time[1];
+  state.counters["bucketed/per_weight"] = c.median_ratio[1];
 }
 
 // kB of a "VmRSS:" / "VmHWM:" line of /proc/self/status, in MiB.
@@ -297,14 +320,33 @@ void moe_layer(benchmark::State& state) {
     auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(dy)));
     t.backward(l);
   };
+  // The same expert GEMMs called directly on preallocated buffers: per
+  // expert on this rank, x [GC,M]·wi [M,H], h·wo [H,M]; the backward's
+  // dh = dy·woᵀ, dwo = hᵀ·dy, dx = dh·wiᵀ, dwi = xᵀ·dh.
+  const index_t C = moe::capacity(S, E, gc), R = G * C, El = E / P;
+  std::vector<float> bx(std::size_t(R * M), 0.5f), bh(std::size_t(R * H), 0.25f), by(std::size_t(R * M)), bdh(std::size_t(R * H)),
+      bwi(std::size_t(M * H), 0.01f), bwo(std::size_t(H * M), 0.01f), bdwi(std::size_t(M * H)), bdwo(std::size_t(H * M));
+  auto gemms = [&] {
+    using gshard::detail::gemm;
+    for (index_t e = 0; e < El; ++e) {
+      gemm<float>(false, false, R, H, M, 1.f, bx.data(), M, bwi.data(), H, 0.f, bh.data(), H);
+      gemm<float>(false, false, R, M, H, 1.f, bh.data(), H, bwo.data(), M, 0.f, by.data(), M);
+      gemm<float>(false, true, R, H, M, 1.f, by.data(), M, bwo.data(), M, 0.f, bdh.data(), H);
+      gemm<float>(true, false, H, M, R, 1.f, bh.data(), H, by.data(), M, 0.f, bdwo.data(), M);
+      gemm<float>(false, true, R, M, H, 1.f, bdh.data(), H, bwi.data(), H, 0.f, bx.data(), M);
+      gemm<float>(true, false, M, H, R, 1.f, bx.data(), M, bdh.data(), H, 0.f, bdwi.data(), H);
+    }
+  };
   fwd_bwd();
   fwd_bwd();  // steady state: the heap holds every buffer size once
+  gemms();
   const long f0 = minor_faults();
-  const auto c = gshard::bench::compare(state, {fwd_bwd}, 0);
+  const auto c = gshard::bench::compare(state, {fwd_bwd, gemms}, 0);
   const double faults = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
-  const index_t C = moe::capacity(S, E, gc);
-  const double expert_flop = 3.0 * 4.0 * double(E / P * G * C * M * H);  // forward 2 GEMMs, backward 4
+  const double expert_flop = 3.0 * 4.0 * double(El * R * M * H);  // forward 2 GEMMs, backward 4
   state.counters["expert_gflops"] = expert_flop / c.median_time[0] * 1e-9;
+  state.counters["gemm_gflops"] = expert_flop / c.median_time[1] * 1e-9;
+  state.counters["of_gemm_rate"] = c.median_ratio[1];  // the layer's expert GFLOP/s over the direct GEMMs'
   state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
   state.counters["page_faults/iter"] = faults;
 }
@@ -313,6 +355,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("buckets_vs_per_weight", buckets_vs_per_weight)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
       ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -31,6 +31,8 @@ constexpr const char* usage =
     "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
     "  over expert, heads and hidden units over model\n"
     "  --replicated-update  the Adam update of replicated weights on every rank (default: sharded)\n"
+    "  --bucket-kib K       weights' reductions and gathers share collectives up to K KiB (4096;\n"
+    "                       0: one collective per weight), as parameters::set_bucket_bytes\n"
     "network (needed for more than one rank): --alpha S (seconds per message round)\n"
     "  --bandwidth G (GB/s each rank sends and receives)\n"
     "machine, per rank (default: this core, measured): --gemm-gflops G --stream-gbps W\n"
@@ -42,6 +44,7 @@ struct options {
   index_t seq = 128, per_rank = 8;
   bool seq_given = false, per_rank_given = false;
   bool sharded = true, gshard_table = false, help = false;
+  std::size_t bucket_bytes = default_bucket_bytes;
   double alpha = -1, bandwidth = -1;
   double gemm = 0, stream = 0, exp = 0, adam = 0;
 };
@@ -77,6 +80,7 @@ options parse(int argc, char** argv) {
     else if (a == "--expert") o.mesh.expert = whole(1);
     else if (a == "--model-axis") o.mesh.model = whole(1), o.mesh.has_model_axis = true;
     else if (a == "--replicated-update") o.sharded = false;
+    else if (a == "--bucket-kib") o.bucket_bytes = std::size_t(whole(0)) * 1024;
     else if (a == "--alpha") o.alpha = real(0);
     else if (a == "--bandwidth") o.bandwidth = real(1e-9);
     else if (a == "--gemm-gflops") o.gemm = real(1e-9);
@@ -121,7 +125,7 @@ void describe(const options& o, const costs::machine& mc) {
   const model::config& c = o.c;
   const costs::mesh_sizes& m = o.mesh;
   const index_t B = o.per_rank * m.data * m.expert;
-  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4});
+  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4, o.bucket_bytes});
   const auto p = costs::predict(w, m, mc);
   double params = 0;
   for (const auto& x : costs::weights(c)) params += double(x.elements());
@@ -164,7 +168,7 @@ void gshard_table(options o, const costs::machine& mc) {
   for (index_t D : {128, 512, 2048}) {
     o.c.experts = D;
     o.mesh = {1, D, 1, false};
-    const auto w = costs::count_step(o.c, o.mesh, {o.per_rank * D, o.seq, o.sharded, 4});
+    const auto w = costs::count_step(o.c, o.mesh, {o.per_rank * D, o.seq, o.sharded, 4, o.bucket_bytes});
     const auto p = costs::predict(w, o.mesh, mc);
     double params = 0, a2a = 0, grads = 0, other = 0;
     for (const auto& x : costs::weights(o.c)) params += double(x.elements());

@@ -206,17 +206,22 @@ TEST_CASE("autodiff: uses of one value are summed while pending and reduced once
              against(t, einsum<"BN,MN->BM">(u, shared), 4);
     return all_reduce<"data">(std::move(e));
   };
-  tape t(ps);
-  auto l = loss(t);
-  collective_recorder rec;
-  t.backward(l);
-  const auto seen = rec.tally();
-  std::string got;
-  for (const auto& [kind, n] : seen) got += kind + " x" + std::to_string(n) + " ";
-  INFO("the backward ran: " << got);
-  // h's three contributions from q, k, v are partial over "model": one all_reduce;
-  // each weight's gradient is pending over "data" until its one all_reduce.
-  GSHARD_REQUIRE(seen == std::map<std::string, int>{{"all_reduce(model)", 1}, {"all_reduce(data)", 4}});
+  // One collective per weight (no buckets), then the weights in one bucket.
+  for (std::size_t bucket : {std::size_t(0), default_bucket_bytes}) {
+    ps.set_bucket_bytes(bucket);
+    tape t(ps);
+    auto l = loss(t);
+    collective_recorder rec;
+    t.backward(l);
+    const auto seen = rec.tally();
+    std::string got;
+    for (const auto& [kind, n] : seen) got += kind + " x" + std::to_string(n) + " ";
+    INFO("buckets of " << bucket << " B: the backward ran: " << got);
+    // h's three contributions from q, k, v are partial over "model": one all_reduce;
+    // each weight's gradient is pending over "data" until its one all_reduce —
+    // or, in buckets, the four weights' one.
+    GSHARD_REQUIRE(seen == std::map<std::string, int>{{"all_reduce(model)", 1}, {"all_reduce(data)", bucket == 0 ? 4 : 1}});
+  }
   GSHARD_REQUIRE(fd_check_params(ps, loss, h, wq, wk, wv, shared) < 1e-6);
 }
 

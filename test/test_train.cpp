@@ -429,10 +429,11 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   // shared experts and top-1, and for a dense model.
   const int P = world_size();
   const index_t B = 2 * P, L = 6;
-  auto ran = [&](const auto& m, const model::config& c, bool sharded) {
+  auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
     trainer<float, Mesh> run = sharded ? trainer<float, Mesh>(m, c, 3, {}, shard_weight_update<default_roles::batch>{})
                                        : trainer<float, Mesh>(m, c, 3);
+    run.ps.set_bucket_bytes(bucket);
     const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
     const double f0 = model_flops();
@@ -446,7 +447,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     }
     const bool three = m.naxes() == 3;
     const model::cost::mesh_sizes ms{m.size(0), m.size(1), three ? m.size(2) : 1, three};
-    const auto w = model::cost::count_step(c, ms, {B, L, sharded, int(sizeof(float))});
+    const auto w = model::cost::count_step(c, ms, {B, L, sharded, int(sizeof(float)), bucket});
     std::map<std::string, std::pair<int, std::size_t>> want;
     for (const auto& x : w.collectives) {
       std::string axes;
@@ -461,7 +462,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
       return t;
     };
     // The declared weights, and the state's bytes on this rank.
-    const auto ws = model::cost::weights(c);
+    const auto ws = model::cost::weights(c, three);
     std::string weight_diff = ws.size() == run.ps.size() ? "" : "counted " + std::to_string(ws.size()) + " weights";
     for (std::size_t i = 0; weight_diff.empty() && i < ws.size(); ++i)
       if (ws[i].name != run.ps.name(i) || ws[i].extents != run.ps.values()[i].extents() ||
@@ -469,6 +470,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
         weight_diff = "weight " + std::to_string(i) + ": declared " + run.ps.name(i) + " " + run.ps.values()[i].notation() +
                       ", counted " + ws[i].name;
     INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
+                      << ", buckets of " << bucket << " B"
                       << "\nran: " << text(seen) << "\nwant: " << text(want) << "\nmodel FLOPs " << flops << " counted "
                       << w.model_flops << "\n" << weight_diff);
     GSHARD_REQUIRE(seen == want);
@@ -487,6 +489,13 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     for (bool sharded : {false, true}) {
       ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded);
       ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded);
+    }
+  // Gradients and gathers one collective per weight (0), and in buckets cut
+  // at 1 KiB (a few weights each: the tiny model's are 32 B to 8 KiB).
+  for (std::size_t bucket : {std::size_t(0), std::size_t(1024)})
+    for (bool sharded : {false, true}) {
+      ran(grid2(MPI_COMM_WORLD, {d, e}), tiny(P), sharded, bucket);
+      ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P), sharded, bucket);
     }
 }
 

@@ -12,6 +12,7 @@
 //   the model       model/transformer, model/train
 #pragma once
 
+#include "gshard/buckets.hpp"
 #include "gshard/collectives.hpp"
 #include "gshard/counters.hpp"
 #include "gshard/einsum.hpp"

@@ -15,10 +15,12 @@
 #include <string>
 #include <numbers>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/buckets.hpp"
 #include "gshard/collectives.hpp"
 
 namespace gshard {
@@ -92,17 +94,33 @@ class adam {
     const double lr = cfg.lr_at(step);
     ++step;
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
+    // A sharded update runs on this rank's block of the weight and
+    // all_gathers the updated blocks — in buckets of weights whose gathers
+    // take the same steps (gshard/buckets.hpp); otherwise on the whole local shard.
+    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes());
+    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes());
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
-      // A sharded update runs on this rank's block of the weight and
-      // all_gathers the updated blocks; otherwise on the whole local shard.
       auto* block = weight_block_[i] ? weight_block_[i]->as_sharded() : nullptr;
       if (block) block->slice_from(ps.values()[i]);
       detail::set_entry& w = block ? static_cast<detail::set_entry&>(*block) : ps.values()[i];
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
-      if (block) block->gather_into(ps.values()[i]);
+      if (!block) continue;
+      if (ps.bucket_bytes() == 0 || !detail::stackable(block->gather_plan())) {
+        block->gather_into(ps.values()[i]);
+        continue;
+      }
+      auto gather = [&](auto& into, auto from, auto to) {
+        using T = typename std::remove_cvref_t<decltype(to)>::value_type;
+        into.add(block->gather_plan(), std::span<const T>(from.data(), from.size()),
+                 [to](std::span<const T> whole) { std::copy(whole.begin(), whole.end(), to.begin()); });
+      };
+      if (!w.f32().empty()) gather(f32, w.f32(), ps.values()[i].f32());
+      if (!w.f64().empty()) gather(f64, w.f64(), ps.values()[i].f64());
     }
+    f32.flush();
+    f64.flush();
     return {norm, lr};
   }
 

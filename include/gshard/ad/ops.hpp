@@ -12,7 +12,8 @@
 //   einsum      the transposed einsums ("O,B->A", "A,O->B"), planned at
 //               compile time; each gradient comes out in its natural
 //               sharding, so a replicated weight's is pending over the batch
-//               axes until its slot is reduced (one all_reduce per weight)
+//               axes until its slot is reduced (one all_reduce per weight,
+//               in a bucket with others': gshard/buckets.hpp)
 //   reshard     the transposed collectives, planned from the gradient's
 //               pending layout: all_gather <-> reduce_scatter (or a local
 //               slice), all_to_all <-> all_to_all, all_reduce <-> nothing

@@ -160,6 +160,8 @@ class sharded_entry : public set_entry {
   virtual void slice_from(set_entry& weight) = 0;
   // Every rank's block into `weight`: all_gathers over the update axes.
   virtual void gather_into(set_entry& weight) const = 0;
+  // The steps gather_into runs, from this layout to the weight's.
+  virtual const reshard_steps& gather_plan() const = 0;
 };
 
 template <class X>
@@ -213,6 +215,7 @@ class update_shard final : public sharded_entry {
     const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
     std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
   }
+  const reshard_steps& gather_plan() const override { return to_weight_; }
   void gather_into(set_entry& weight) const override {
     X& dst = weight_of(weight);
     const auto w = execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_);
@@ -363,6 +366,9 @@ struct shard_weight_update<batch_axes<A...>> {
   }
 };
 
+// The default size of a gradient bucket (parameters::bucket_bytes).
+inline constexpr std::size_t default_bucket_bytes = std::size_t(4) << 20;
+
 // A model's parameters on one mesh: their values and, after a tape's
 // backward, their gradients (each in the parameter's own sharding, or in its
 // update layout when the update is sharded).
@@ -416,6 +422,13 @@ class parameters {
   // sharded over; 0 for the replicated update.
   std::uint32_t update_axes() const { return update_axes_; }
 
+  // Gradients reduced together (gshard/buckets.hpp): the weights whose
+  // reductions take the same steps share one collective per step, up to
+  // this many bytes of them per collective; so do the sharded update's
+  // gathers. 0: one collective per weight.
+  std::size_t bucket_bytes() const { return bucket_bytes_; }
+  void set_bucket_bytes(std::size_t bytes) { bucket_bytes_ = bytes; }
+
   // One line per parameter: its sharding, and where its update runs.
   std::string describe_update() {
     std::string out;
@@ -448,6 +461,7 @@ class parameters {
   const Mesh* mesh_;
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
+  std::size_t bucket_bytes_ = default_bucket_bytes;
   tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
   std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)

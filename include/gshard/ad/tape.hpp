@@ -18,7 +18,10 @@
 // three times costs one reduction, and no collective is inserted by the tape
 // itself. A parameter's slot is reduced as soon as its gradient is complete
 // (every rule recorded after its first use has run), so it holds the whole
-// contribution only from its last use in the forward to its first one.
+// contribution only from its last use in the forward to its first one; the
+// weights whose reductions take the same steps go through one bucket
+// (gshard/buckets.hpp: one collective per step for up to
+// parameters::bucket_bytes() of them), the last buckets at the backward's end.
 //
 // Rematerialisation (gshard/ad/remat.hpp) runs a function's forward once
 // with nothing recorded (suspended) and again in the backward (recomputing);
@@ -31,11 +34,14 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/buckets.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/trace.hpp"
 
@@ -110,11 +116,19 @@ class grad_slot final : public grad_slot_base {
   // steps from the pending layout), or nothing if none arrived. The slot is
   // empty afterwards.
   std::optional<local_tensor<T, R>> take(const rlayout& to) {
+    auto p = take_pending();
+    if (!p) return std::nullopt;
+    const reshard_steps plan = plan_reshard(p->second, to, mesh_->naxes(), mesh_->sizes());
+    return execute_reshard<T, R>(*mesh_, plan, std::move(p->first), extents_);
+  }
+  // The sum of the contributions as they are, still pending (its layout:
+  // the value's gradient sharding with the pending axes), or nothing if
+  // none arrived. The slot is empty afterwards.
+  std::optional<std::pair<local_tensor<T, R>, rlayout>> take_pending() {
     if (!acc_) return std::nullopt;
     rlayout from = target;
     from.partial = pending_;
-    const reshard_steps plan = plan_reshard(from, to, mesh_->naxes(), mesh_->sizes());
-    local_tensor<T, R> out = execute_reshard<T, R>(*mesh_, plan, std::move(*acc_), extents_);
+    std::pair<local_tensor<T, R>, rlayout> out{std::move(*acc_), from};
     acc_.reset();
     pending_ = 0;
     return out;
@@ -257,23 +271,38 @@ class tape {
     const int id = new_slot<X>(p.value().mesh(), p.value().extents());
     param_slots_[p.index()] = id;
     finish_.push_back({first, [this, id, p] {
+      using T = typename X::value_type;
       auto& ps = *const_cast<parameters<typename X::mesh_type>*>(p.owner());
       std::optional<trace::span> span;
       if (trace::enabled()) span.emplace("gradient " + p.name(), "backward");
       // The one reduction of its contributions: into the parameter's
-      // sharding, or (a sharded weight update) into its update layout.
+      // sharding, or (a sharded weight update) into its update layout; in a
+      // bucket with other weights' when their steps are the same.
       auto* shard = ps.grads()[p.index()].as_sharded();
-      auto g = slot<X>(id).take(shard ? shard->layout() : X::layout);
-      if (!g) return;
+      auto pending = slot<X>(id).take_pending();
+      if (!pending) return;
+      const auto& m = p.value().mesh();
+      const detail::reshard_steps plan = detail::plan_reshard(pending->second, shard ? shard->layout() : X::layout, m.naxes(), m.sizes());
       // Copied into the gradient's own buffer, not moved: a buffer that lives
       // from step to step stays where it is, so the heap does not fragment
       // around it (moving it made the heap grow every few steps).
       auto& dst = shard ? static_cast<detail::update_shard<X>*>(shard)->local() : ps.grads().template at<X>(p.index()).local();
-      if (dst.size() != g->size())
-        throw error("gshard::tape: the gradient of '" + p.name() + "' has " + std::to_string(g->size()) +
-                    " elements on this rank but its buffer " + std::to_string(dst.size()));
-      std::copy(g->data(), g->data() + g->size(), dst.data());
-      ps.set_has_grad(p.index(), true);
+      auto done = [&ps, &dst, i = p.index()](std::span<const T> g) {
+        if (std::size_t(dst.size()) != g.size())
+          throw error("gshard::tape: the gradient of '" + ps.name(i) + "' has " + std::to_string(g.size()) +
+                      " elements on this rank but its buffer " + std::to_string(dst.size()));
+        std::copy(g.begin(), g.end(), dst.data());
+        ps.set_has_grad(i, true);
+      };
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        if (ps.bucket_bytes() > 0 && detail::stackable(plan)) {
+          gradient_buckets<T>(m, ps.bucket_bytes()).add(
+              plan, std::span<const T>(pending->first.data(), std::size_t(pending->first.size())), done);
+          return;
+        }
+      }
+      const auto g = detail::execute_reshard<T, X::rank>(m, plan, std::move(pending->first), p.value().extents());
+      done(std::span<const T>(g.data(), std::size_t(g.size())));
     }});
     return {*this, std::move(view), id};
   }
@@ -329,6 +358,8 @@ class tape {
     }
     rules_.clear();
     finish_complete(0);
+    if (float_buckets_) float_buckets_->flush();
+    if (double_buckets_) double_buckets_->flush();
     finish_.clear();
     reset_grads_(true);
     run_after_step();
@@ -337,6 +368,16 @@ class tape {
  private:
   template <class F, class... X>
   friend auto remat(F f, const var<X>&... inputs);
+
+  template <class T>
+  detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit) {
+    auto& b = [&]() -> std::optional<detail::buckets<T>>& {
+      if constexpr (std::is_same_v<T, float>) return float_buckets_;
+      else return double_buckets_;
+    }();
+    if (!b) b.emplace(m, limit);
+    return *b;
+  }
 
   // Reduces the gradients of the parameters first used at rule `from` or
   // later, in the order they were first used.
@@ -407,6 +448,8 @@ class tape {
   std::map<std::size_t, int> param_slots_;
   std::map<std::size_t, std::size_t> param_first_;  // parameter index -> the first rule that may use it
   std::size_t running_rule_ = 0;                    // the rule the backward runs (a recomputation records new uses there)
+  std::optional<detail::buckets<float>> float_buckets_;  // complete gradients waiting to be reduced together
+  std::optional<detail::buckets<double>> double_buckets_;
   std::function<void(bool)> reset_grads_;
 };
 

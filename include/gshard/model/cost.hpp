@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/buckets.hpp"
 #include "gshard/einsum_spec.hpp"
 #include "gshard/model/transformer.hpp"
 #include "gshard/reshard_plan.hpp"
@@ -56,13 +57,15 @@ struct weight {
   }
 };
 
-// Every weight the transformer declares for `c`, in its order.
-inline std::vector<weight> weights(const config& c) {
+// Every weight the transformer declares for `c`, in its order, on a mesh
+// with or without a model axis.
+inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = true) {
   std::vector<weight> w;
   auto add = [&](std::string name, std::vector<index_t> extents, std::vector<std::vector<int>> split, bool expert = false) {
     weight x{std::move(name), std::move(extents), {}, expert};
     for (std::size_t d = 0; d < split.size(); ++d)
-      for (int a : split[d]) x.layout.push(int(d), a);
+      for (int a : split[d])
+        if (a != model_axis || model_axis_in_mesh) x.layout.push(int(d), a);
     w.push_back(std::move(x));
   };
   const index_t M = c.model, N = c.heads, K = c.head_dim, E = c.experts;
@@ -151,6 +154,7 @@ struct step_options {
   index_t batch = 16, seq = 128;  // the global batch: B sequences of L tokens
   bool sharded_update = true;     // the weight update sharded over the batch axes (shard_weight_update)
   int element_bytes = 4;          // float
+  std::size_t bucket_bytes = default_bucket_bytes;  // parameters::bucket_bytes()
 };
 
 namespace detail_cost {
@@ -257,26 +261,62 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   }
   add(cs, collective::all_reduce, all, 1, 8, "global gradient norm");
   // The weights' gradients: from the pending sum over the batch axes that do
-  // not split them, into the weight (replicated update) or its update layout.
-  for (const weight& x : weights(c)) {
-    gshard::detail::rlayout pending = x.layout;
-    pending.partial = batch & ~x.layout.split_mask();
+  // not split them, into the weight (replicated update) or its update
+  // layout; and, sharded, the updated blocks gathered back. Plans that can
+  // share a collective go through buckets (gshard/buckets.hpp) as the tape
+  // fills them — gradients in the order they complete, the reverse of the
+  // weights' first use (here: of their declaration) — and as Adam fills
+  // them, in declaration order.
+  struct bucket {
+    gshard::detail::reshard_steps plan{};  // its steps (its first member's plan)
+    std::string what;
+    std::vector<std::pair<const weight*, gshard::detail::reshard_steps>> members;  // each with its own plan's layouts
+    double bytes = 0;
+  };
+  std::vector<bucket> open;
+  auto run = [&](bucket& b) {
+    for (int i = 0; i < b.plan.n; ++i) {
+      if (!is_collective(b.plan.step[i].kind) || b.members.empty()) continue;
+      double bytes = 0;
+      for (const auto& [x, plan] : b.members) bytes += double(local_elements(plan.state[i], x->extents, m)) * f;
+      add(cs, collective_of(b.plan.step[i].kind), b.plan.step[i].mask, 1, bytes, b.what);
+    }
+    b.members.clear(), b.bytes = 0;
+  };
+  auto reduce = [&](const weight& x, const gshard::detail::rlayout& from, const gshard::detail::rlayout& to, const std::string& what) {
+    const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
+    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan)) return detail_cost::add_plan(cs, from, to, x.extents, m, f, what);
+    auto it = std::find_if(open.begin(), open.end(), [&](const bucket& b) { return gshard::detail::same_steps(b.plan, plan) && b.what == what; });
+    if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0});
+    it->members.push_back({&x, plan});
+    it->bytes += double(local_elements(from, x.extents, m)) * f;
+    if (it->bytes >= double(o.bucket_bytes)) run(*it);
+  };
+  const std::vector<weight> ws = weights(c, m.has_model_axis);
+  std::vector<gshard::detail::rlayout> targets;
+  for (const weight& x : ws) {
     gshard::detail::rlayout target = x.layout;
-    const index_t n = local_elements(x.layout, x.extents, m);
-    w.parameter_bytes += double(n) * f;
     if (o.sharded_update) {
       const auto u = gshard::detail::choose_update_layout(x.layout, int(x.extents.size()), x.extents.data(), m.sizes(),
                                                           m.naxes(), batch);
-      if (u.parts > 1) {
-        target = u.layout;
-        detail_cost::add_plan(cs, target, x.layout, x.extents, m, f, "updated weights");
-      }
+      if (u.parts > 1) target = u.layout;
     }
+    targets.push_back(target);
     const double g = double(local_elements(target, x.extents, m)) * f;
+    w.parameter_bytes += double(local_elements(x.layout, x.extents, m)) * f;
     w.gradient_bytes += g;
     w.adam_bytes += (target == x.layout ? 2 : 3) * g;  // the moments, and the weight's block a sharded update works on
-    detail_cost::add_plan(cs, pending, target, x.extents, m, f, "weight gradients");
   }
+  for (std::size_t i = ws.size(); i-- > 0;) {
+    gshard::detail::rlayout pending = ws[i].layout;
+    pending.partial = batch & ~ws[i].layout.split_mask();
+    reduce(ws[i], pending, targets[i], "weight gradients");
+  }
+  for (auto& b : open) run(b);
+  open.clear();
+  for (std::size_t i = 0; i < ws.size(); ++i)
+    if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights");
+  for (auto& b : open) run(b);
 
   // Element-wise work, an estimate: the stream passes (elements read or
   // written by norms, residual adds, the scores' scale and mask, dispatch,

@@ -10,7 +10,7 @@
 // communication follows: in the forward the MoE layers' all_to_alls and, with
 // model axes, one all_reduce over them after each attention, dense FFN and
 // expert FFN; in the backward their transposes and one reduction per weight
-// over the batch axes.
+// over the batch axes (several weights' in one collective: gshard/buckets.hpp).
 #pragma once
 
 #include <algorithm>

@@ -1,0 +1,158 @@
+// gshard/buckets.hpp — one reshard plan run on many tensors at once: their
+// blocks side by side in one buffer, one collective per step for all of
+// them (PyTorch DDP's gradient buckets). The training step sends each
+// weight's gradient reduction (all_reduces, reduce_scatters) and each
+// sharded weight's gather (all_gathers) through buckets, so a step issues a
+// few large collectives instead of one small one per weight: the α of every
+// call saved, which the cost model shows is most of a step's communication
+// at hundreds of ranks (docs/12_scale.md).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "gshard/collectives.hpp"
+#include "gshard/mesh.hpp"
+#include "gshard/reshard_plan.hpp"
+
+namespace gshard::detail {
+
+// Steps every tensor can take side by side with others: an all_reduce (any
+// layout), a reduce_scatter into dim 0 or an all_gather out of dim 0 (each
+// rank's part of a tensor is one contiguous run of its block).
+constexpr bool stackable(const reshard_steps& p) {
+  for (int i = 0; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    const bool ok = s.kind == step_kind::all_reduce || (s.kind == step_kind::reduce_scatter && s.to_dim == 0) ||
+                    (s.kind == step_kind::all_gather && s.from_dim == 0);
+    if (!ok) return false;
+  }
+  return p.collectives() > 0;
+}
+
+// The same steps (kind, axes, dims), whatever the layouts between them: a
+// bucket's members may differ in rank and in their other dims.
+constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
+  if (a.n != b.n) return false;
+  for (int i = 0; i < a.n; ++i)
+    if (!(a.step[i] == b.step[i])) return false;
+  return true;
+}
+
+// Tensors waiting to take one stackable plan together. Each member gives
+// its block (moved in) and a function that receives its result.
+template <class T>
+class bucket {
+ public:
+  using done_fn = std::function<void(std::span<const T>)>;
+
+  bucket(const mesh_base& m, const reshard_steps& plan) : mesh_(&m), plan_(plan) {}
+
+  const reshard_steps& plan() const { return plan_; }
+  std::size_t bytes() const { return data_.size() * sizeof(T); }
+  bool empty() const { return members_.empty(); }
+
+  void add(std::span<const T> block, done_fn done) {
+    members_.push_back({block.size(), std::move(done)});
+    data_.insert(data_.end(), block.begin(), block.end());
+  }
+
+  // Runs the plan's steps on every member, one collective per step, and
+  // hands each member its result. The bucket is empty afterwards.
+  void run() {
+    if (members_.empty()) return;
+    for (int i = 0; i < plan_.n; ++i) step(plan_.step[i]);
+    std::size_t at = 0;
+    for (auto& m : members_) {
+      m.done(std::span<const T>(data_.data() + at, m.size));
+      at += m.size;
+    }
+    members_.clear();
+    data_.clear();
+  }
+
+ private:
+  struct member {
+    std::size_t size;  // its elements in data_, now
+    done_fn done;
+  };
+
+  void step(const reshard_step& s) {
+    if (s.kind == step_kind::all_reduce) {  // partial{x} |-> replicated on x, in place
+      all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
+      return;
+    }
+    const axis_group& g = mesh_->group(1u << s.axis);
+    const std::size_t p = std::size_t(g.size);
+    if (s.kind == step_kind::reduce_scatter) {  // partial{x} |-> dim 0 split by x
+      // Pack: rank j's part of every member, member after member.
+      scratch_.resize(data_.size());
+      std::size_t out = 0;
+      for (std::size_t j = 0; j < p; ++j) {
+        std::size_t at = 0;
+        for (const member& m : members_) {
+          const std::size_t part = m.size / p;
+          std::copy_n(data_.data() + at + j * part, part, scratch_.data() + out);
+          out += part;
+          at += m.size;
+        }
+      }
+      data_.resize(data_.size() / p);
+      reduce_scatter<T>(g, scratch_, data_);  // Communicate: this rank's parts, member after member
+      for (member& m : members_) m.size /= p;
+      return;
+    }
+    // all_gather: dim 0 split by x |-> replicated on x
+    scratch_.resize(data_.size() * p);
+    all_gather<T>(g, data_, scratch_);  // Communicate: every rank's blocks, rank after rank
+    const std::size_t total = data_.size();
+    data_.resize(total * p);
+    std::size_t out = 0, at = 0;  // Unpack: each member's blocks in rank order
+    for (member& m : members_) {
+      for (std::size_t j = 0; j < p; ++j) {
+        std::copy_n(scratch_.data() + j * total + at, m.size, data_.data() + out);
+        out += m.size;
+      }
+      at += m.size;
+      m.size *= p;
+    }
+  }
+
+  const mesh_base* mesh_;
+  reshard_steps plan_;
+  std::vector<T> data_, scratch_;
+  std::vector<member> members_;
+};
+
+// Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket runs
+// when it holds `limit` bytes or more, and flush() runs the rest in the
+// order their plans first came. limit 0: every tensor on its own. The same
+// sequence of adds on every rank gives the same collectives.
+template <class T>
+class buckets {
+ public:
+  buckets(const mesh_base& m, std::size_t limit) : mesh_(&m), limit_(limit) {}
+
+  void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
+    bucket<T>* b = nullptr;
+    for (auto& x : open_)
+      if (same_steps(x.plan(), plan)) b = &x;
+    if (!b) b = &open_.emplace_back(*mesh_, plan);
+    b->add(block, std::move(done));
+    if (b->bytes() >= limit_) b->run();
+  }
+  void flush() {
+    for (auto& b : open_) b.run();
+    open_.clear();
+  }
+
+ private:
+  const mesh_base* mesh_;
+  std::size_t limit_;
+  std::vector<bucket<T>> open_;
+};
+
+}  // namespace gshard::detail
