@@ -325,7 +325,8 @@ void moe_layer(benchmark::State& state) {
   // dh = dy·woᵀ, dwo = hᵀ·dy, dx = dh·wiᵀ, dwi = xᵀ·dh.
   const index_t C = moe::capacity(S, E, gc), R = G * C, El = E / P;
   std::vector<float> bx(std::size_t(R * M), 0.5f), bh(std::size_t(R * H), 0.25f), by(std::size_t(R * M)), bdh(std::size_t(R * H)),
-      bwi(std::size_t(M * H), 0.01f), bwo(std::size_t(H * M), 0.01f), bdwi(std::size_t(M * H)), bdwo(std::size_t(H * M));
+      bdx(std::size_t(R * M)), bwi(std::size_t(M * H), 0.01f), bwo(std::size_t(H * M), 0.01f), bdwi(std::size_t(M * H)),
+      bdwo(std::size_t(H * M));
   auto gemms = [&] {
     using gshard::detail::gemm;
     for (index_t e = 0; e < El; ++e) {
@@ -333,7 +334,7 @@ void moe_layer(benchmark::State& state) {
       gemm<float>(false, false, R, M, H, 1.f, bh.data(), H, bwo.data(), M, 0.f, by.data(), M);
       gemm<float>(false, true, R, H, M, 1.f, by.data(), M, bwo.data(), M, 0.f, bdh.data(), H);
       gemm<float>(true, false, H, M, R, 1.f, bh.data(), H, by.data(), M, 0.f, bdwo.data(), M);
-      gemm<float>(false, true, R, M, H, 1.f, bdh.data(), H, bwi.data(), H, 0.f, bx.data(), M);
+      gemm<float>(false, true, R, M, H, 1.f, bdh.data(), H, bwi.data(), H, 0.f, bdx.data(), M);
       gemm<float>(true, false, M, H, R, 1.f, bx.data(), M, bdh.data(), H, 0.f, bdwi.data(), H);
     }
   };

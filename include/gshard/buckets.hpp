@@ -8,13 +8,16 @@
 // at hundreds of ranks (docs/12_scale.md).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "gshard/collectives.hpp"
+#include "gshard/error.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/reshard_plan.hpp"
 
@@ -56,6 +59,14 @@ class bucket {
   bool empty() const { return members_.empty(); }
 
   void add(std::span<const T> block, done_fn done) {
+    // Each rank's part of a member must be whole: a reduce_scatter's group
+    // divides its block (the layouts that plan it are divisible).
+    std::size_t parts = 1;
+    for (int i = 0; i < plan_.n; ++i)
+      if (plan_.step[i].kind == step_kind::reduce_scatter) parts *= std::size_t(mesh_->group(1u << plan_.step[i].axis).size);
+    if (block.size() % parts != 0)
+      throw error("gshard::detail::bucket: a block of " + std::to_string(block.size()) + " elements does not split into the " +
+                  std::to_string(parts) + " parts its reduce_scatters make");
     members_.push_back({block.size(), std::move(done)});
     data_.insert(data_.end(), block.begin(), block.end());
   }
@@ -128,15 +139,18 @@ class bucket {
 };
 
 // Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket runs
-// when it holds `limit` bytes or more, and flush() runs the rest in the
-// order their plans first came. limit 0: every tensor on its own. The same
-// sequence of adds on every rank gives the same collectives.
+// as soon as it holds `limit` bytes or more (so one collective may carry
+// more than `limit`: a bucket holds at least one whole tensor), and flush()
+// runs the rest in the order their plans first came. limit 0: every tensor
+// on its own. The same sequence of adds on every rank gives the same
+// collectives.
 template <class T>
 class buckets {
  public:
   buckets(const mesh_base& m, std::size_t limit) : mesh_(&m), limit_(limit) {}
 
   void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
+    if (!stackable(plan)) throw error("gshard::detail::buckets: a plan whose steps cannot share a bucket");
     bucket<T>* b = nullptr;
     for (auto& x : open_)
       if (same_steps(x.plan(), plan)) b = &x;

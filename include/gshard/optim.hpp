@@ -114,7 +114,12 @@ class adam {
       auto gather = [&](auto& into, auto from, auto to) {
         using T = typename std::remove_cvref_t<decltype(to)>::value_type;
         into.add(block->gather_plan(), std::span<const T>(from.data(), from.size()),
-                 [to](std::span<const T> whole) { std::copy(whole.begin(), whole.end(), to.begin()); });
+                 [to, &ps, i](std::span<const T> whole) {
+                   if (whole.size() != to.size())
+                     throw error("gshard::adam: the gathered '" + ps.name(i) + "' has " + std::to_string(whole.size()) +
+                                 " elements on this rank but the weight " + std::to_string(to.size()));
+                   std::copy(whole.begin(), whole.end(), to.begin());
+                 });
       };
       if (!w.f32().empty()) gather(f32, w.f32(), ps.values()[i].f32());
       if (!w.f64().empty()) gather(f64, w.f64(), ps.values()[i].f64());

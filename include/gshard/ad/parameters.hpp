@@ -423,9 +423,10 @@ class parameters {
   std::uint32_t update_axes() const { return update_axes_; }
 
   // Gradients reduced together (gshard/buckets.hpp): the weights whose
-  // reductions take the same steps share one collective per step, up to
-  // this many bytes of them per collective; so do the sharded update's
-  // gathers. 0: one collective per weight.
+  // reductions take the same steps share one collective per step, a bucket
+  // running once it holds this many bytes (a weight larger than that goes in
+  // one bucket alone); so do the sharded update's gathers. 0: one
+  // collective per weight.
   std::size_t bucket_bytes() const { return bucket_bytes_; }
   void set_bucket_bytes(std::size_t bytes) { bucket_bytes_ = bytes; }
 

@@ -380,10 +380,12 @@ class tape {
   }
 
   // Reduces the gradients of the parameters first used at rule `from` or
-  // later, in the order they were first used.
+  // later, latest first use first: those completing together (a
+  // rematerialised block's) in the reverse of their use, as the rest
+  // complete one by one.
   void finish_complete(std::size_t from) {
-    for (auto& f : finish_)
-      if (f.reduce && f.first_rule >= from) {
+    for (auto it = finish_.rbegin(); it != finish_.rend(); ++it)
+      if (auto& f = *it; f.reduce && f.first_rule >= from) {
         auto reduce = std::move(f.reduce);
         f.reduce = nullptr;
         reduce();

@@ -114,8 +114,11 @@ double adam_per_s(index_t n) {
 // seconds(). Collective over g.
 template <class T = float>
 alpha_beta fit_alpha_beta(collective kind, const gshard::detail::axis_group& g) {
-  const std::size_t small = (64 << 10) / sizeof(T), large = (4 << 20) / sizeof(T);  // elements
   const index_t p = g.size;
+  // Elements per rank, whole multiples of p (an all_to_all and a
+  // reduce_scatter split them into p equal parts: 3 or 6 ranks too).
+  const std::size_t whole = std::size_t(p);
+  const std::size_t small = (64 << 10) / sizeof(T) / whole * whole, large = (4 << 20) / sizeof(T) / whole * whole;
   auto time = [&](std::size_t n) {
     std::vector<T> in(n, T(1)), out(kind == collective::all_gather ? n * std::size_t(p) : n);
     std::vector<double> t;

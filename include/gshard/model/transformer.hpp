@@ -173,7 +173,11 @@ class transformer {
   auto ffn(V&& h, const ffn_params& f) const {
     auto a = [&] {  // [B{data,expert},L,H{model}]
       if (!f.w1_up) return relu(einsum<"BLM,MH->BLH">(h, f.w1));
-      return silu(einsum<"BLM,MH->BLH">(h, f.w1)) * einsum<"BLM,MH->BLH">(h, *f.w1_up);
+      // w1 used before w1_up, in their declaration order (as every weight
+      // is): the backward completes gradients in reverse, the order their
+      // buckets fill in and the cost model counts them.
+      auto gate = silu(einsum<"BLM,MH->BLH">(h, f.w1));
+      return std::move(gate) * einsum<"BLM,MH->BLH">(h, *f.w1_up);
     }();
     return einsum<"BLH,HM->BLM", at_tokens>(a, f.w2);  // with model axes: an all_reduce over them
   }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
@@ -125,7 +126,10 @@ struct layer {
     }();
     auto h = [&] {  // [E{expert},G{data},C,H{model}]: the experts live here
       if (options.ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
-      return silu(einsum<"EGCM,EMH->EGCH">(xe, wi)) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
+      // wi used before wi_up, in their declaration order (as every weight
+      // is): gradients complete in reverse, the order buckets and the cost model take.
+      auto gate = silu(einsum<"EGCM,EMH->EGCH">(xe, wi));
+      return std::move(gate) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
     }();
     auto ye = einsum<"EGCH,EHM->EGCM", at_experts>(h, wo);  // with model axes: one all_reduce over them
     auto y = reshard<at_tokens>(std::move(ye));               // all_to_all back: [E,G{data,expert},C,M]
@@ -141,7 +145,8 @@ struct layer {
   auto shared_ffn(const V& x) const {
     auto a = [&] {
       if (!shared->w1_up) return relu(einsum<"GSM,MH->GSH">(x, shared->w1));
-      return silu(einsum<"GSM,MH->GSH">(x, shared->w1)) * einsum<"GSM,MH->GSH">(x, *shared->w1_up);
+      auto up = einsum<"GSM,MH->GSH">(x, *shared->w1_up);  // first: declared before shared_w1 (the constructor)
+      return silu(einsum<"GSM,MH->GSH">(x, shared->w1)) * std::move(up);
     }();
     return einsum<"GSH,HM->GSM", at_tokens>(a, shared->w2);
   }
