@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "gshard/buckets.hpp"
 #include "gshard/detail/fnv1a.hpp"
 #include "gshard/error.hpp"
 #include "gshard/random.hpp"
@@ -429,6 +430,13 @@ class parameters {
   // collective per weight.
   std::size_t bucket_bytes() const { return bucket_bytes_; }
   void set_bucket_bytes(std::size_t bytes) { bucket_bytes_ = bytes; }
+  // The buckets' buffers, kept from step to step (the tape's gradient
+  // buckets and Adam's gathers take theirs from here).
+  template <class T>
+  detail::bucket_memory<T>& bucket_memory() {
+    if constexpr (std::is_same_v<T, float>) return f32_bucket_memory_;
+    else return f64_bucket_memory_;
+  }
 
   // One line per parameter: its sharding, and where its update runs.
   std::string describe_update() {
@@ -463,6 +471,8 @@ class parameters {
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
+  detail::bucket_memory<float> f32_bucket_memory_;
+  detail::bucket_memory<double> f64_bucket_memory_;
   tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
   std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)

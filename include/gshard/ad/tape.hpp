@@ -296,7 +296,7 @@ class tape {
       };
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
         if (ps.bucket_bytes() > 0 && detail::stackable(plan)) {
-          gradient_buckets<T>(m, ps.bucket_bytes()).add(
+          gradient_buckets<T>(m, ps.bucket_bytes(), ps.template bucket_memory<T>()).add(
               plan, std::span<const T>(pending->first.data(), std::size_t(pending->first.size())), done);
           return;
         }
@@ -370,12 +370,12 @@ class tape {
   friend auto remat(F f, const var<X>&... inputs);
 
   template <class T>
-  detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit) {
+  detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit, detail::bucket_memory<T>& memory) {
     auto& b = [&]() -> std::optional<detail::buckets<T>>& {
       if constexpr (std::is_same_v<T, float>) return float_buckets_;
       else return double_buckets_;
     }();
-    if (!b) b.emplace(m, limit);
+    if (!b) b.emplace(m, limit, &memory);
     return *b;
   }
 
