@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -150,6 +151,127 @@ bool strided_gemm(index_t m, index_t n, index_t k, const T* a, index_t a_m, inde
   return true;
 }
 
+// The GEMM's label groups: C[L.., M.., N..] = Σ_K A[L.., M.., K..] · B[L.., K.., N..].
+struct gemm_groups {
+  label_group L, M, N, K;
+  bool k_in_loop = false;  // a contracting label moved to the loop: C accumulates over it
+};
+
+// The extent of label l, from whichever operand has it.
+inline index_t extent_in(const labeled_view& va, const labeled_view& vb, char l) {
+  return va.has(l) ? va.extent[va.find(l)] : vb.extent[vb.find(l)];
+}
+inline index_t group_size(const label_group& g, const labeled_view& va, const labeled_view& vb) {
+  index_t p = 1;
+  for (int i = 0; i < g.n; ++i) p *= extent_in(va, vb, g.l[i]);
+  return p;
+}
+// The stride of a group's innermost label in v (0 for an empty group).
+inline index_t inner_stride(const labeled_view& v, const label_group& g) { return g.n ? v.stride_of(g.l[g.n - 1]) : 0; }
+
+// Sorts the labels into the groups (labels of extent 1 take no part: their
+// index is always 0), then moves the labels that break a merge to the loop,
+// outermost first.
+inline gemm_groups group_labels(const labeled_view& va, const labeled_view& vb, const labeled_view& vo) {
+  gemm_groups g;
+  for (int d = 0; d < vo.rank; ++d)
+    if (vo.extent[d] != 1 && va.has(vo.label[d]) && vb.has(vo.label[d])) g.L.push(vo.label[d]);
+  for (int d = 0; d < va.rank; ++d) {
+    const char l = va.label[d];
+    if (va.extent[d] == 1) continue;
+    if (vb.has(l) && !vo.has(l)) g.K.push(l);
+    else if (!vb.has(l)) g.M.push(l);
+  }
+  for (int d = 0; d < vb.rank; ++d)
+    if (vb.extent[d] != 1 && !va.has(vb.label[d])) g.N.push(vb.label[d]);
+  auto settle = [&](label_group& x, const labeled_view& v1, const labeled_view& v2, const labeled_view& ex, bool is_k) {
+    while (x.n > 1 && !(merges(v1, x, ex) && merges(v2, x, ex))) {
+      g.L.push(x.l[0]);
+      x.erase_front();
+      g.k_in_loop = g.k_in_loop || is_k;
+    }
+  };
+  settle(g.M, va, vo, va, false);
+  settle(g.N, vb, vo, vb, false);
+  settle(g.K, va, vb, va, true);
+  return g;
+}
+
+// v without the labels neither `other` nor the output `vo` has (to be summed
+// out first), contiguous.
+inline labeled_view without_alone_labels(const labeled_view& v, const labeled_view& other, const labeled_view& vo) {
+  std::string keep;
+  index_t ext[max_rank];
+  for (int d = 0; d < v.rank; ++d)
+    if (other.has(v.label[d]) || vo.has(v.label[d])) {
+      ext[keep.size()] = v.extent[d];
+      keep += v.label[d];
+    }
+  return contiguous_view(keep, ext);
+}
+
+// v's labels contiguous in the order [L.., g1.., g2.., the rest (extent-1
+// labels)], skipping those v lacks: a layout every GEMM of the loop fits.
+inline labeled_view grouped_view(const labeled_view& v, const label_group& L, const label_group& g1, const label_group& g2) {
+  std::string order;
+  index_t ext[max_rank];
+  auto add = [&](char l) {
+    if (v.has(l) && order.find(l) == std::string::npos) {
+      ext[order.size()] = v.extent[v.find(l)];
+      order += l;
+    }
+  };
+  for (const label_group* g : {&L, &g1, &g2})
+    for (int i = 0; i < g->n; ++i) add(g->l[i]);
+  for (int d = 0; d < v.rank; ++d) add(v.label[d]);
+  return contiguous_view(order, ext);
+}
+
+// The operand (p, v) copied into `buf` laid out as `to` (labels `to` lacks
+// summed out); p and v then describe the copy.
+template <class T>
+void relayout(const T*& p, labeled_view& v, const labeled_view& to, std::vector<T>& buf) {
+  buf.resize(std::size_t(to.size()));
+  sum_permute(p, v, buf.data(), to);
+  p = buf.data();
+  v = to;
+}
+
+// Whether a matrix (r×q) with element strides (sr, sq) fits a BLAS layout.
+inline bool blas_fits(index_t r, index_t q, index_t sr, index_t sq) { return r <= 1 || q <= 1 || sr == 1 || sq == 1; }
+
+// C (+)= A·B for every index of the loop labels L, one strided GEMM each (a
+// label an operand lacks has stride 0 there).
+template <class T>
+void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, const labeled_view& va, const T* b,
+                    const labeled_view& vb, T* c, const labeled_view& vc, bool accumulate) {
+  const index_t m = group_size(g.M, va, vb), n = group_size(g.N, va, vb), k = group_size(g.K, va, vb);
+  index_t loop_ext[max_rank], sa[max_rank], sb[max_rank], sc[max_rank];
+  for (int i = 0; i < g.L.n; ++i) {
+    loop_ext[i] = extent_in(va, vb, g.L.l[i]);
+    sa[i] = va.stride_of(g.L.l[i]);
+    sb[i] = vb.stride_of(g.L.l[i]);
+    sc[i] = vc.stride_of(g.L.l[i]);
+  }
+  const index_t a_m = inner_stride(va, g.M), a_k = inner_stride(va, g.K), b_k = inner_stride(vb, g.K),
+                b_n = inner_stride(vb, g.N), c_m = inner_stride(vc, g.M), c_n = inner_stride(vc, g.N);
+  index_t pos[max_rank] = {};
+  while (true) {
+    index_t oa = 0, ob = 0, oc = 0;
+    for (int i = 0; i < g.L.n; ++i) {
+      oa += pos[i] * sa[i];
+      ob += pos[i] * sb[i];
+      oc += pos[i] * sc[i];
+    }
+    const bool ok = strided_gemm<T>(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0), c + oc, c_m, c_n);
+    if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
+                         std::string(s.term(1)) + "->" + std::string(s.out_term()));
+    int i = g.L.n - 1;
+    while (i >= 0 && ++pos[i] == loop_ext[i]) pos[i--] = 0;
+    if (i < 0) break;
+  }
+}
+
 // out (contiguous, spec.out term) = einsum of a (and b) over their labels.
 template <class T>
 void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const T* b, const index_t* b_ext, T* out,
@@ -165,146 +287,28 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
     std::fill(out, out + vo.size(), T(0));
     return;
   }
-
-  // Sum out the labels each input holds alone and the output lacks.
-  std::vector<T> a_red, b_red;
-  auto reduce_alone = [&](const T*& p, labeled_view& v, const labeled_view& other, std::vector<T>& buf) {
-    std::string keep;
-    index_t ext[max_rank];
-    for (int d = 0; d < v.rank; ++d)
-      if (other.has(v.label[d]) || vo.has(v.label[d])) {
-        ext[keep.size()] = v.extent[d];
-        keep += v.label[d];
-      }
-    if (int(keep.size()) == v.rank) return;
-    const labeled_view r = contiguous_view(keep, ext);
-    buf.resize(std::size_t(r.size()));
-    sum_permute(p, v, buf.data(), r);
-    p = buf.data();
-    v = r;
-  };
-  reduce_alone(a, va, vb, a_red);
-  reduce_alone(b, vb, va, b_red);
-
-  // Groups; labels of extent 1 take no part (their index is always 0).
-  label_group L, M, N, K;
-  for (int d = 0; d < vo.rank; ++d) {
-    const char l = vo.label[d];
-    if (vo.extent[d] == 1) continue;
-    if (va.has(l) && vb.has(l)) L.push(l);
-  }
-  for (int d = 0; d < va.rank; ++d) {
-    const char l = va.label[d];
-    if (va.extent[d] == 1) continue;
-    if (vb.has(l) && !vo.has(l)) K.push(l);
-    else if (!vb.has(l)) M.push(l);
-  }
-  for (int d = 0; d < vb.rank; ++d)
-    if (vb.extent[d] != 1 && !va.has(vb.label[d])) N.push(vb.label[d]);
-  const labeled_view& ext_a = va;
-  const labeled_view& ext_b = vb;
-
-  // Move labels that break a merge to the loop, outermost first.
-  bool k_in_loop = false;
-  auto settle = [&](label_group& g, const labeled_view& v1, const labeled_view& v2, const labeled_view& ex, bool is_k) {
-    while (g.n > 1 && !(merges(v1, g, ex) && merges(v2, g, ex))) {
-      L.push(g.l[0]);
-      g.erase_front();
-      k_in_loop = k_in_loop || is_k;
-    }
-  };
-  settle(M, va, vo, ext_a, false);
-  settle(N, vb, vo, ext_b, false);
-  settle(K, va, vb, ext_a, true);
-
-  auto extent_of = [&](char l) { return va.has(l) ? va.extent[va.find(l)] : vb.extent[vb.find(l)]; };
-  auto product = [&](const label_group& g) {
-    index_t p = 1;
-    for (int i = 0; i < g.n; ++i) p *= extent_of(g.l[i]);
-    return p;
-  };
-  auto inner_stride = [](const labeled_view& v, const label_group& g) { return g.n ? v.stride_of(g.l[g.n - 1]) : 0; };
-  const index_t m = product(M), n = product(N), k = product(K);
-
-  // Copy an operand into [loop.., M.., K..] (or [loop.., K.., N..]) when no
-  // BLAS layout fits its strides; compute C into [loop.., M.., N..] likewise.
-  auto fits = [](index_t r, index_t q, index_t sr, index_t sq) { return r <= 1 || q <= 1 || sr == 1 || sq == 1; };
-  auto repack = [&](const T*& p, labeled_view& v, const label_group& g1, const label_group& g2, std::vector<T>& buf) {
-    std::string order;
-    index_t ext[max_rank];
-    auto add = [&](char l) {
-      if (v.has(l)) {
-        ext[order.size()] = v.extent[v.find(l)];
-        order += l;
-      }
-    };
-    for (int i = 0; i < L.n; ++i) add(L.l[i]);
-    for (int i = 0; i < g1.n; ++i) add(g1.l[i]);
-    for (int i = 0; i < g2.n; ++i) add(g2.l[i]);
-    for (int d = 0; d < v.rank; ++d)
-      if (order.find(v.label[d]) == std::string::npos) add(v.label[d]);  // extent-1 labels
-    const labeled_view r = contiguous_view(order, ext);
-    buf.resize(std::size_t(r.size()));
-    sum_permute(p, v, buf.data(), r);
-    p = buf.data();
-    v = r;
-  };
-  std::vector<T> a_copy, b_copy, c_tmp;
-  if (!fits(m, k, inner_stride(va, M), inner_stride(va, K))) repack(a, va, M, K, a_copy);
-  if (!fits(k, n, inner_stride(vb, K), inner_stride(vb, N))) repack(b, vb, K, N, b_copy);
+  // 1. Sum out the labels each input holds alone and the output lacks.
+  std::vector<T> a_red, b_red, a_copy, b_copy, c_tmp;
+  if (const labeled_view r = without_alone_labels(va, vb, vo); r.rank != va.rank) relayout(a, va, r, a_red);
+  if (const labeled_view r = without_alone_labels(vb, va, vo); r.rank != vb.rank) relayout(b, vb, r, b_red);
+  // 2. The groups, with the labels that break a merge moved to the loop.
+  const gemm_groups g = group_labels(va, vb, vo);
+  const index_t m = group_size(g.M, va, vb), n = group_size(g.N, va, vb), k = group_size(g.K, va, vb);
+  // 3. Copy an operand into [loop.., M.., K..] (or [loop.., K.., N..]) when
+  // no BLAS layout fits its strides; compute C into [loop.., M.., N..] likewise.
+  if (!blas_fits(m, k, inner_stride(va, g.M), inner_stride(va, g.K))) relayout(a, va, grouped_view(va, g.L, g.M, g.K), a_copy);
+  if (!blas_fits(k, n, inner_stride(vb, g.K), inner_stride(vb, g.N))) relayout(b, vb, grouped_view(vb, g.L, g.K, g.N), b_copy);
+  const bool c_direct = blas_fits(m, n, inner_stride(vo, g.M), inner_stride(vo, g.N));
+  const labeled_view vc = c_direct ? vo : grouped_view(vo, g.L, g.M, g.N);
   T* c = out;
-  labeled_view vc = vo;
-  const bool c_direct = fits(m, n, inner_stride(vo, M), inner_stride(vo, N));
   if (!c_direct) {
-    std::string order;
-    index_t ext[max_rank];
-    auto add = [&](char l) {
-      ext[order.size()] = vo.extent[vo.find(l)];
-      order += l;
-    };
-    for (int i = 0; i < L.n; ++i)
-      if (vo.has(L.l[i])) add(L.l[i]);
-    for (int i = 0; i < M.n; ++i) add(M.l[i]);
-    for (int i = 0; i < N.n; ++i) add(N.l[i]);
-    for (int d = 0; d < vo.rank; ++d)
-      if (order.find(vo.label[d]) == std::string::npos) add(vo.label[d]);
-    vc = contiguous_view(order, ext);
     c_tmp.resize(std::size_t(vc.size()));
     c = c_tmp.data();
   }
-
-  const index_t c_total = vc.size();
-  const bool accumulate = k_in_loop || k == 0;
-  if (accumulate) std::fill(c, c + c_total, T(0));
-  if (c_total == 0 || k == 0) {
-    if (!c_direct) sum_permute(c, vc, out, vo);
-    return;
-  }
-  // Loop over L; a label absent from an operand has stride 0 there.
-  index_t loop_ext[max_rank], sa[max_rank], sb[max_rank], sc[max_rank];
-  for (int i = 0; i < L.n; ++i) {
-    loop_ext[i] = extent_of(L.l[i]);
-    sa[i] = va.stride_of(L.l[i]);
-    sb[i] = vb.stride_of(L.l[i]);
-    sc[i] = vc.stride_of(L.l[i]);
-  }
-  const index_t a_m = inner_stride(va, M), a_k = inner_stride(va, K), b_k = inner_stride(vb, K),
-                b_n = inner_stride(vb, N), c_m = inner_stride(vc, M), c_n = inner_stride(vc, N);
-  index_t pos[max_rank] = {};
-  while (true) {
-    index_t oa = 0, ob = 0, oc = 0;
-    for (int i = 0; i < L.n; ++i) {
-      oa += pos[i] * sa[i];
-      ob += pos[i] * sb[i];
-      oc += pos[i] * sc[i];
-    }
-    const bool ok = strided_gemm<T>(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0), c + oc, c_m, c_n);
-    if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
-                         std::string(s.term(1)) + "->" + std::string(s.out_term()));
-    int i = L.n - 1;
-    while (i >= 0 && ++pos[i] == loop_ext[i]) pos[i--] = 0;
-    if (i < 0) break;
-  }
+  // 4. The GEMMs, accumulating when a contracting label loops (or k = 0).
+  const bool accumulate = g.k_in_loop || k == 0;
+  if (accumulate) std::fill(c, c + vc.size(), T(0));
+  if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, c, vc, accumulate);
   if (!c_direct) sum_permute(c, vc, out, vo);
 }
 
