@@ -117,7 +117,7 @@ struct moved_groups {
     return l;
   }();
   static constexpr gshard::detail::layout_spec spec = gshard::detail::unresolve(value, X::mesh_type::names);
-  using sharding = layout<gshard::detail::text_of<gshard::detail::render(spec).n>(spec)>;
+  using sharding = GSHARD_LAYOUT_OF(spec);
   static constexpr auto labels = [] {
     if constexpr (X::labels.size() == 0) return fixed_string<1>{};
     else return Labels;
@@ -147,6 +147,28 @@ inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, in
   r.invalid = std::int64_t(v[1 + 2 * k]), r.aux_sum = v[2 + 2 * k], r.z_sum = v[3 + 2 * k];
   r.capacity = capacity;
   return r;
+}
+
+// This rank's groups routed: each token's experts chosen, the capacity
+// agreed (dropless: the largest load of any group, one all_reduce of a
+// maximum over `groups`, the ranks that hold different groups), the choices
+// placed in slots. Returns this rank's counters.
+template <class T>
+gating_stats route_local_groups(const T* logits, index_t Gl, index_t S, index_t E, index_t group_offset,
+                                std::uint64_t stream, const gating_config& cfg, const double* bias, bool training,
+                                const gshard::detail::axis_group& groups, routing<T>& route) {
+  trace::span s("gating", "moe");
+  gating_stats local = choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route);
+  index_t C = 0;
+  if (cfg.dropless) {
+    std::vector<double> most{double(largest_load(route))};
+    all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank
+    C = std::max<index_t>(index_t(most[0]), 1);
+  } else {
+    C = capacity(S, E, cfg, !training && cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
+  }
+  place_choices(route, C, local);
+  return local;
 }
 
 }  // namespace detail
@@ -192,20 +214,8 @@ auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const d
   const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
   const auto& groups = lg.mesh().group(X::layout.split_mask());  // the ranks that hold different groups
   auto route = std::make_shared<routing<T>>();
-  gating_stats local;
-  {
-    trace::span s("gating", "moe");
-    local = choose_experts<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, *route);
-    index_t C = 0;
-    if (cfg.dropless) {
-      std::vector<double> most{double(largest_load(*route))};
-      all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank
-      C = std::max<index_t>(index_t(most[0]), 1);
-    } else {
-      C = capacity(S, E, cfg, !training && cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
-    }
-    place_choices(*route, C, local);
-  }
+  const gating_stats local =
+      detail::route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training, groups, *route);
   using weights_t = typename gate_output<X>::weights_type;
   using scalar_t = tensor<double, 0, Mesh, replicate>;
   const int k = route->k;
