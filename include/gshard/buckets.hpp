@@ -19,7 +19,7 @@
 #include "gshard/collectives.hpp"
 #include "gshard/error.hpp"
 #include "gshard/mesh.hpp"
-#include "gshard/reshard_plan.hpp"
+#include "gshard/reshard_steps.hpp"
 
 namespace gshard::detail {
 

@@ -1,7 +1,7 @@
 // gshard/collectives.hpp — typed MPI collectives over the communicator of a
 // set of mesh axes, on contiguous buffers. Each call is one MPI call, counted
 // in gshard/counters.hpp. The tensor-level forms (which pack and unpack along
-// a tensor dim) are in gshard/reshard.hpp.
+// a tensor dim) are in gshard/tensor_collectives.hpp.
 #pragma once
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// gshard/einsum_plan.hpp — GShard's partitioning rules for an einsum, per
+// gshard/einsum_sharding.hpp — GShard's partitioning rules for an einsum, per
 // mesh axis, at compile time: from the operands' shardings, the local slices
 // (free: no communication), the natural output sharding, and the errors for
 // combinations the rules do not cover. Knows nothing of MPI.
@@ -17,7 +17,7 @@
 #include <cstdint>
 
 #include "gshard/einsum_spec.hpp"
-#include "gshard/sharding.hpp"
+#include "gshard/detail/rlayout.hpp"
 
 namespace gshard::detail {
 

@@ -13,8 +13,43 @@
 
 #include "gshard/einsum.hpp"
 #include "gshard/ops.hpp"
+#include "gshard/reshard.hpp"
 
 namespace gshard {
+
+namespace detail {
+template <class S>
+struct gradient_spec {  // S without its pending sums
+  static constexpr layout_spec value = [] {
+    layout_spec g = S::spec;
+    g.npartial = 0;
+    for (name_t& a : g.partial) a = name_t{};
+    return g;
+  }();
+};
+}  // namespace detail
+
+// The sharding of the gradient of a tensor sharded S: S without its pending
+// sums. A summand's gradient is the gradient of the sum, the same on every
+// rank along those axes — so there it is replicated.
+template <class S>
+using gradient_sharding =
+    GSHARD_LAYOUT_OF(detail::gradient_spec<S>::value);
+
+// The gradient of x for y = reshard<To>(x), given y's gradient dy — reduced
+// (in To's gradient sharding) or still pending (partial over axes where y is
+// replicated, e.g. straight from an einsum's backward). It comes back in
+// gradient_sharding<From> with the forward's collectives transposed:
+// all_to_all <-> the reverse all_to_all, all_reduce <-> nothing (or an
+// all_reduce of a pending dy), a local slice <-> all_gather, and all_gather
+// <-> a local slice when dy is reduced or one reduce_scatter when it is
+// pending (the cheaper way: keep dy partial).
+template <class From, class DY>
+  requires sharded_tensor<DY>
+auto reshard_backward(DY&& dy) {
+  return reshard<gradient_sharding<From>>(std::forward<DY>(dy));
+}
+
 namespace detail {
 
 template <class X>
@@ -119,14 +154,14 @@ struct kept_layout {
     return l;
   }();
   static constexpr layout_spec spec = unresolve(value, Mesh::names);
-  using type = layout<text_of<render(spec).n>(spec)>;
+  using type = GSHARD_LAYOUT_OF(spec);
   static constexpr rlayout full = [] {  // A's gradient layout with the same pending sums
     rlayout l = ga;
     l.partial = value.partial;
     return l;
   }();
   static constexpr layout_spec full_spec = unresolve(full, Mesh::names);
-  using full_type = layout<text_of<render(full_spec).n>(full_spec)>;
+  using full_type = GSHARD_LAYOUT_OF(full_spec);
 };
 
 // The gradient contribution to operand K (type XA, global extents `ea`) of

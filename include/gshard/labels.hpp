@@ -188,7 +188,7 @@ template <class Rules, fixed_string Term>
 struct sharding_by_impl {
   static constexpr spec_result r = apply_rules(Rules::table, Term.view());
   static_assert(check_rules_on_term<Term, to_fixed<Rules::text.size()>(Rules::text), r.error>::ok);
-  using type = layout<text_of<render(r.spec).n>(r.spec)>;
+  using type = GSHARD_LAYOUT_OF(r.spec);
 };
 }  // namespace detail
 

@@ -39,7 +39,7 @@ struct reduced {
   }();
   static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
   using type = tensor<typename X::value_type, ok ? X::rank - 1 : 0, typename X::mesh_type,
-                      layout<text_of<render(spec).n>(spec)>>;
+                      GSHARD_LAYOUT_OF(spec)>;
 };
 
 // This rank's shard of x seen as [outer, n, inner] around dim Dim: element

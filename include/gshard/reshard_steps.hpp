@@ -1,4 +1,4 @@
-// gshard/reshard_plan.hpp — plans a change of sharding as a short sequence of
+// gshard/reshard_steps.hpp — plans a change of sharding as a short sequence of
 // single-axis steps, each one collective or one local slice. The planner is
 // constexpr: reshard<Target> computes its plan at compile time, tests can also
 // run it on layouts built at run time. Knows nothing of MPI.
@@ -19,7 +19,7 @@
 #include <string>
 
 #include "gshard/counters.hpp"
-#include "gshard/sharding.hpp"
+#include "gshard/detail/rlayout.hpp"
 
 namespace gshard {
 

@@ -1,7 +1,11 @@
 // gshard/sharding.hpp — shardings as types: split, replicate, partial.
 // A sharding says, per tensor dim, which mesh axes split it (major to minor),
 // and which axes hold pending sums. Equal shardings are the same type, so
-// std::is_same_v means semantic equality. Knows nothing of MPI.
+// std::is_same_v means semantic equality. Here: the parts, the value form
+// (layout_spec), and the canonical text that names the type. The same
+// sharding resolved to a mesh's axis indices is detail/rlayout.hpp, where
+// its shards lie detail/shard_geometry.hpp, its printed form notation.hpp.
+// Knows nothing of MPI.
 #pragma once
 
 #include <array>
@@ -271,17 +275,24 @@ struct layout {
 
 namespace detail {
 
-// The layout type of a spec held in a constexpr variable:
-//   constexpr layout_spec s = ...;  using L = layout<detail::text_of<detail::render(s).n>(s)>;
-// written out where it is used. The alias `template <layout_spec S> using
-// layout_of = layout<text_of<render(S).n>(S)>` would fold the idiom, but
-// GCC 12 mis-resolves it: tried, the trainer's einsums saw their operands
-// replicated (a layout_spec as a template argument compares wrongly there,
-// though a small test of it passes).
+// The canonical text of a spec as a template argument (Len: its length).
 template <std::size_t Len>
 consteval fixed_string<Len + 1> text_of(const layout_spec& s) {
   return to_fixed<Len>(render(s).view());
 }
+
+}  // namespace detail
+
+// The layout type of a spec held in a constant (a constexpr variable or a
+// static constexpr member): `using L = GSHARD_LAYOUT_OF(spec);`. A macro,
+// because the alias `template <layout_spec S> using layout_of =
+// layout<text_of<render(S).n>(S)>` is what GCC 12 mis-resolves: tried, the
+// trainer's einsums saw their operands replicated (a layout_spec as a
+// template argument compares wrongly there, though a small test of it
+// passes). The macro only spells the spec-to-text step once.
+#define GSHARD_LAYOUT_OF(spec) ::gshard::layout<::gshard::detail::text_of<::gshard::detail::render(spec).n>(spec)>
+
+namespace detail {
 
 template <class... Parts>
 struct make_sharding {
@@ -306,7 +317,7 @@ struct make_sharding {
   static_assert(r.error != spec_error::bad_mesh_split_string,
                 "gshard::sharding: mesh_split<> has an empty axis name; use \"\" for a replicated dim and \"a,b\" for several axes");
   static_assert(r.error != spec_error::too_many_axes, "gshard::sharding: more than gshard::max_mesh_axes axes");
-  using type = layout<text_of<render(r.spec).n>(r.spec)>;
+  using type = GSHARD_LAYOUT_OF(r.spec);
 };
 
 template <class T>
@@ -325,182 +336,5 @@ using replicate = layout<"">;
 
 template <class S>
 concept sharding_type = detail::is_layout<S>::value;
-
-// ---------------------------------------------------------------------------
-// Resolved layouts: the same facts with mesh-axis indices, for the planners.
-namespace detail {
-
-struct rdim {
-  int n = 0;
-  std::int8_t ax[max_mesh_axes]{};  // mesh axis indices, major to minor
-  friend constexpr bool operator==(const rdim&, const rdim&) = default;
-};
-
-// a's axes are the first of b's (a dim split over a can be sliced on to b).
-constexpr bool is_prefix(const rdim& a, const rdim& b) {
-  if (a.n > b.n) return false;
-  for (int i = 0; i < a.n; ++i)
-    if (a.ax[i] != b.ax[i]) return false;
-  return true;
-}
-
-struct rlayout {
-  rdim dims[max_rank]{};
-  std::uint32_t partial = 0;  // bit a set: axis a is partial
-
-  friend constexpr bool operator==(const rlayout&, const rlayout&) = default;
-
-  constexpr int dim_of(int axis) const {
-    for (int d = 0; d < max_rank; ++d)
-      for (int i = 0; i < dims[d].n; ++i)
-        if (dims[d].ax[i] == axis) return d;
-    return -1;
-  }
-  constexpr bool is_partial(int axis) const { return (partial >> axis) & 1u; }
-  // Appends `axis` as the minor-most axis of dim d / removes d's minor-most axis.
-  constexpr void push(int d, int axis) { dims[d].ax[dims[d].n++] = std::int8_t(axis); }
-  constexpr void pop(int d) { dims[d].ax[--dims[d].n] = 0; }  // cleared, so layouts compare whole
-  constexpr bool is_free(int axis) const { return dim_of(axis) < 0 && !is_partial(axis); }
-  constexpr std::uint32_t used_mask() const {
-    std::uint32_t m = partial;
-    for (const rdim& d : dims)
-      for (int i = 0; i < d.n; ++i) m |= 1u << d.ax[i];
-    return m;
-  }
-  constexpr std::uint32_t split_mask() const { return used_mask() & ~partial; }
-};
-
-// The mesh axes splitting one dim, as a bit mask.
-constexpr std::uint32_t axis_set(const rdim& d) {
-  std::uint32_t m = 0;
-  for (int i = 0; i < d.n; ++i) m |= 1u << d.ax[i];
-  return m;
-}
-
-struct resolve_result {
-  rlayout layout{};
-  bool ok = true;
-  name_t unknown{};  // the first axis name not in the mesh
-};
-
-// Maps the axis names of `s` onto the indices of `names` (a mesh's axes).
-template <std::size_t NAxes>
-constexpr resolve_result resolve(const layout_spec& s, const std::array<name_t, NAxes>& names) {
-  resolve_result r;
-  auto index_of = [&](const name_t& n) -> int {
-    for (std::size_t i = 0; i < NAxes; ++i)
-      if (names[i] == n) return int(i);
-    return -1;
-  };
-  for (int d = 0; d < max_rank; ++d) {
-    for (int i = 0; i < s.dims[d].n; ++i) {
-      const int a = index_of(s.dims[d].axes[i]);
-      if (a < 0) { r.ok = false; r.unknown = s.dims[d].axes[i]; return r; }
-      r.layout.dims[d].ax[i] = std::int8_t(a);
-    }
-    r.layout.dims[d].n = s.dims[d].n;
-  }
-  for (int i = 0; i < s.npartial; ++i) {
-    const int a = index_of(s.partial[i]);
-    if (a < 0) { r.ok = false; r.unknown = s.partial[i]; return r; }
-    r.layout.partial |= 1u << a;
-  }
-  return r;
-}
-
-// The inverse of resolve: a name-based spec from a resolved layout.
-template <std::size_t NAxes>
-constexpr layout_spec unresolve(const rlayout& l, const std::array<name_t, NAxes>& names) {
-  spec_result r;
-  for (int d = 0; d < max_rank; ++d) {
-    name_t axes[max_mesh_axes]{};
-    for (int i = 0; i < l.dims[d].n; ++i) axes[i] = names[std::size_t(l.dims[d].ax[i])];
-    if (l.dims[d].n > 0) add_split(r, d, axes, l.dims[d].n);
-  }
-  for (std::size_t a = 0; a < NAxes; ++a)
-    if (l.is_partial(int(a))) add_partial(r, &names[a], 1);
-  return r.spec;
-}
-
-// ---------------------------------------------------------------------------
-// The one place that says where a shard lives. Everything that needs a local
-// extent or a global offset (distribute, reshard, einsum, checkpoints,
-// printing) asks these two functions.
-
-// Number of shards of dim d: the product of the sizes of the axes splitting it.
-constexpr index_t dim_parts(const rlayout& l, int d, const index_t* axis_sizes) {
-  index_t p = 1;
-  for (int i = 0; i < l.dims[d].n; ++i) p *= axis_sizes[l.dims[d].ax[i]];
-  return p;
-}
-
-struct block {
-  index_t offset;
-  index_t extent;
-};
-
-// The slice of dim d (global extent `global`) held by the rank at `coords`:
-// block index = row-major composite of its coordinates on the splitting axes.
-constexpr block dim_block(const rlayout& l, int d, index_t global, const index_t* axis_sizes, const index_t* coords) {
-  index_t idx = 0, parts = 1;
-  for (int i = 0; i < l.dims[d].n; ++i) {
-    const int a = l.dims[d].ax[i];
-    idx = idx * axis_sizes[a] + coords[a];
-    parts *= axis_sizes[a];
-  }
-  const index_t extent = global / parts;
-  return {idx * extent, extent};
-}
-
-// ---------------------------------------------------------------------------
-// Printing: f32[G{data},S,M] partial{expert}.
-
-template <class T>
-constexpr std::string_view dtype_name() {
-  return name_of(element_of<T>());
-}
-
-// `labels` names each dim (an einsum term such as "GSM"); when empty the dims
-// print as their extents if `extents` is given, else as d0, d1, ...
-inline std::string notation(const layout_spec& s, int rank, std::string_view dtype, std::string_view labels = {},
-                            const index_t* extents = nullptr) {
-  std::string out(dtype);
-  out += '[';
-  for (int d = 0; d < rank; ++d) {
-    if (d) out += ',';
-    if (d < int(labels.size())) out += labels[std::size_t(d)];
-    else if (extents) out += std::to_string(extents[d]);
-    else {
-      out += 'd';
-      out += std::to_string(d);
-    }
-    if (d < max_rank && s.dims[d].n > 0) {
-      out += '{';
-      for (int i = 0; i < s.dims[d].n; ++i) {
-        if (i) out += ',';
-        out += s.dims[d].axes[i].view();
-      }
-      out += '}';
-    }
-  }
-  out += ']';
-  if (s.npartial > 0) {
-    out += " partial{";
-    for (int i = 0; i < s.npartial; ++i) {
-      if (i) out += ',';
-      out += s.partial[i].view();
-    }
-    out += '}';
-  }
-  return out;
-}
-
-}  // namespace detail
-
-// The notation of a sharding type, e.g. to_string<sharding<split<0,"data">>>(3, "GSM") == "[G{data},S,M]".
-template <sharding_type S>
-std::string to_string(int rank, std::string_view labels = {}) {
-  return detail::notation(S::spec, rank, "", labels);
-}
 
 }  // namespace gshard

@@ -10,9 +10,12 @@
 #include <utility>
 
 #include "gshard/detail/copy_box.hpp"
+#include "gshard/detail/rlayout.hpp"
+#include "gshard/detail/shard_geometry.hpp"
 #include "gshard/error.hpp"
 #include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
+#include "gshard/notation.hpp"
 #include "gshard/sharding.hpp"
 
 namespace gshard {

@@ -5,6 +5,7 @@
 #include <gshard/einsum.hpp>
 #include <gshard/environment.hpp>
 #include <gshard/reshard.hpp>
+#include <gshard/tensor_collectives.hpp>
 
 #include <cmath>
 #include <iostream>

@@ -31,6 +31,7 @@
 #include "gshard/grad.hpp"
 #include "gshard/ops.hpp"
 #include "gshard/reduce.hpp"
+#include "gshard/tensor_collectives.hpp"
 
 namespace gshard {
 
@@ -76,7 +77,7 @@ struct sum_over_shards {
     return l;
   }();
   static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = tensor<T, R, typename X::mesh_type, layout<text_of<render(spec).n>(spec)>>;
+  using type = tensor<T, R, typename X::mesh_type, GSHARD_LAYOUT_OF(spec)>;
 };
 
 template <fixed_string Spec, class Out, class ZA, class ZB>
@@ -250,7 +251,7 @@ auto reshard(V&& v) {
 }
 
 // The one-collective forms on the tape: the same targets (and checks) as
-// the tensor forms of reshard.hpp, which cannot see var (the tape is a
+// the tensor forms of tensor_collectives.hpp, which cannot see var (the tape is a
 // layer above); reshard of a var records the transposed collective.
 template <fixed_string Axis, class V>
   requires var_type<V>

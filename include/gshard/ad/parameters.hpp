@@ -27,6 +27,7 @@
 #include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/roles.hpp"
+#include "gshard/tensor_collectives.hpp"
 
 namespace gshard {
 

@@ -42,6 +42,7 @@
 
 #include "gshard/ad/parameters.hpp"
 #include "gshard/buckets.hpp"
+#include "gshard/grad.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/trace.hpp"
 
@@ -68,7 +69,7 @@ struct pending_layout {
     return l;
   }();
   static constexpr layout_spec spec = unresolve(value, Mesh::names);
-  using type = layout<text_of<render(spec).n>(spec)>;
+  using type = GSHARD_LAYOUT_OF(spec);
 };
 
 // The gradient of one value of type tensor<T, R, Mesh, S>, G = gradient_sharding<S>.

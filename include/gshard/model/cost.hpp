@@ -27,7 +27,7 @@
 #include "gshard/buckets.hpp"
 #include "gshard/einsum_spec.hpp"
 #include "gshard/model/transformer.hpp"
-#include "gshard/reshard_plan.hpp"
+#include "gshard/reshard_steps.hpp"
 
 namespace gshard::model::cost {
 

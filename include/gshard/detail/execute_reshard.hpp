@@ -1,0 +1,194 @@
+// gshard/detail/execute_reshard.hpp — runs a reshard plan (reshard_steps.hpp)
+// on one rank's shard: each step as Pack / Communicate / Unpack, one
+// collective or one local slice. Instantiated per element type and rank only
+// (the plan is a value), so every sharding of a rank-R tensor shares one
+// executor. reshard<>, einsum and the buckets call it.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "gshard/collectives.hpp"
+#include "gshard/detail/copy_box.hpp"
+#include "gshard/detail/shard_geometry.hpp"
+#include "gshard/reshard_steps.hpp"
+#include "gshard/tensor.hpp"
+
+namespace gshard::detail {
+
+template <int Rank>
+index_t product(const shape<Rank>& e, int from = 0, int to = Rank) {
+  index_t p = 1;
+  for (int d = from; d < to; ++d) p *= e[std::size_t(d)];
+  return p;
+}
+
+// The rank whose `from` block is the `to` block of the rank at `coords`
+// (a bijection when permute_suffices(from, to)).
+inline int permute_source(const mesh_base& m, const rlayout& from, const rlayout& to, const index_t* coords) {
+  const index_t* size = m.sizes();
+  index_t src[max_mesh_axes] = {};
+  for (int d = 0; d < max_rank; ++d) {
+    index_t b = 0;
+    for (int i = 0; i < to.dims[d].n; ++i) b = b * size[to.dims[d].ax[i]] + coords[to.dims[d].ax[i]];
+    for (int i = from.dims[d].n - 1; i >= 0; --i) {
+      const int a = from.dims[d].ax[i];
+      src[a] = b % size[a];
+      b /= size[a];
+    }
+  }
+  for (int a = 0; a < m.naxes(); ++a)
+    if (from.is_partial(a)) src[a] = coords[a];
+  // Axes that split nothing: map the position on to's free axes onto from's.
+  index_t u = 0;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (!((to.used_mask() >> a) & 1u)) u = u * size[a] + coords[a];
+  for (int a = m.naxes() - 1; a >= 0; --a)
+    if (!((from.used_mask() >> a) & 1u)) {
+      src[a] = u % size[a];
+      u /= size[a];
+    }
+  return m.rank_of(src);
+}
+
+// Copies piece `j` of `in` along dim d (j-th of `parts` equal pieces) into `out`.
+template <class T, int Rank>
+void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out) {
+  shape<Rank> piece = e, off{}, zero{};
+  piece[std::size_t(d)] = e[std::size_t(d)] / parts;
+  off[std::size_t(d)] = j * piece[std::size_t(d)];
+  copy_box(in, e.data(), off.data(), out, piece.data(), zero.data(), piece.data(), Rank);
+}
+// Copies `piece` into `out` (extents e) at position j along dim d.
+template <class T, int Rank>
+void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, const shape<Rank>& e) {
+  shape<Rank> off{}, zero{};
+  off[std::size_t(d)] = j * pe[std::size_t(d)];
+  copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
+}
+
+// Runs one step; `before` is the layout of `in`, and the result has `after`.
+// One piece: a switch over the step kinds, each case its Pack / Communicate /
+// Unpack in a few lines; split per kind, the cases would repeat the shared
+// geometry (e, the group, the block sizes) six times.
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+                               const local_tensor<T, Rank>& in, const shape<Rank>& global) {
+  const shape<Rank> e = local_extents<Rank>(before, global, m);
+  const shape<Rank> eo = local_extents<Rank>(after, global, m);
+  const std::size_t n = std::size_t(product<Rank>(e));
+  switch (s.kind) {
+    case step_kind::all_gather: {  // (.., d{..,x}, ..) |-> (.., d{..}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      local_tensor<T, Rank> out(eo);
+      if (product<Rank>(e, 0, s.from_dim) == 1) {
+        all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
+        return out;
+      }
+      std::vector<T> recv(n * std::size_t(g.size));  // Communicate
+      all_gather<T>(g, {in.data(), n}, recv);
+      for (int p = 0; p < g.size; ++p) put_piece<T, Rank>(recv.data() + std::size_t(p) * n, e, s.from_dim, p, out.data(), eo);  // Unpack
+      return out;
+    }
+    case step_kind::slice: {  // (.., d{..}, ..) |-> (.., d{..,x}, ..), local
+      local_tensor<T, Rank> out(eo);
+      take_piece<T, Rank>(in.data(), e, s.to_dim, m.size(s.axis), m.coord(s.axis), out.data());
+      return out;
+    }
+    case step_kind::all_to_all: {  // (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      const index_t P = g.size;
+      local_tensor<T, Rank> out(eo);
+      std::vector<T> send_buf, recv_buf;
+      const T* send = in.data();
+      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack: piece j of dim b goes to rank j
+        send_buf.resize(n);
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.data() + std::size_t(j) * (n / std::size_t(P)));
+        send = send_buf.data();
+      }
+      const bool direct = product<Rank>(eo, 0, s.from_dim) == 1;
+      if (!direct) recv_buf.resize(n);
+      T* recv = direct ? out.data() : recv_buf.data();
+      all_to_all<T>(g, {send, n}, {recv, n});  // Communicate
+      if (!direct) {                           // Unpack: the piece from rank i is block i of dim a
+        shape<Rank> pe = e;
+        pe[std::size_t(s.to_dim)] = eo[std::size_t(s.to_dim)];
+        for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, s.from_dim, i, out.data(), eo);
+      }
+      return out;
+    }
+    case step_kind::all_reduce: {  // partial{x} |-> replicated on x
+      local_tensor<T, Rank> out(eo);
+      all_reduce<T>(m.group(s.mask), {in.data(), n}, {out.data(), n});
+      return out;
+    }
+    case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      const index_t P = g.size;
+      local_tensor<T, Rank> out(eo);
+      std::vector<T> send_buf;
+      const T* send = in.data();
+      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack
+        send_buf.resize(n);
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.data() + std::size_t(j) * (n / std::size_t(P)));
+        send = send_buf.data();
+      }
+      reduce_scatter<T>(g, {send, n}, {out.data(), std::size_t(out.size())});  // Communicate
+      return out;
+    }
+    case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
+      local_tensor<T, Rank> out(eo);
+      if (m.coord(s.axis) != 0) out.setZero();
+      else out = in;
+      return out;
+    }
+    case step_kind::permute: {  // same blocks, other ranks
+      const axis_group& g = m.all_axes();
+      const int source = permute_source(m, before, after, m.coords());
+      int dest = -1;
+      for (int q = 0; q < m.nranks() && dest < 0; ++q)
+        if (permute_source(m, before, after, m.coords_of(q).data()) == m.rank()) dest = q;
+      local_tensor<T, Rank> out(eo);
+      permute<T>(g, {in.data(), n}, dest, {out.data(), std::size_t(out.size())}, source);
+      return out;
+    }
+  }
+  return in;
+}
+
+// Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
+// work in place, the other steps write a fresh shard.
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
+                                      const shape<Rank>& global, int first = 0) {
+  for (int i = first; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    if (s.kind == step_kind::all_reduce) {
+      all_reduce<T>(m.group(s.mask), std::span<T>(local.data(), std::size_t(local.size())));
+    } else if (s.kind == step_kind::zero_partial) {
+      if (m.coord(s.axis) != 0) local.setZero();
+    } else {
+      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global);
+    }
+  }
+  return std::move(local);
+}
+
+// Runs a plan on a shard it only reads: the first step writes a fresh shard.
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
+                                      const shape<Rank>& global) {
+  if (p.n == 0) return local;
+  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
+}
+
+// Plans at run time with the mesh's real sizes, then executes: for layouts
+// that exist only at run time (the exhaustive tests).
+template <class T, int Rank>
+local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, const rlayout& to,
+                                      const local_tensor<T, Rank>& local, const shape<Rank>& global) {
+  const reshard_steps p = plan_reshard(from, to, m.naxes(), m.sizes());
+  return execute_reshard<T, Rank>(m, p, local, global);
+}
+
+}  // namespace gshard::detail
