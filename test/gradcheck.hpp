@@ -22,7 +22,7 @@ template <class X>
 double dot(const X& z, const X& r) {
   index_t rep = 1;
   for (int a = 0; a < z.mesh().naxes(); ++a)
-    if (X::layout.is_free(a)) rep *= z.mesh().size(a);
+    if (X::resolved.is_free(a)) rep *= z.mesh().size(a);
   double s = 0;
   for (index_t i = 0; i < z.local().size(); ++i) s += double(z.data()[i]) * double(r.data()[i]);
   return sum_all(s / double(rep));
@@ -38,13 +38,13 @@ double fd_check(X& t, const G& g, F&& f, int probes = 3, double eps = 1e-5) {
   auto holds_shard_of = [&](int q) {  // this rank's shard is rank q's
     const auto c = m.coords_of(q);
     for (int a = 0; a < m.naxes(); ++a)
-      if (!X::layout.is_free(a) && c[std::size_t(a)] != m.coord(a)) return false;
+      if (!X::resolved.is_free(a) && c[std::size_t(a)] != m.coord(a)) return false;
     return true;
   };
   auto representative = [&](int q) {  // rank q is the first holder of its shard
     const auto c = m.coords_of(q);
     for (int a = 0; a < m.naxes(); ++a)
-      if (X::layout.is_free(a) && c[std::size_t(a)] != 0) return false;
+      if (X::resolved.is_free(a) && c[std::size_t(a)] != 0) return false;
     return true;
   };
   double worst = 0;

@@ -230,7 +230,7 @@ TEST_CASE("max, min and sum over a dim: each rank its shard, then the collective
   const auto mn = reduce_min<1>(x);  // dim 1 whole: no collective; [2P{x},3{y}]
   const auto sm = reduce_sum<0>(x);  // dim 0 split: pending sums over x, no collective
   GSHARD_REQUIRE(rec.events().size() == 1);
-  static_assert(decltype(sm)::layout.partial != 0 && decltype(mx)::layout.partial == 0);
+  static_assert(decltype(sm)::resolved.partial != 0 && decltype(mx)::resolved.partial == 0);
   GSHARD_REQUIRE(equal(gather(mx), ref(0, 0)) && equal(gather(mn), ref(1, 1)) && equal(gather(all_reduce<"x">(sm)), ref(0, 2)));
 }
 

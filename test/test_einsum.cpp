@@ -283,7 +283,7 @@ TEST_CASE("typed einsum: GShard's dispatch is one local einsum plus one all_to_a
   ext['G'] = G, ext['S'] = S, ext['E'] = E, ext['C'] = C, ext['M'] = M;
   const auto ref = reference<float, 4, 3, 4>(plan::spec, disp, &x, ext);
   std::string why;
-  GSHARD_REQUIRE_MSG((matches<float, 4>(xe.local(), decltype(xe)::layout, ref, m, 1e-5 * S, why)), why);
+  GSHARD_REQUIRE_MSG((matches<float, 4>(xe.local(), decltype(xe)::resolved, ref, m, 1e-5 * S, why)), why);
 
   // The plan prints the local step with its FLOPs and the collective with its bytes.
   const std::string text = plan_of<"GSEC,GSM->EGCM", by_expert>(d, xs);
@@ -346,12 +346,12 @@ TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter",
     const auto c = einsum<"ij,jk->ik">(A, B);
     static_assert(std::is_same_v<decltype(c)::sharding_type, sharding<partial<"x">>>);
     GSHARD_REQUIRE(rec.events().empty());
-    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::resolved, ref, m, 1e-12 * 3 * double(P), why)), why);
     // Asked for a split output: one reduce_scatter, not all_reduce + slice.
     const auto r = einsum<"ij,jk->ik", rows>(A, B);
     const auto ev = rec.events();
     GSHARD_REQUIRE(ev.size() == 1 && ev[0].kind == collective::reduce_scatter);
-    GSHARD_REQUIRE_MSG((matches<double, 2>(r.local(), decltype(r)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(r.local(), decltype(r)::resolved, ref, m, 1e-12 * 3 * double(P), why)), why);
   }
   // Contracting label split in one, the other replicated: a local slice.
   {
@@ -363,7 +363,7 @@ TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter",
     const auto c = einsum<"ij,jk->ik", replicate>(A, B);
     const auto ev = rec.events();
     GSHARD_REQUIRE(ev.size() == 1 && ev[0].kind == collective::all_reduce);
-    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::resolved, ref, m, 1e-12 * 3 * double(P), why)), why);
     GSHARD_REQUIRE(plan::describe("f64").find("1. slice B over x: j   (local)") != std::string::npos);
   }
   // Free label split: a split output, no communication.
@@ -374,7 +374,7 @@ TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter",
     const auto c = einsum<"ij,jk->ik">(A, B);
     static_assert(std::is_same_v<decltype(c)::sharding_type, rows>);
     GSHARD_REQUIRE(rec.events().empty());
-    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::layout, ref, m, 1e-12 * 3 * double(P), why)), why);
+    GSHARD_REQUIRE_MSG((matches<double, 2>(c.local(), decltype(c)::resolved, ref, m, 1e-12 * 3 * double(P), why)), why);
   }
   // Integers: a transpose, and a product by the plain loop.
   {

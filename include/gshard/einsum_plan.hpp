@@ -28,6 +28,8 @@ struct natural_sharding {};
 namespace detail {
 
 // Names the axis and labels of a sharding combination the rules reject.
+// One static_assert per problem, as every diagnostic here is written
+// (make_sharding, check_axis_role): the message is the diagnostic.
 template <fixed_string Spec, fixed_string Axis, char LabelA, char LabelB, einsum_problem P>
 struct check_einsum_sharding {
   // The spec, axis and labels are in the instantiation the compiler shows.
@@ -102,12 +104,12 @@ struct einsum_plan {
                           detail::axis_name_or_none<Mesh>(sharding.axis)),
                 sharding.label_a, sharding.label_b, sharding.problem>::ok);
 
-  static constexpr detail::layout_spec a_local_spec = detail::unresolve(sharding.in[0], Mesh::names);
-  static constexpr detail::layout_spec b_local_spec = detail::unresolve(sharding.in[1], Mesh::names);
-  static constexpr detail::layout_spec natural_spec = detail::unresolve(sharding.out, Mesh::names);
-  using a_local = GSHARD_LAYOUT_OF(a_local_spec);
-  using b_local = GSHARD_LAYOUT_OF(b_local_spec);
-  using natural = GSHARD_LAYOUT_OF(natural_spec);
+  static constexpr detail::sharding_spec a_local_spec = detail::unresolve(sharding.in[0], Mesh::names);
+  static constexpr detail::sharding_spec b_local_spec = detail::unresolve(sharding.in[1], Mesh::names);
+  static constexpr detail::sharding_spec natural_spec = detail::unresolve(sharding.out, Mesh::names);
+  using a_local = GSHARD_SHARDING_OF(a_local_spec);
+  using b_local = GSHARD_SHARDING_OF(b_local_spec);
+  using natural = GSHARD_SHARDING_OF(natural_spec);
   using out = typename detail::resolve_out<Spec, natural, Out>::type;
 
   using slice_a = reshard_plan<Mesh, rank_a, SA, a_local>;

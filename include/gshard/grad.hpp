@@ -20,8 +20,8 @@ namespace gshard {
 namespace detail {
 template <class S>
 struct gradient_spec {  // S without its pending sums
-  static constexpr layout_spec value = [] {
-    layout_spec g = S::spec;
+  static constexpr sharding_spec value = [] {
+    sharding_spec g = S::spec;
     g.npartial = 0;
     for (name_t& a : g.partial) a = name_t{};
     return g;
@@ -34,7 +34,7 @@ struct gradient_spec {  // S without its pending sums
 // rank along those axes — so there it is replicated.
 template <class S>
 using gradient_sharding =
-    GSHARD_LAYOUT_OF(detail::gradient_spec<S>::value);
+    GSHARD_SHARDING_OF(detail::gradient_spec<S>::value);
 
 // The gradient of x for y = reshard<To>(x), given y's gradient dy — reduced
 // (in To's gradient sharding) or still pending (partial over axes where y is
@@ -59,7 +59,7 @@ using gradient_of = tensor<typename X::value_type, X::rank, typename X::mesh_typ
 // (the gradient holds no pending sums; labels may differ).
 template <class DY, class X>
 constexpr bool same_shards() {
-  rlayout a = DY::layout, b = X::layout;
+  rlayout a = DY::resolved, b = X::resolved;
   a.partial = b.partial = 0;
   return DY::rank == X::rank && a == b && std::is_same_v<typename DY::value_type, typename X::value_type>;
 }
@@ -150,18 +150,18 @@ struct kept_layout {
     int k = 0;
     for (int d = 0; d < int(G::A.size()); ++d)
       if (G::kept(G::A[std::size_t(d)])) l.dims[k++] = ga.dims[d];
-    l.partial = From::layout.partial & ~l.split_mask();
+    l.partial = From::resolved.partial & ~l.split_mask();
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, Mesh::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, Mesh::names);
+  using type = GSHARD_SHARDING_OF(spec);
   static constexpr rlayout full = [] {  // A's gradient layout with the same pending sums
     rlayout l = ga;
     l.partial = value.partial;
     return l;
   }();
-  static constexpr layout_spec full_spec = unresolve(full, Mesh::names);
-  using full_type = GSHARD_LAYOUT_OF(full_spec);
+  static constexpr sharding_spec full_spec = unresolve(full, Mesh::names);
+  using full_type = GSHARD_SHARDING_OF(full_spec);
 };
 
 // The gradient contribution to operand K (type XA, global extents `ea`) of

@@ -79,27 +79,14 @@ struct rule_table {
   }
 };
 
-// "G{data,expert} H{model}": the canonical text that names a rules type.
-struct rules_buffer {
-  char s[max_rules * (4 + max_mesh_axes * (max_name_length + 1))]{};
-  std::size_t n = 0;
-  constexpr void add(std::string_view v) {
-    for (char c : v) s[n++] = c;
-  }
-  constexpr std::string_view view() const { return {s, n}; }
-};
+// "G{data,expert} H{model}": the canonical text that names a rules type
+// (the grammar of sharding.hpp's braced_text).
+using rules_buffer = braced_text<max_rules * (4 + max_mesh_axes * (max_name_length + 1))>;
 constexpr rules_buffer render_rules(const rule_table& t) {
   rules_buffer s;
   for (int i = 0; i < t.n; ++i) {
-    if (i) s.add(" ");
     const char l[2] = {t.rule[i].label, '\0'};
-    s.add(l);
-    s.add("{");
-    for (int a = 0; a < t.rule[i].axes.n; ++a) {
-      if (a) s.add(",");
-      s.add(t.rule[i].axes.axes[a].view());
-    }
-    s.add("}");
+    s.add_group(l, t.rule[i].axes.axes, t.rule[i].axes.n);
   }
   return s;
 }
@@ -107,22 +94,7 @@ constexpr rules_buffer render_rules(const rule_table& t) {
 // The inverse of render_rules (only ever given its output).
 constexpr rule_table parse_rules(std::string_view text) {
   rule_table t;
-  std::size_t i = 0;
-  while (i < text.size()) {
-    if (text[i] == ' ') { ++i; continue; }
-    const char l = text[i];
-    i += 2;  // "G{"
-    name_t axes[max_mesh_axes]{};
-    int n = 0;
-    while (text[i] != '}') {
-      std::size_t j = i;
-      while (text[j] != ',' && text[j] != '}') ++j;
-      axes[n++] = name_t(text.substr(i, j - i));
-      i = text[j] == ',' ? j + 1 : j;
-    }
-    ++i;
-    t.add(l, axes, n);
-  }
+  for_each_group(text, [&](std::string_view key, const name_t* axes, int n) { t.add(key[0], axes, n); });
   return t;
 }
 
@@ -137,7 +109,8 @@ constexpr spec_result apply_rules(const rule_table& t, std::string_view term) {
 
 }  // namespace detail
 
-// The canonical rules type, named by its text: rules_text<"G{data,expert} H{model}">.
+// The canonical rules type, named by its text: rules_text<"G{data,expert} H{model}">
+// (as sharding_text<"..."> names a sharding: sharding.hpp).
 template <fixed_string Text>
 struct rules_text {
   static constexpr detail::rule_table table = detail::parse_rules(Text.view());
@@ -188,7 +161,7 @@ template <class Rules, fixed_string Term>
 struct sharding_by_impl {
   static constexpr spec_result r = apply_rules(Rules::table, Term.view());
   static_assert(check_rules_on_term<Term, to_fixed<Rules::text.size()>(Rules::text), r.error>::ok);
-  using type = GSHARD_LAYOUT_OF(r.spec);
+  using type = GSHARD_SHARDING_OF(r.spec);
 };
 }  // namespace detail
 

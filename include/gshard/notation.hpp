@@ -19,7 +19,7 @@ constexpr std::string_view dtype_name() {
 
 // `labels` names each dim (an einsum term such as "GSM"); when empty the dims
 // print as their extents if `extents` is given, else as d0, d1, ...
-inline std::string notation(const layout_spec& s, int rank, std::string_view dtype, std::string_view labels = {},
+inline std::string notation(const sharding_spec& s, int rank, std::string_view dtype, std::string_view labels = {},
                             const index_t* extents = nullptr) {
   std::string out(dtype);
   out += '[';

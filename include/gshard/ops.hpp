@@ -17,11 +17,11 @@ namespace gshard {
 namespace detail {
 template <class X>
 constexpr bool has_pending_sums() {
-  return X::layout.partial != 0;
+  return X::resolved.partial != 0;
 }
 template <class X>
 constexpr bool last_dim_split() {
-  return X::rank > 0 && X::layout.dims[X::rank - 1].n > 0;
+  return X::rank > 0 && X::resolved.dims[X::rank - 1].n > 0;
 }
 
 // Element-wise functions: y = f(x), and their derivatives f'(x, y) for

@@ -29,17 +29,17 @@ struct reduced {
   static_assert(!has_pending_sums<X>(),
                 "gshard::reduce: the tensor has pending sums; all_reduce or reduce_scatter it first");
   static constexpr bool ok = Dim >= 0 && Dim < X::rank;
-  static constexpr std::uint32_t axes = ok ? axis_set(X::layout.dims[Dim]) : 0;
+  static constexpr std::uint32_t axes = ok ? axis_set(X::resolved.dims[Dim]) : 0;
   static constexpr rlayout value = [] {
     rlayout l{};
     for (int d = 0, o = 0; d < X::rank; ++d)
-      if (d != Dim) l.dims[o++] = X::layout.dims[d];
+      if (d != Dim) l.dims[o++] = X::resolved.dims[d];
     l.partial = Sum ? axes : 0;
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
   using type = tensor<typename X::value_type, ok ? X::rank - 1 : 0, typename X::mesh_type,
-                      GSHARD_LAYOUT_OF(spec)>;
+                      GSHARD_SHARDING_OF(spec)>;
 };
 
 // This rank's shard of x seen as [outer, n, inner] around dim Dim: element

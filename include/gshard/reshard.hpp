@@ -45,7 +45,7 @@ auto reshard(X&& x) {
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
   // Before any collective: a target that does not divide throws the same on every rank.
-  detail::check_divisible<Y::rank>(out_t::layout, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
+  detail::check_divisible<Y::rank>(out_t::resolved, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {

@@ -2,7 +2,7 @@
 // A sharding says, per tensor dim, which mesh axes split it (major to minor),
 // and which axes hold pending sums. Equal shardings are the same type, so
 // std::is_same_v means semantic equality. Here: the parts, the value form
-// (layout_spec), and the canonical text that names the type. The same
+// (sharding_spec), and the canonical text that names the type. The same
 // sharding resolved to a mesh's axis indices is detail/rlayout.hpp, where
 // its shards lie detail/shard_geometry.hpp, its printed form notation.hpp.
 // Knows nothing of MPI.
@@ -46,7 +46,7 @@ struct mesh_split {
 namespace detail {
 
 // The canonical, name-based form of a sharding. Types carry it as text
-// (layout<"0{data}">); constexpr code works on this form.
+// (sharding_text<"0{data}">); constexpr code works on this form.
 struct dim_axes {
   int n = 0;
   name_t axes[max_mesh_axes]{};
@@ -54,12 +54,12 @@ struct dim_axes {
   friend constexpr bool operator==(const dim_axes&, const dim_axes&) = default;
 };
 
-struct layout_spec {
+struct sharding_spec {
   dim_axes dims[max_rank]{};
   int npartial = 0;
   name_t partial[max_mesh_axes]{};  // sorted by name: canonical
 
-  friend constexpr bool operator==(const layout_spec&, const layout_spec&) = default;
+  friend constexpr bool operator==(const sharding_spec&, const sharding_spec&) = default;
 
   // Highest dim that is split, or -1 when no dim is.
   constexpr int max_split_dim() const {
@@ -96,7 +96,7 @@ enum class spec_error : std::uint8_t {
 };
 
 struct spec_result {
-  layout_spec spec{};
+  sharding_spec spec{};
   spec_error error = spec_error::none;
   int dim = -1;
   name_t axis{};
@@ -193,83 +193,90 @@ consteval spec_result make_spec() {
 template <class Part>
 concept sharding_part = requires(spec_result& r) { part_traits<Part>::apply(r); };
 
-// The canonical text of a spec, e.g. "0{data,expert} 2{model} partial{x}";
-// "" for replicate. It names the sharding type: layout<"0{data}">.
-struct spec_text {
-  char s[max_rank * (4 + max_mesh_axes * (max_name_length + 1)) + 16 + max_mesh_axes * (max_name_length + 1)]{};
+// The canonical texts that name types share one grammar: groups
+// `key{axis,axis}` separated by spaces — a sharding's "0{data,expert}
+// partial{x}", a rules table's "G{data} H{model}" (labels.hpp). Written
+// into a fixed buffer of N chars (constexpr) and read back here.
+template <std::size_t N>
+struct braced_text {
+  char s[N]{};
   std::size_t n = 0;
   constexpr void add(std::string_view v) {
     for (char c : v) s[n++] = c;
   }
+  constexpr void add_group(std::string_view key, const name_t* axes, int count) {
+    if (n) add(" ");
+    add(key);
+    add("{");
+    for (int i = 0; i < count; ++i) {
+      if (i) add(",");
+      add(axes[i].view());
+    }
+    add("}");
+  }
   constexpr std::string_view view() const { return {s, n}; }
 };
 
-constexpr spec_text render(const layout_spec& spec) {
+// Calls f(key, axes, count) for each group of a braced_text, in order (only
+// ever given text braced_text wrote).
+template <class F>
+constexpr void for_each_group(std::string_view text, F f) {
+  std::size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == ' ') {
+      ++i;
+      continue;
+    }
+    const std::size_t open = text.find('{', i);
+    const std::string_view key = text.substr(i, open - i);
+    i = open + 1;
+    name_t axes[max_mesh_axes]{};
+    int count = 0;
+    while (text[i] != '}') {
+      std::size_t j = i;
+      while (text[j] != ',' && text[j] != '}') ++j;
+      axes[count++] = name_t(text.substr(i, j - i));
+      i = text[j] == ',' ? j + 1 : j;
+    }
+    ++i;
+    f(key, static_cast<const name_t*>(axes), count);
+  }
+}
+
+// The canonical text of a spec, e.g. "0{data,expert} 2{model} partial{x}";
+// "" for replicate. It names the sharding type: sharding_text<"0{data}">.
+static_assert(max_rank <= 10, "gshard: a dim's key in the canonical text is one digit");
+using spec_text =
+    braced_text<max_rank * (4 + max_mesh_axes * (max_name_length + 1)) + 16 + max_mesh_axes * (max_name_length + 1)>;
+
+constexpr spec_text render(const sharding_spec& spec) {
   spec_text t;
-  for (int d = 0; d < max_rank; ++d) {
-    if (spec.dims[d].n == 0) continue;
-    if (t.n) t.add(" ");
-    if (d >= 10) t.add("?");
-    const char digit[2] = {char('0' + d % 10), '\0'};
-    t.add(digit);
-    t.add("{");
-    for (int i = 0; i < spec.dims[d].n; ++i) {
-      if (i) t.add(",");
-      t.add(spec.dims[d].axes[i].view());
+  for (int d = 0; d < max_rank; ++d)
+    if (spec.dims[d].n > 0) {
+      const char digit[2] = {char('0' + d), '\0'};
+      t.add_group(digit, spec.dims[d].axes, spec.dims[d].n);
     }
-    t.add("}");
-  }
-  if (spec.npartial) {
-    if (t.n) t.add(" ");
-    t.add("partial{");
-    for (int i = 0; i < spec.npartial; ++i) {
-      if (i) t.add(",");
-      t.add(spec.partial[i].view());
-    }
-    t.add("}");
-  }
+  if (spec.npartial) t.add_group("partial", spec.partial, spec.npartial);
   return t;
 }
 
 // The inverse of render (only ever given render's output).
-constexpr layout_spec parse(std::string_view text) {
+constexpr sharding_spec parse(std::string_view text) {
   spec_result r;
-  std::size_t i = 0;
-  auto names = [&](name_t* out) {  // reads "a,b}" after a '{'
-    int n = 0;
-    while (text[i] != '}') {
-      std::size_t j = i;
-      while (text[j] != ',' && text[j] != '}') ++j;
-      out[n++] = name_t(text.substr(i, j - i));
-      i = text[j] == ',' ? j + 1 : j;
-    }
-    ++i;
-    return n;
-  };
-  while (i < text.size()) {
-    if (text[i] == ' ') { ++i; continue; }
-    name_t axes[max_mesh_axes]{};
-    if (text[i] == 'p') {
-      i += 8;  // "partial{"
-      const int n = names(axes);
-      add_partial(r, axes, n);
-    } else {
-      const int d = text[i] - '0';
-      i += 2;  // "d{"
-      const int n = names(axes);
-      add_split(r, d, axes, n);
-    }
-  }
+  for_each_group(text, [&](std::string_view key, const name_t* axes, int n) {
+    if (key == "partial") add_partial(r, axes, n);
+    else add_split(r, key[0] - '0', axes, n);
+  });
   return r.spec;
 }
 
 }  // namespace detail
 
 // The canonical type of a sharding, named by its canonical text. Write it as
-// sharding<...> or replicate; errors show it as layout<"0{data} partial{x}">.
+// sharding<...> or replicate; errors show it as sharding_text<"0{data} partial{x}">.
 template <fixed_string Text>
-struct layout {
-  static constexpr detail::layout_spec spec = detail::parse(Text.view());
+struct sharding_text {
+  static constexpr detail::sharding_spec spec = detail::parse(Text.view());
   static constexpr std::string_view text = Text.view();
 };
 
@@ -277,20 +284,21 @@ namespace detail {
 
 // The canonical text of a spec as a template argument (Len: its length).
 template <std::size_t Len>
-consteval fixed_string<Len + 1> text_of(const layout_spec& s) {
+consteval fixed_string<Len + 1> text_of(const sharding_spec& s) {
   return to_fixed<Len>(render(s).view());
 }
 
 }  // namespace detail
 
-// The layout type of a spec held in a constant (a constexpr variable or a
-// static constexpr member): `using L = GSHARD_LAYOUT_OF(spec);`. A macro,
-// because the alias `template <layout_spec S> using layout_of =
-// layout<text_of<render(S).n>(S)>` is what GCC 12 mis-resolves: tried, the
-// trainer's einsums saw their operands replicated (a layout_spec as a
-// template argument compares wrongly there, though a small test of it
-// passes). The macro only spells the spec-to-text step once.
-#define GSHARD_LAYOUT_OF(spec) ::gshard::layout<::gshard::detail::text_of<::gshard::detail::render(spec).n>(spec)>
+// The sharding type of a spec held in a constant (a constexpr variable or
+// a static constexpr member): `using S = GSHARD_SHARDING_OF(spec);`. A
+// macro, because the alias `template <sharding_spec S> using sharding_of =
+// sharding_text<text_of<render(S).n>(S)>` is what GCC 12 mis-resolves:
+// tried, the trainer's einsums saw their operands replicated (a
+// sharding_spec as a template argument compares wrongly there, though a
+// small test of it passes). The macro only spells the spec-to-text step once.
+#define GSHARD_SHARDING_OF(spec) \
+  ::gshard::sharding_text<::gshard::detail::text_of<::gshard::detail::render(spec).n>(spec)>
 
 namespace detail {
 
@@ -317,13 +325,13 @@ struct make_sharding {
   static_assert(r.error != spec_error::bad_mesh_split_string,
                 "gshard::sharding: mesh_split<> has an empty axis name; use \"\" for a replicated dim and \"a,b\" for several axes");
   static_assert(r.error != spec_error::too_many_axes, "gshard::sharding: more than gshard::max_mesh_axes axes");
-  using type = GSHARD_LAYOUT_OF(r.spec);
+  using type = GSHARD_SHARDING_OF(r.spec);
 };
 
 template <class T>
-struct is_layout : std::false_type {};
+struct is_sharding_text : std::false_type {};
 template <fixed_string S>
-struct is_layout<layout<S>> : std::true_type {};
+struct is_sharding_text<sharding_text<S>> : std::true_type {};
 
 }  // namespace detail
 
@@ -332,9 +340,9 @@ template <class... Parts>
 using sharding = typename detail::make_sharding<Parts...>::type;
 
 // Every dim replicated on every axis, no pending sums.
-using replicate = layout<"">;
+using replicate = sharding_text<"">;
 
 template <class S>
-concept sharding_type = detail::is_layout<S>::value;
+concept sharding_type = detail::is_sharding_text<S>::value;
 
 }  // namespace gshard

@@ -104,7 +104,7 @@ std::string extents_string(const Extents& e) {
 
 // Every split dim divisible by its number of shards; the same error on every rank otherwise.
 template <int Rank>
-GSHARD_NOINLINE void check_divisible(const rlayout& l, const layout_spec& spec, const shape<Rank>& global, const mesh_base& m,
+GSHARD_NOINLINE void check_divisible(const rlayout& l, const sharding_spec& spec, const shape<Rank>& global, const mesh_base& m,
                      std::string_view dtype, std::string_view labels = {}) {
   for (int d = 0; d < Rank; ++d) {
     const index_t parts = dim_parts(l, d, m.sizes());
@@ -142,7 +142,9 @@ class tensor {
   static constexpr int rank = Rank;
   static constexpr auto label_string = Labels;           // fixed_string, "" when unlabelled
   static constexpr std::string_view labels = Labels.view();
-  static constexpr detail::rlayout layout = detail::bind_layout<Mesh, Rank, Sharding>::value;
+  // The sharding resolved to Mesh's axis indices (detail/rlayout.hpp): what
+  // the planners and the shard geometry compute on.
+  static constexpr detail::rlayout resolved = detail::bind_layout<Mesh, Rank, Sharding>::value;
   static_assert(detail::check_static_extents<Mesh, Rank, Sharding, StaticExtents...>());
 
   // Zero-filled shards of a tensor of global `extents`.
@@ -177,9 +179,9 @@ class tensor {
   T* data() { return local_.data(); }
   const T* data() const { return local_.data(); }
 
-  extents_type local_extents() const { return detail::local_extents<Rank>(layout, extents_, *mesh_); }
+  extents_type local_extents() const { return detail::local_extents<Rank>(resolved, extents_, *mesh_); }
   // Global index of this shard's first element along each dim.
-  extents_type offsets() const { return detail::global_offsets<Rank>(layout, extents_, *mesh_); }
+  extents_type offsets() const { return detail::global_offsets<Rank>(resolved, extents_, *mesh_); }
 
   // "f32[8{data},16,512]"; with labels (the type's, or these) "f32[G{data},S,M]".
   std::string notation(std::string_view names = {}) const {
@@ -196,7 +198,7 @@ class tensor {
                             std::to_string(fixed[std::size_t(d)]) + " but was given " +
                             std::to_string(extents_[std::size_t(d)]));
     }
-    detail::check_divisible<Rank>(layout, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>(), labels);
+    detail::check_divisible<Rank>(resolved, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>(), labels);
   }
 
   [[noreturn]] GSHARD_NOINLINE void wrong_shard(const extents_type& want) const {
@@ -284,7 +286,7 @@ auto distribute(const Mesh& m, const local_tensor<T, Rank>& global) {
   out_t out(m, g);
   bool zero = false;
   for (int a = 0; a < m.naxes(); ++a)
-    if (out_t::layout.is_partial(a) && m.coord(a) != 0) zero = true;
+    if (out_t::resolved.is_partial(a) && m.coord(a) != 0) zero = true;
   if (zero || out.local().size() == 0) return out;
   const shape<Rank> le = out.local_extents(), off = out.offsets();
   const shape<Rank> zero_off{};

@@ -21,7 +21,7 @@ namespace gshard {
 
 namespace detail {
 template <class Mesh>
-consteval layout_spec spec_of(const rlayout& l) { return unresolve(l, Mesh::names); }
+consteval sharding_spec spec_of(const rlayout& l) { return unresolve(l, Mesh::names); }
 
 template <sharded_tensor X, step_kind K, class Target>
 constexpr bool is_single_step() {
@@ -40,77 +40,80 @@ template <class X, fixed_string Axis>
 struct all_reduce_target {
   static constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_reduce: the axis is not in the tensor's mesh");
-  static_assert(a < 0 || X::layout.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
-  static constexpr bool ok = a >= 0 && X::layout.is_partial(a);
+  static_assert(a < 0 || X::resolved.is_partial(a), "gshard::all_reduce: the tensor is not partial over this axis");
+  static constexpr bool ok = a >= 0 && X::resolved.is_partial(a);
   static constexpr rlayout value = [] {
-    rlayout l = X::layout;
+    rlayout l = X::resolved;
     if (ok) l.partial &= ~(1u << a);
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
+  using type = GSHARD_SHARDING_OF(spec);
   static_assert(!ok || is_single_step<X, step_kind::all_reduce, type>());
 };
 template <class X, fixed_string Axis>
 struct all_gather_target {
   static constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_gather: the axis is not in the tensor's mesh");
-  static constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static constexpr int d = a < 0 ? -1 : X::resolved.dim_of(a);
   static_assert(a < 0 || d >= 0, "gshard::all_gather: the axis splits no dim of the tensor");
-  static_assert(d < 0 || minor_axis(X::layout, d) == a,
+  static_assert(d < 0 || minor_axis(X::resolved, d) == a,
                 "gshard::all_gather: the axis is not the minor-most axis of its dim; gather the minor axes first");
-  static constexpr bool ok = d >= 0 && minor_axis(X::layout, d) == a;
+  static constexpr bool ok = d >= 0 && minor_axis(X::resolved, d) == a;
   static constexpr rlayout value = [] {
-    rlayout l = X::layout;
+    rlayout l = X::resolved;
     if (ok) l.pop(d);
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
+  using type = GSHARD_SHARDING_OF(spec);
   static_assert(!ok || is_single_step<X, step_kind::all_gather, type>());
 };
 template <class X, fixed_string Axis, int Dim>
 struct reduce_scatter_target {
   static constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::reduce_scatter: the axis is not in the tensor's mesh");
-  static_assert(a < 0 || X::layout.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
+  static_assert(a < 0 || X::resolved.is_partial(a), "gshard::reduce_scatter: the tensor is not partial over this axis");
   static_assert(Dim >= 0 && Dim < X::rank, "gshard::reduce_scatter: the dim is out of range");
-  static constexpr bool ok = a >= 0 && X::layout.is_partial(a) && Dim >= 0 && Dim < X::rank;
+  static constexpr bool ok = a >= 0 && X::resolved.is_partial(a) && Dim >= 0 && Dim < X::rank;
   static constexpr rlayout value = [] {
-    rlayout l = X::layout;
+    rlayout l = X::resolved;
     if (ok) {
       l.partial &= ~(1u << a);
       l.push(Dim, a);
     }
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
+  using type = GSHARD_SHARDING_OF(spec);
   static_assert(!ok || is_single_step<X, step_kind::reduce_scatter, type>());
 };
 template <class X, fixed_string Axis, int Dim>
 struct all_to_all_target {
   static constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::all_to_all: the axis is not in the tensor's mesh");
-  static constexpr int d = a < 0 ? -1 : X::layout.dim_of(a);
+  static constexpr int d = a < 0 ? -1 : X::resolved.dim_of(a);
   static_assert(a < 0 || d >= 0, "gshard::all_to_all: the axis splits no dim of the tensor");
   static_assert(d < 0 || (Dim >= 0 && Dim < X::rank && Dim != d),
                 "gshard::all_to_all: the target dim is out of range or already split by the axis");
-  static_assert(d < 0 || minor_axis(X::layout, d) == a, "gshard::all_to_all: the axis is not the minor-most axis of its dim");
-  static constexpr bool ok = d >= 0 && Dim >= 0 && Dim < X::rank && Dim != d && minor_axis(X::layout, d) == a;
+  static_assert(d < 0 || minor_axis(X::resolved, d) == a, "gshard::all_to_all: the axis is not the minor-most axis of its dim");
+  static constexpr bool ok = d >= 0 && Dim >= 0 && Dim < X::rank && Dim != d && minor_axis(X::resolved, d) == a;
   static constexpr rlayout value = [] {
-    rlayout l = X::layout;
+    rlayout l = X::resolved;
     if (ok) {
       l.pop(d);
       l.push(Dim, a);
     }
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
+  using type = GSHARD_SHARDING_OF(spec);
   static_assert(!ok || is_single_step<X, step_kind::all_to_all, type>());
 };
 }  // namespace detail
+
+// The same four forms on a var are in ad/ops.hpp, on these targets: a
+// deliberate parallel (this layer cannot see var).
 
 // partial{Axis} |-> replicated on Axis: one all_reduce.
 template <fixed_string Axis, class Xr>
@@ -148,7 +151,7 @@ template <fixed_string Axis, sharded_tensor X>
 X broadcast(const X& x, int root = 0) {
   constexpr int a = X::mesh_type::index_of(Axis.view());
   static_assert(a >= 0, "gshard::broadcast: the axis is not in the tensor's mesh");
-  static_assert(a < 0 || X::layout.is_free(a),
+  static_assert(a < 0 || X::resolved.is_free(a),
                 "gshard::broadcast: the axis splits the tensor or holds its pending sums; broadcasting would give every "
                 "rank the root's block under a type that says otherwise");
   X out = x;
@@ -209,12 +212,12 @@ local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int roo
   using T = typename X::value_type;
   constexpr int R = X::rank;
   constexpr detail::rlayout settled = [] {
-    detail::rlayout l = X::layout;
+    detail::rlayout l = X::resolved;
     l.partial = 0;
     return l;
   }();
-  constexpr detail::layout_spec settled_spec = detail::spec_of<typename X::mesh_type>(settled);
-  const auto y = reshard<GSHARD_LAYOUT_OF(settled_spec)>(x);
+  constexpr detail::sharding_spec settled_spec = detail::spec_of<typename X::mesh_type>(settled);
+  const auto y = reshard<GSHARD_SHARDING_OF(settled_spec)>(x);
   const detail::mesh_base& m = x.mesh();
   const auto owner = [&](const std::vector<index_t>& c) {
     for (int a = 0; a < m.naxes(); ++a)
@@ -247,7 +250,7 @@ local_tensor<typename X::value_type, X::rank> gather_to_root(const X& x, int roo
 template <class Sharding, mesh_type Mesh, class T, int Rank>
 tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Rank>& global, int root = 0) {
   using out_t = tensor<T, Rank, Mesh, Sharding>;
-  constexpr detail::rlayout L = out_t::layout;
+  constexpr detail::rlayout L = out_t::resolved;
   shape<Rank> g = detail::dims_of<Rank>(global);
   const detail::timed_collective timed(collective::scatter, m.all_axes(),
                                        m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0,

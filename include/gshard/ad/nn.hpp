@@ -41,7 +41,7 @@ auto embedding(tape& t, const Tok& tokens, const P& table_in) {
   using XT = detail::tensor_of<decltype(table)>;
   using T = typename XT::value_type;
   using Mesh = typename XT::mesh_type;
-  static_assert(XT::rank == 2 && XT::layout == detail::rlayout{}, "gshard::embedding: the table [V, M] is replicated");
+  static_assert(XT::rank == 2 && XT::resolved == detail::rlayout{}, "gshard::embedding: the table [V, M] is replicated");
   constexpr auto labels = [] {
     if constexpr (Tok::labels.size() == 2 && XT::labels.size() == 2) {
       fixed_string<4> l;
@@ -88,14 +88,14 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
   constexpr int R = X::rank;
-  static_assert(R >= 1 && X::layout.dims[R - 1].n == 0,
+  static_assert(R >= 1 && X::resolved.dims[R - 1].n == 0,
                 "gshard::cross_entropy: the class dim (the last) is split; it must be whole on each rank");
   static_assert(!detail::has_pending_sums<X>(), "gshard::cross_entropy: the logits have pending sums; all_reduce them first");
   static_assert(std::is_same_v<typename Tgt::value_type, std::int32_t> && Tgt::rank == R - 1,
                 "gshard::cross_entropy: the targets are an int32 tensor of the logits' dims but the last");
   static_assert([] {
-    detail::rlayout a = X::layout;
-    return a == Tgt::layout;
+    detail::rlayout a = X::resolved;
+    return a == Tgt::resolved;
   }(), "gshard::cross_entropy: the targets are not sharded like the logits' rows");
   const var<X> logits = logits_in;
   tape& t = logits.on_tape();

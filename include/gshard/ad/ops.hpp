@@ -73,11 +73,11 @@ template <class X, int R, class T = typename X::value_type>
 struct sum_over_shards {
   static constexpr rlayout value = [] {
     rlayout l{};
-    l.partial = X::layout.split_mask();
+    l.partial = X::resolved.split_mask();
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, X::mesh_type::names);
-  using type = tensor<T, R, typename X::mesh_type, GSHARD_LAYOUT_OF(spec)>;
+  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
+  using type = tensor<T, R, typename X::mesh_type, GSHARD_SHARDING_OF(spec)>;
 };
 
 template <fixed_string Spec, class Out, class ZA, class ZB>
@@ -444,7 +444,7 @@ auto causal_mask(V&& x) {
   using X = detail::tensor_of<V>;
   using T = typename X::value_type;
   static_assert(X::rank >= 2, "gshard::causal_mask: the tensor needs two dims [.., L, T] to mask");
-  static_assert(X::layout.dims[X::rank - 1].n == 0 && X::layout.dims[X::rank - 2].n == 0,
+  static_assert(X::resolved.dims[X::rank - 1].n == 0 && X::resolved.dims[X::rank - 2].n == 0,
                 "gshard::causal_mask: the last two dims are split; the mask needs them whole on each rank");
   static_assert(!detail::has_pending_sums<X>(), "gshard::causal_mask: the tensor has pending sums; all_reduce it first");
   auto apply = [](T* p, const auto& le, T fill) {
@@ -480,7 +480,7 @@ auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
   tape& t = x.on_tape();
   const auto sc = detail::as_var(t, scale_in);
   using XS = detail::tensor_of<decltype(sc)>;
-  static_assert(XS::rank == 1 && XS::layout == detail::rlayout{},
+  static_assert(XS::rank == 1 && XS::resolved == detail::rlayout{},
                 "gshard::rms_norm: the scale is a replicated vector of the last dim's extent");
   const int xs = x.slot(), ss = sc.slot();
   std::shared_ptr<const X> keep_x = x.tracked() || sc.tracked() ? x.shared() : nullptr;

@@ -91,7 +91,7 @@ class set_entry_of final : public set_entry {
     if constexpr (std::is_same_v<T, double>) return {value_.data(), std::size_t(value_.local().size())};
     else return {};
   }
-  index_t replication() const override { return replication_of(X::layout, value_.mesh()); }
+  index_t replication() const override { return replication_of(X::resolved, value_.mesh()); }
   std::string sharding_text() const override { return std::string(X::sharding_type::text); }
   std::unique_ptr<set_entry> zeros(std::string name) const override {
     return std::make_unique<set_entry_of<X>>(std::move(name), X(value_.mesh(), value_.extents()));
@@ -179,8 +179,8 @@ class update_shard final : public sharded_entry {
         extents_(extents),
         layout_(l),
         local_(local_extents<R>(l, extents, m)),
-        to_weight_(plan_reshard(l, X::layout, m.naxes(), m.sizes())),
-        from_weight_(plan_reshard(X::layout, l, m.naxes(), m.sizes())) {
+        to_weight_(plan_reshard(l, X::resolved, m.naxes(), m.sizes())),
+        from_weight_(plan_reshard(X::resolved, l, m.naxes(), m.sizes())) {
     local_.setZero();
   }
 
@@ -406,12 +406,12 @@ class parameters {
   std::size_t declare(std::string name, const typename X::extents_type& extents, initializer init) {
     static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
                   "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
-    static_assert(X::layout.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
+    static_assert(X::resolved.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
     X value(*mesh_, extents);
     if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
     else value.local().setConstant(typename X::value_type(init.value));
     values_.add(name, std::move(value));
-    const auto u = detail::choose_update_layout(X::layout, X::rank, extents.data(), mesh_->sizes(), mesh_->naxes(),
+    const auto u = detail::choose_update_layout(X::resolved, X::rank, extents.data(), mesh_->sizes(), mesh_->naxes(),
                                                 update_axes_);
     if (u.parts == 1) grads_.add(std::move(name), X(*mesh_, extents));
     else grads_.add_entry(std::make_unique<detail::update_shard<X>>(std::move(name), *mesh_, extents, u.layout));

@@ -68,8 +68,8 @@ struct pending_layout {
     l.partial = bind_layout<Mesh, R, C>::value.partial & ~l.split_mask();
     return l;
   }();
-  static constexpr layout_spec spec = unresolve(value, Mesh::names);
-  using type = GSHARD_LAYOUT_OF(spec);
+  static constexpr sharding_spec spec = unresolve(value, Mesh::names);
+  using type = GSHARD_SHARDING_OF(spec);
 };
 
 // The gradient of one value of type tensor<T, R, Mesh, S>, G = gradient_sharding<S>.
@@ -161,6 +161,9 @@ using slot_of = grad_slot<typename X::value_type, X::rank, typename X::mesh_type
 template <class X>
 class var {
  public:
+  // The member names of tensor<> (param<> has them too), so generic code
+  // reads them from any of the three; written out, as a dependent base
+  // class would hide them from the member functions.
   using tensor_type = X;
   using value_type = typename X::value_type;
   using mesh_type = typename X::mesh_type;
@@ -169,7 +172,7 @@ class var {
   static constexpr int rank = X::rank;
   static constexpr auto label_string = X::label_string;
   static constexpr std::string_view labels = X::labels;
-  static constexpr detail::rlayout layout = X::layout;
+  static constexpr detail::rlayout resolved = X::resolved;
 
   var(gshard::tape& t, std::shared_ptr<const X> value, int slot) : tape_(&t), value_(std::move(value)), slot_(slot) {}
 
@@ -283,7 +286,7 @@ class tape {
       auto pending = slot<X>(id).take_pending();
       if (!pending) return;
       const auto& m = p.value().mesh();
-      const detail::reshard_steps plan = detail::plan_reshard(pending->second, shard ? shard->layout() : X::layout, m.naxes(), m.sizes());
+      const detail::reshard_steps plan = detail::plan_reshard(pending->second, shard ? shard->layout() : X::resolved, m.naxes(), m.sizes());
       // Copied into the gradient's own buffer, not moved: a buffer that lives
       // from step to step stays where it is, so the heap does not fragment
       // around it (moving it made the heap grow every few steps).

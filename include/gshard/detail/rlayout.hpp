@@ -2,7 +2,7 @@
 // mesh's axis indices (rlayout, one rdim per tensor dim, the partial axes as
 // a bit mask): the form the planners, the shard geometry and the executors
 // compute on. resolve() and unresolve() go between it and the named
-// layout_spec of sharding.hpp. Knows nothing of MPI.
+// sharding_spec of sharding.hpp. Knows nothing of MPI.
 #pragma once
 
 #include <array>
@@ -71,7 +71,7 @@ struct resolve_result {
 
 // Maps the axis names of `s` onto the indices of `names` (a mesh's axes).
 template <std::size_t NAxes>
-constexpr resolve_result resolve(const layout_spec& s, const std::array<name_t, NAxes>& names) {
+constexpr resolve_result resolve(const sharding_spec& s, const std::array<name_t, NAxes>& names) {
   resolve_result r;
   auto index_of = [&](const name_t& n) -> int {
     for (std::size_t i = 0; i < NAxes; ++i)
@@ -96,7 +96,7 @@ constexpr resolve_result resolve(const layout_spec& s, const std::array<name_t, 
 
 // The inverse of resolve: a name-based spec from a resolved layout.
 template <std::size_t NAxes>
-constexpr layout_spec unresolve(const rlayout& l, const std::array<name_t, NAxes>& names) {
+constexpr sharding_spec unresolve(const rlayout& l, const std::array<name_t, NAxes>& names) {
   spec_result r;
   for (int d = 0; d < max_rank; ++d) {
     name_t axes[max_mesh_axes]{};

@@ -113,11 +113,11 @@ template <class X, int From, int To, int R, fixed_string Labels>
 struct moved_groups {
   static constexpr rlayout value = [] {
     rlayout l{};
-    l.dims[To] = X::layout.dims[From];
+    l.dims[To] = X::resolved.dims[From];
     return l;
   }();
-  static constexpr gshard::detail::layout_spec spec = gshard::detail::unresolve(value, X::mesh_type::names);
-  using sharding = GSHARD_LAYOUT_OF(spec);
+  static constexpr gshard::detail::sharding_spec spec = gshard::detail::unresolve(value, X::mesh_type::names);
+  using sharding = GSHARD_SHARDING_OF(spec);
   static constexpr auto labels = [] {
     if constexpr (X::labels.size() == 0) return fixed_string<1>{};
     else return Labels;
@@ -206,13 +206,13 @@ auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const d
   using X = gshard::detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
-  static_assert(X::rank == 3 && X::layout.dims[1].n == 0 && X::layout.dims[2].n == 0 && X::layout.partial == 0,
+  static_assert(X::rank == 3 && X::resolved.dims[1].n == 0 && X::resolved.dims[2].n == 0 && X::resolved.partial == 0,
                 "gshard::moe::gate: the router logits are [G,S,E] with only G split and no pending sums");
   const var<X> logits = std::forward<V>(logits_in);
   tape& t = logits.on_tape();
   const X& lg = logits.value();
   const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
-  const auto& groups = lg.mesh().group(X::layout.split_mask());  // the ranks that hold different groups
+  const auto& groups = lg.mesh().group(X::resolved.split_mask());  // the ranks that hold different groups
   auto route = std::make_shared<routing<T>>();
   const gating_stats local =
       detail::route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training, groups, *route);
@@ -256,7 +256,7 @@ template <class L, class V>
 auto dispatch(const gate_output<L>& g, V&& x_in) {
   using X = gshard::detail::tensor_of<V>;
   using XE = typename detail::moved_groups<X, 0, 1, 4, "EGCM">::type;
-  static_assert(X::rank == 3 && X::layout.dims[1].n == 0 && X::layout.dims[2].n == 0 && X::layout.partial == 0,
+  static_assert(X::rank == 3 && X::resolved.dims[1].n == 0 && X::resolved.dims[2].n == 0 && X::resolved.partial == 0,
                 "gshard::moe::dispatch: the tokens are [G,S,M] with only G split");
   const var<X> x = std::forward<V>(x_in);
   tape& t = x.on_tape();
@@ -281,6 +281,8 @@ auto dispatch(const gate_output<L>& g, V&& x_in) {
 
 // The expert outputs y [E,G,C,M] at the groups back into tokens [G,S,M],
 // each the sum of its choices' outputs times their combine weights. Local.
+// The transpose of dispatch, in its shape: the layout checked, the forward
+// in a trace span, the gradient rule on the tape.
 template <class L, class V>
   requires var_type<V>
 auto combine(const gate_output<L>& g, V&& y_in) {
@@ -288,8 +290,8 @@ auto combine(const gate_output<L>& g, V&& y_in) {
   using T = typename Y::value_type;
   using O = typename detail::moved_groups<Y, 1, 0, 3, "GSM">::type;
   using W = typename gate_output<L>::weights_type;
-  static_assert(Y::rank == 4 && Y::layout.dims[0].n == 0 && Y::layout.dims[2].n == 0 && Y::layout.dims[3].n == 0 &&
-                    Y::layout.partial == 0,
+  static_assert(Y::rank == 4 && Y::resolved.dims[0].n == 0 && Y::resolved.dims[2].n == 0 && Y::resolved.dims[3].n == 0 &&
+                    Y::resolved.partial == 0,
                 "gshard::moe::combine: the expert outputs are [E,G,C,M] at the groups (only G split)");
   const var<Y> y = std::forward<V>(y_in);
   tape& t = y.on_tape();
