@@ -44,6 +44,7 @@
 #include "gshard/ad/parameters.hpp"
 #include "gshard/ad/remat.hpp"
 #include "gshard/ad/tape.hpp"
+#include "gshard/ad/var.hpp"
 #include "gshard/checkpoint.hpp"
 #include "gshard/grad.hpp"
 #include "gshard/ops.hpp"

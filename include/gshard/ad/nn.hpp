@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "gshard/ad/ops.hpp"
 #include "gshard/detail/softmax_row.hpp"
@@ -105,14 +106,11 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   const std::int32_t* tg = targets.data();
   using Sum = typename detail::sum_over_shards<X, 1, double>::type;  // sums in double whatever T
   Sum sum(logits.mesh(), {2});  // [Σ -log p, count] over this rank's rows
+  std::vector<T> p(static_cast<std::size_t>(C));  // a row's softmax, unused: -log p = log Σ exp - logit, and softmax_row gives log Σ exp
   for (index_t r = 0; r < rows; ++r, lg += C) {
     if (tg[r] == -1) continue;
     detail::check_token(tg[r], 0, std::int32_t(C), r, 0, "cross_entropy");
-    T mx = lg[0];
-    for (index_t c = 1; c < C; ++c) mx = std::max(mx, lg[c]);
-    double z = 0;
-    for (index_t c = 0; c < C; ++c) z += std::exp(double(lg[c] - mx));
-    sum.data()[0] += double(mx) + std::log(z) - double(lg[tg[r]]);
+    sum.data()[0] += detail::softmax_row(lg, C, p.data()) - double(lg[tg[r]]);
     sum.data()[1] += 1;
   }
   const auto total = reshard<replicate>(std::move(sum));  // one all_reduce: the sum and the count

@@ -110,6 +110,7 @@ inline index_t local_elements(const detail::rlayout& l, const std::vector<index_
 // label's extent, global and on this rank. Its backward runs the two
 // transposed einsums ("O,B->A" and "A,O->B"), each of the forward's FLOPs.
 struct einsum_work {
+  static constexpr double passes = 3.0;  // the forward and the backward's two transposed einsums, each as costly
   std::string spec;
   int calls = 0;
   std::array<index_t, 128> global{}, local{};  // by label letter
@@ -118,7 +119,7 @@ struct einsum_work {
   double flops = 0;
   // FLOPs this rank's GEMMs run per step (more than `flops` where the einsum
   // is not split over every axis: each of those ranks runs all of it).
-  double local_flops() const { return 3.0 * double(calls) * gshard::detail::parse_einsum(spec).flops(local.data()); }
+  double local_flops() const { return passes * double(calls) * gshard::detail::parse_einsum(spec).flops(local.data()); }
   // The einsums of a step: the forward, then the gradients of its operands.
   std::array<std::string, 3> specs() const {
     const gshard::detail::einsum_spec e = gshard::detail::parse_einsum(spec);
@@ -209,7 +210,7 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   auto einsum = [&](std::string spec, int calls, std::initializer_list<std::tuple<char, index_t, index_t>> labels) {
     einsum_work x{std::move(spec), calls, {}, {}, 0};
     for (const auto& [l, g, loc] : labels) x.global[std::size_t(l)] = g, x.local[std::size_t(l)] = loc;
-    x.flops = 3.0 * double(calls) * gshard::detail::parse_einsum(x.spec).flops(x.global.data()) / P;
+    x.flops = einsum_work::passes * double(calls) * gshard::detail::parse_einsum(x.spec).flops(x.global.data()) / P;
     w.model_flops += x.flops;
     w.einsums.push_back(std::move(x));
   };
