@@ -10,6 +10,7 @@
 // warm-up, then cosine decay to a floor.
 #pragma once
 
+#include <Eigen/Core>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -130,15 +131,43 @@ class adam {
   }
 
  private:
+  // Adam on one tensor, in double whatever T. Whole blocks of 256 elements
+  // go through local double arrays, where Eigen computes on vectors (its
+  // square root does not wait on errno as std::sqrt's scalar call does);
+  // the rest one element at a time, with the same arithmetic.
   template <class T>
   void update_one(std::span<T> w, std::span<T> g, std::span<T> m1, std::span<T> m2, double clip, double lr, double c1,
                   double c2) const {
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      const double gi = double(g[i]) * clip;
-      m1[i] = T(cfg.beta1 * double(m1[i]) + (1.0 - cfg.beta1) * gi);
-      m2[i] = T(cfg.beta2 * double(m2[i]) + (1.0 - cfg.beta2) * gi * gi);
-      const double update = (double(m1[i]) / c1) / (std::sqrt(double(m2[i]) / c2) + cfg.eps);
-      w[i] = T(double(w[i]) - lr * (update + cfg.weight_decay * double(w[i])));
+    const double b1 = cfg.beta1, b2 = cfg.beta2, eps = cfg.eps, decay = cfg.weight_decay;
+    constexpr int block = 256;
+    using local = Eigen::Array<double, block, 1>;
+    local gi, a, b, wi;
+    std::size_t at = 0;
+    for (; at + block <= w.size(); at += block) {
+      for (int i = 0; i < block; ++i) {
+        gi[i] = double(g[at + i]);
+        a[i] = double(m1[at + i]);
+        b[i] = double(m2[at + i]);
+        wi[i] = double(w[at + i]);
+      }
+      gi *= clip;
+      a = b1 * a + (1.0 - b1) * gi;
+      b = b2 * b + (1.0 - b2) * gi * gi;
+      for (int i = 0; i < block; ++i) {  // the moments as stored
+        m1[at + i] = T(a[i]);
+        m2[at + i] = T(b[i]);
+        a[i] = double(m1[at + i]);
+        b[i] = double(m2[at + i]);
+      }
+      wi -= lr * ((a / c1) / ((b / c2).sqrt() + eps) + decay * wi);
+      for (int i = 0; i < block; ++i) w[at + i] = T(wi[i]);
+    }
+    for (std::size_t i = at; i < w.size(); ++i) {
+      const double gj = double(g[i]) * clip;
+      m1[i] = T(b1 * double(m1[i]) + (1.0 - b1) * gj);
+      m2[i] = T(b2 * double(m2[i]) + (1.0 - b2) * gj * gj);
+      const double update = (double(m1[i]) / c1) / (std::sqrt(double(m2[i]) / c2) + eps);
+      w[i] = T(double(w[i]) - lr * (update + decay * double(w[i])));
     }
   }
 
