@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -78,7 +79,7 @@ class bucket {
   bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory)
       : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()) {}
   bucket(bucket&&) noexcept = default;
-  bucket& operator=(bucket&&) noexcept = default;
+  bucket& operator=(bucket&&) = delete;  // would drop its own buffers instead of giving them back
   ~bucket() {
     memory_->give(std::move(data_));
     memory_->give(std::move(scratch_));
@@ -180,10 +181,11 @@ class buckets {
  public:
   // `memory`: where the buckets' buffers come from and go back to (the
   // parameters' own, so they last from step to step); by default the
-  // buckets' own.
-  buckets(const mesh_base& m, std::size_t limit, bucket_memory<T>* memory = nullptr)
-      : mesh_(&m), limit_(limit), memory_(memory ? memory : &own_) {}
-  buckets(const buckets&) = delete;  // its buckets point at own_
+  // buckets' own. Shared: buckets left open by an exception give their
+  // buffers back even when the parameters are gone.
+  buckets(const mesh_base& m, std::size_t limit, std::shared_ptr<bucket_memory<T>> memory = nullptr)
+      : mesh_(&m), limit_(limit), memory_(memory ? std::move(memory) : std::make_shared<bucket_memory<T>>()) {}
+  buckets(const buckets&) = delete;  // its buckets point at *memory_
   buckets& operator=(const buckets&) = delete;
 
   void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
@@ -203,8 +205,7 @@ class buckets {
  private:
   const mesh_base* mesh_;
   std::size_t limit_;
-  bucket_memory<T> own_;  // declared before open_: destroyed after the buckets give their buffers back
-  bucket_memory<T>* memory_;
+  std::shared_ptr<bucket_memory<T>> memory_;  // declared before open_: outlives the buckets that give back to it
   std::vector<bucket<T>> open_;
 };
 

@@ -16,8 +16,8 @@
 
 #include <cstdint>
 
-#include "gshard/einsum_spec.hpp"
 #include "gshard/detail/rlayout.hpp"
+#include "gshard/einsum_spec.hpp"
 
 namespace gshard::detail {
 

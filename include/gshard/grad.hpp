@@ -6,7 +6,9 @@
 // natural sharding — a weight replicated over the ranks that split the batch
 // gets a pending sum, whose reduction is the data-parallel all_reduce — and
 // einsum_backward reshards it to the operand's sharding unless asked
-// otherwise. Also: relu, softmax and the RMS norm, element-wise and local.
+// otherwise. The gradient of a reshard is a reshard to gradient_sharding<From>
+// (the sharding without its pending sums), the forward's collectives
+// transposed. Also: relu, softmax and the RMS norm, element-wise and local.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,7 @@
 // gshard/labels.hpp — shardings by dim label. A rule table maps dim labels
 // to mesh axes (G -> data, expert; H -> model); the sharding of any term
 // ("GSM", "EGCM") follows from it, so one placement is written once for every
-// tensor layout. Rules resolve to the canonical layout types of
+// tensor layout. Rules resolve to the canonical sharding types of
 // sharding.hpp, so std::is_same_v still means semantic equality. Knows
 // nothing of MPI.
 //

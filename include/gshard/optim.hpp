@@ -98,8 +98,8 @@ class adam {
     // A sharded update runs on this rank's block of the weight and
     // all_gathers the updated blocks — in buckets of weights whose gathers
     // take the same steps (gshard/buckets.hpp); otherwise on the whole local shard.
-    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), &ps.template bucket_memory<float>());
-    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), &ps.template bucket_memory<double>());
+    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.template bucket_memory<float>());
+    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.template bucket_memory<double>());
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
       auto* block = weight_block_[i] ? weight_block_[i]->as_sharded() : nullptr;

@@ -13,10 +13,8 @@
 //   same blocks, other ranks permute           (one step for the whole mesh)
 #pragma once
 
-#include <array>
 #include <cstdint>
-#include <ostream>
-#include <string>
+#include <string_view>
 
 #include "gshard/counters.hpp"
 #include "gshard/detail/rlayout.hpp"

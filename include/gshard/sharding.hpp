@@ -335,7 +335,7 @@ struct is_sharding_text<sharding_text<S>> : std::true_type {};
 
 }  // namespace detail
 
-// sharding<split<0, "data">, partial<"model">>: the canonical layout type.
+// sharding<split<0, "data">, partial<"model">>: the canonical sharding type.
 template <class... Parts>
 using sharding = typename detail::make_sharding<Parts...>::type;
 

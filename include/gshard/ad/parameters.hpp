@@ -22,8 +22,11 @@
 #include <vector>
 
 #include "gshard/buckets.hpp"
+#include "gshard/detail/execute_reshard.hpp"
 #include "gshard/detail/fnv1a.hpp"
+#include "gshard/detail/shard_geometry.hpp"
 #include "gshard/error.hpp"
+#include "gshard/notation.hpp"
 #include "gshard/random.hpp"
 #include "gshard/reshard.hpp"
 #include "gshard/roles.hpp"
@@ -434,7 +437,7 @@ class parameters {
   // The buckets' buffers, kept from step to step (the tape's gradient
   // buckets and Adam's gathers take theirs from here).
   template <class T>
-  detail::bucket_memory<T>& bucket_memory() {
+  const std::shared_ptr<detail::bucket_memory<T>>& bucket_memory() {
     if constexpr (std::is_same_v<T, float>) return f32_bucket_memory_;
     else return f64_bucket_memory_;
   }
@@ -472,8 +475,8 @@ class parameters {
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
-  detail::bucket_memory<float> f32_bucket_memory_;
-  detail::bucket_memory<double> f64_bucket_memory_;
+  std::shared_ptr<detail::bucket_memory<float>> f32_bucket_memory_ = std::make_shared<detail::bucket_memory<float>>();
+  std::shared_ptr<detail::bucket_memory<double>> f64_bucket_memory_ = std::make_shared<detail::bucket_memory<double>>();
   tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
   std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)

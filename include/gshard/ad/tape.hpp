@@ -313,12 +313,13 @@ class tape {
   friend auto remat(F f, const var<X>&... inputs);
 
   template <class T>
-  detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit, detail::bucket_memory<T>& memory) {
+  detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit,
+                                      const std::shared_ptr<detail::bucket_memory<T>>& memory) {
     auto& b = [&]() -> std::optional<detail::buckets<T>>& {
       if constexpr (std::is_same_v<T, float>) return float_buckets_;
       else return double_buckets_;
     }();
-    if (!b) b.emplace(m, limit, &memory);
+    if (!b) b.emplace(m, limit, memory);
     return *b;
   }
 

@@ -22,8 +22,8 @@ class tape;
 template <class X>
 class var {
  public:
-  // The member names of tensor<> (param<> has them too), so generic code
-  // reads them from any of the three; written out, as a dependent base
+  // The member names of tensor<> (param<> has most of them too), so generic
+  // code reads them from any of the three; written out, as a dependent base
   // class would hide them from the member functions.
   using tensor_type = X;
   using value_type = typename X::value_type;

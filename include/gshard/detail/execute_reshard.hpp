@@ -2,7 +2,8 @@
 // on one rank's shard: each step as Pack / Communicate / Unpack, one
 // collective or one local slice. Instantiated per element type and rank only
 // (the plan is a value), so every sharding of a rank-R tensor shares one
-// executor. reshard<>, einsum and the buckets call it.
+// executor. reshard<>, einsum, the tape and the sharded weight update call
+// it (the buckets run their stackable steps themselves).
 #pragma once
 
 #include <span>

@@ -15,7 +15,6 @@
 
 namespace gshard::detail {
 
-
 struct rdim {
   int n = 0;
   std::int8_t ax[max_mesh_axes]{};  // mesh axis indices, major to minor

@@ -1,6 +1,6 @@
 // gshard/detail/softmax_row.hpp — the softmax of one row, the one kernel
 // behind softmax() (ops.hpp), the router's gates (moe/gating.hpp) and the
-// cross-entropy's gradient (ad/nn.hpp).
+// cross-entropy's loss and gradient (ad/nn.hpp).
 #pragma once
 
 #include <Eigen/Core>
@@ -13,7 +13,7 @@
 
 namespace gshard::detail {
 
-// out = softmax(in) over n > 0 entries, shifted by the largest for
+// out = softmax(in) over n entries (none: returns -inf), shifted by the largest for
 // stability (in may be out). Entries of -inf get 0. Returns the log of the
 // partition function, log Σ exp(in), in double. The caller decides what NaN,
 // +inf or a row of only -inf mean.

@@ -25,6 +25,7 @@
 
 #include "gshard/ad/parameters.hpp"
 #include "gshard/buckets.hpp"
+#include "gshard/detail/shard_geometry.hpp"
 #include "gshard/einsum_spec.hpp"
 #include "gshard/model/transformer.hpp"
 #include "gshard/reshard_steps.hpp"
