@@ -59,6 +59,7 @@ struct options {
   std::string remat = "none";  // --remat: none, all, or a list of blocks
   bool aux_coef_given = false, second_given = false;
   bool sharded_update = true;  // --weight-update sharded (the default) or replicated
+  long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
@@ -103,7 +104,9 @@ constexpr const char* usage =
     "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n"
     "optimizer:\n"
     "  --weight-update sharded|replicated  the Adam update of a weight replicated over batch axes on a block\n"
-    "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n";
+    "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
+    "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
+    "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n";
 
 // --remat's value: none, all, or blocks as a comma-separated list.
 std::vector<int> remat_blocks(const std::string& v, int layers) {
@@ -168,6 +171,7 @@ options parse(int argc, char** argv) {
     else if (a == "--slot-hidden") o.slot_hidden = integer(1);
     else if (a == "--layers") o.layers = integer(1);
     else if (a == "--remat") o.remat = next();
+    else if (a == "--bucket-kib") o.bucket_kib = examples::number<long long>("train", a, next(), 0, 1LL << 30);
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
     else if (a == "--dropless") g.dropless = true;
@@ -382,6 +386,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     throw error("gshard train: " + p);
   parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})
                                           : parameters<Mesh>(m, o.seed);
+  if (o.bucket_kib >= 0) ps.set_bucket_bytes(std::size_t(o.bucket_kib) << 10);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
   adam_config ac;

@@ -73,7 +73,7 @@ def main() -> int:
             events = []
             problems.append(f"not valid JSON: {e}")
         spans = [e for e in events if e.get("ph") == "X"]
-        names = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+        names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
         if names != {f"rank {r}" for r in range(ranks)}:
             problems.append(f"tracks {sorted(names)}")
         for r in range(ranks):
@@ -88,6 +88,13 @@ def main() -> int:
                 spec_spans = [e for e in mine if e["name"] == spec]
                 if not spec_spans or not all(e["args"]["flops"] > 0 for e in spec_spans):
                     problems.append(f"rank {r}: no einsum span {spec} with FLOPs")
+            # The gradient buckets' collectives run while the backward computes: on
+            # the rank's second track, from their start to the test that saw them end.
+            flying = [e for e in mine if e["cat"] == "in flight"]
+            if ranks > 1 and not flying:
+                problems.append(f"rank {r}: no collective in flight")
+            if not all(e.get("tid") == 1 and e["name"] in ("all_reduce", "reduce_scatter", "all_gather") for e in flying):
+                problems.append(f"rank {r}: an in-flight span off its track: {flying[:3]}")
             colls = Counter((e["name"], e["args"]["axes"]) for e in mine if e["cat"] == "collective")
             # 2 MoE blocks x (2 forward + 2 backward) all_to_alls
             if colls[("all_to_all", "expert")] != 8:

@@ -180,6 +180,7 @@ def main() -> int:
         (["--remat", "4"], "--remat is none, all, or blocks from 0 to 3 separated by commas (1,3); not '4'"),
         (["--layers", "2", "--remat", "0,x"], "--remat is none, all, or blocks from 0 to 1 separated by commas (1,3); not '0,x'"),
         (["--layers", "0"], "--layers takes a whole number from 1"),
+        (["--bucket-kib", "-1"], "--bucket-kib takes a whole number from 0 to 1073741824, not '-1'"),
         (["--sample-temperature", "-1"], "--sample-temperature takes a finite number >= 0, not '-1'"),
         (["--eval-every", "-5"], "--eval-every takes a whole number from 0"),
         (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
@@ -213,15 +214,16 @@ def main() -> int:
     if code != 0 or "dense: H=256, blocks 1, 3, ...: H=64" not in out or "aux" in out or "dropped" in out or \
             "--top-k (and every routing option) has no effect with --experts 0" not in out or "step     2" not in out:
         problems.append(f"a dense model (--experts 0 --slot-hidden 64): exit {code}:\n{out[-1500:]}")
-    # Rematerialised blocks: said in the header, the same losses as kept ones.
+    # Rematerialised blocks: said in the header, the same losses as kept ones;
+    # so do gradients in buckets of 1 KiB, reduced while the backward computes.
     losses = []
-    for remat in ([], ["--remat", "all"]):
+    for remat in ([], ["--remat", "all"], ["--bucket-kib", "1"]):
         code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0"] + remat + SMALL)
         losses.append(re.findall(r"step +2  loss (\S+)", out))
-        if code != 0 or (remat and "rematerialised blocks: 0, 1 (each keeps its input" not in out):
+        if code != 0 or ("--remat" in remat and "rematerialised blocks: 0, 1 (each keeps its input" not in out):
             problems.append(f"--layers 2 {' '.join(remat)}: exit {code}:\n{out[-1500:]}")
-    if not losses[0] or losses[0] != losses[1]:
-        problems.append(f"--remat all changed the losses: {losses}")
+    if not losses[0] or losses[0] != losses[1] or losses[0] != losses[2]:
+        problems.append(f"--remat all or --bucket-kib 1 changed the losses: {losses}")
     code, out = run(base + ["--steps", "2"], env={"GSHARD_GEMM": "fast"}, timeout=60)
     if code in (None, 0) or "GSHARD_GEMM=fast is not allowed; use eigen" not in out:
         problems.append(f"GSHARD_GEMM=fast: exit {code}:\n{out[-1500:]}")

@@ -9,6 +9,8 @@
 //   debug_count   (GSHARD_DEBUG=1) one rank reduces one element more
 //   debug_extra   (GSHARD_DEBUG=1) one rank runs a collective the others do not
 //   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
+//   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
+//   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
 //   train_throw   one rank throws between the forward and the backward of a step
 //   train_kill    one rank is killed by SIGKILL in the middle of a step
 //   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
@@ -87,6 +89,14 @@ int main(int argc, char** argv) {
   if (mode == "debug_count") all_reduce<double>(m.group<"expert">(), std::span<double>(v.data(), odd ? 4 : 3));
   if (mode == "debug_extra" && odd) broadcast<double>(m.group<"expert">(), v, 0);
   if (mode == "watchdog" && odd) std::this_thread::sleep_for(std::chrono::seconds(60));
+  if (mode == "debug_started") {
+    pending p = odd ? start_all_gather<double>(m.group<"expert">(), v, wide) : start_all_reduce<double>(m.group<"expert">(), v);
+    p.wait();
+  }
+  if (mode == "watchdog_wait") {
+    if (odd) std::this_thread::sleep_for(std::chrono::seconds(60));
+    else start_all_reduce<double>(m.group<"expert">(), v).wait();
+  }
   if (mode.starts_with("train") || mode == "bad_target") train(m, mode);
 
   all_reduce<double>(m.group<"expert">(), v);  // the others wait here

@@ -83,6 +83,19 @@ int MPI_Isend(const void* b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm 
 int MPI_Irecv(void* b, int n, MPI_Datatype t, int source, int tag, MPI_Comm c, MPI_Request* q) {
   return seen("MPI_Irecv"), PMPI_Irecv(b, n, t, source, tag, c, q);
 }
+int MPI_Iallreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm c, MPI_Request* q) {
+  return seen("MPI_Iallreduce"), PMPI_Iallreduce(s, r, n, t, op, c, q);
+}
+int MPI_Iallgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt, MPI_Comm c, MPI_Request* q) {
+  return seen("MPI_Iallgather"), PMPI_Iallgather(s, sn, st, r, rn, rt, c, q);
+}
+int MPI_Ireduce_scatter_block(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm c, MPI_Request* q) {
+  return seen("MPI_Ireduce_scatter_block"), PMPI_Ireduce_scatter_block(s, r, n, t, op, c, q);
+}
+int MPI_Test(MPI_Request* q, int* flag, MPI_Status* st) { return seen("MPI_Test"), PMPI_Test(q, flag, st); }
+int MPI_Testall(int n, MPI_Request* q, int* flag, MPI_Status* st) { return seen("MPI_Testall"), PMPI_Testall(n, q, flag, st); }
+int MPI_Wait(MPI_Request* q, MPI_Status* st) { return seen("MPI_Wait"), PMPI_Wait(q, st); }
+int MPI_Waitall(int n, MPI_Request* q, MPI_Status* st) { return seen("MPI_Waitall"), PMPI_Waitall(n, q, st); }
 int MPI_Comm_split(MPI_Comm c, int color, int key, MPI_Comm* out) {
   return seen("MPI_Comm_split"), PMPI_Comm_split(c, color, key, out);
 }

@@ -291,6 +291,76 @@ TEST_CASE("raw collectives compute what MPI defines and are counted", "[collecti
                              P == 1 ? "buffers of 5 and 1" : "do not fit a group of");
 }
 
+TEST_CASE("non-blocking collectives: the blocking forms' results, several in flight at once, counted as they start",
+          "[collectives][nonblocking]") {
+  const int P = world_size(), r = world_rank();
+  dyn1 m(MPI_COMM_WORLD);
+  const auto& g = m.group<"x">();
+  auto seeded = [&](std::size_t n, int salt) {  // the same global data on every run: rank r's row of it
+    std::vector<double> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = double((r * 7919 + int(i) * 104729 + salt) % 1000) / 7.0 - 60.0;
+    return v;
+  };
+  const std::vector<double> rs1_in = seeded(3 * std::size_t(P), 1), rs2_in = seeded(5 * std::size_t(P), 2);
+  std::vector<double> rs1(3, -1), rs2(5, -1), ar = seeded(4, 3), ar_in = ar;
+  std::vector<float> ag_send(2, float(r) + 0.5f), ag(2 * std::size_t(P), -1);
+
+  collective_recorder rec;
+  // Four in flight at once (two rings on one group: their messages must not
+  // mix), a blocking collective among them, finished in another order.
+  pending p1 = start_reduce_scatter<double>(g, rs1_in, rs1);
+  pending p2 = start_all_reduce<double>(g, ar);
+  pending p3 = start_reduce_scatter<double>(g, rs2_in, rs2);
+  pending p4 = start_all_gather<float>(g, ag_send, ag);
+  std::vector<double> mid(1, 1.0);
+  all_reduce<double>(g, mid);
+  while (!p3.test()) {
+  }
+  p4.wait();
+  p2.wait();
+  p1.wait();
+  GSHARD_REQUIRE(p1.test() && p3.test());  // finished stays finished
+
+  const auto ev = rec.events();  // in the order they started, every rank alike
+  GSHARD_REQUIRE(ev.size() == 5);
+  GSHARD_REQUIRE((ev[0] == collective_event{collective::reduce_scatter, "x", 3 * std::size_t(P) * sizeof(double)}));
+  GSHARD_REQUIRE((ev[1] == collective_event{collective::all_reduce, "x", 4 * sizeof(double)}));
+  GSHARD_REQUIRE((ev[2] == collective_event{collective::reduce_scatter, "x", 5 * std::size_t(P) * sizeof(double)}));
+  GSHARD_REQUIRE((ev[3] == collective_event{collective::all_gather, "x", 2 * sizeof(float)}));
+  GSHARD_REQUIRE((ev[4] == collective_event{collective::all_reduce, "x", sizeof(double)}) && mid[0] == double(P));
+
+  // The blocking forms on the same data: the same values (the rings add in the same order).
+  std::vector<double> ref1(3), ref2(5), ref_ar = ar_in;
+  std::vector<float> ref_ag(ag.size());
+  reduce_scatter<double>(g, rs1_in, ref1);
+  reduce_scatter<double>(g, rs2_in, ref2);
+  all_reduce<double>(g, ref_ar);
+  all_gather<float>(g, ag_send, ref_ag);
+  GSHARD_REQUIRE((rs1 == ref1 && rs2 == ref2 && ar == ref_ar && ag == ref_ag));
+  // ... and what they mean: block r of the sum over ranks; every rank's pair.
+  bool ok = true;
+  for (std::size_t i = 0; i < 5; ++i) {
+    double sum = 0;
+    for (int q = 0; q < P; ++q) sum += double((q * 7919 + int(5 * std::size_t(r) + i) * 104729 + 2) % 1000) / 7.0 - 60.0;
+    ok = ok && std::abs(rs2[i] - sum) < 1e-9 * (1 + std::abs(sum));
+  }
+  for (int q = 0; q < P; ++q) ok = ok && ag[2 * std::size_t(q) + 1] == float(q) + 0.5f;
+  GSHARD_REQUIRE(ok);
+
+  // One destroyed unfinished is finished first: its buffer holds the result.
+  std::vector<double> left(3, double(r));
+  { pending p = start_all_reduce<double>(g, left); }
+  GSHARD_REQUIRE(left[2] == double(P * (P - 1) / 2));
+  // Mismatched buffers are refused before MPI sees them, and nothing is counted.
+  rec.reset();
+  std::vector<double> small(1);
+  GSHARD_REQUIRE_THROWS_WITH(start_reduce_scatter<double>(g, small, rs1), shape_error,
+                             "gshard::reduce_scatter: buffers of 1 and 3 elements do not fit a group of");
+  GSHARD_REQUIRE_THROWS_WITH(start_all_gather<double>(g, left, small), shape_error,
+                             "gshard::all_gather: buffers of 3 and 1 elements do not fit a group of");
+  GSHARD_REQUIRE(rec.events().empty());
+}
+
 TEST_CASE("typed collectives: one collective each, the sharding type follows", "[collectives][reshard]") {
   const int P = world_size();
   dyn2 m(MPI_COMM_WORLD, {P, 1});

@@ -267,22 +267,31 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
       trainer<double, Mesh> run(m, c, 3);
       const auto tokens = run.tokens(tok);
       auto loss = [&](tape& t) { return run.tr.forward(t, tokens, 0).loss; };
-      {
-        tape t(run.ps);
-        t.backward(loss(t));
-      }
       // Every parameter's gradient, gathered, equals the 1-rank one.
-      double vs_one = 0;
       std::size_t tensors = 0;
-      for (std::size_t i = 0; i < run.ps.size(); ++i) {
-        const std::vector<char> bytes = run.ps.grads()[i].gather_to_root();
-        if (run.ps.mesh().rank() != 0) continue;
-        const double* g = reinterpret_cast<const double*>(bytes.data());
-        const auto& r = ref.at(run.ps.name(i));
-        for (index_t k = 0; k < r.size(); ++k) vs_one = std::max(vs_one, std::abs(g[k] - r.data()[k]) / (1e-6 + std::abs(r.data()[k])));
-        ++tensors;
-      }
-      vs_one = sum_all(world_rank() == 0 ? vs_one : 0.0);
+      auto vs_one_after_backward = [&](std::size_t bucket) {
+        run.ps.set_bucket_bytes(bucket);
+        {
+          tape t(run.ps);
+          t.backward(loss(t));
+        }
+        double vs_one = 0;
+        tensors = 0;
+        for (std::size_t i = 0; i < run.ps.size(); ++i) {
+          const std::vector<char> bytes = run.ps.grads()[i].gather_to_root();
+          if (run.ps.mesh().rank() != 0) continue;
+          const double* g = reinterpret_cast<const double*>(bytes.data());
+          const auto& r = ref.at(run.ps.name(i));
+          for (index_t k = 0; k < r.size(); ++k) vs_one = std::max(vs_one, std::abs(g[k] - r.data()[k]) / (1e-6 + std::abs(r.data()[k])));
+          ++tensors;
+        }
+        return sum_all(world_rank() == 0 ? vs_one : 0.0);
+      };
+      // Buckets of 1 KiB fill during the backward and travel while it
+      // computes (plans of one step and of several); the default's one
+      // bucket runs at its end. The same gradients either way.
+      const double vs_one_small_buckets = vs_one_after_backward(1024);
+      const double vs_one = std::max(vs_one_after_backward(default_bucket_bytes), vs_one_small_buckets);
       // Finite differences of every parameter (two probes per shard).
       double worst = 0;
       auto f = [&] {
@@ -735,9 +744,10 @@ TEST_CASE("a sharded weight update trains like the replicated one, with its byte
   grid2 self(MPI_COMM_SELF, {1, 1});
 
   SECTION("double: the parameters of the 1-rank run within 1e-9 after 20 steps, on (data, expert) and (data, expert, model)") {
-    auto compare = [&](const auto& mesh, const auto& mesh1) {
+    auto compare = [&](const auto& mesh, const auto& mesh1, std::size_t bucket) {
       using Mesh = std::remove_cvref_t<decltype(mesh)>;
       trainer<double, Mesh> ref(mesh1, c, 3, ac), sh(mesh, c, 3, ac, sharded);
+      sh.ps.set_bucket_bytes(bucket);
       if (mesh.size(0) * mesh.size(1) > 1) {  // a weight replicated over the batch axes has a block of it per rank
         std::size_t blocks = 0;
         for (auto& g : sh.ps.grads()) blocks += g->as_sharded() != nullptr;
@@ -757,8 +767,13 @@ TEST_CASE("a sharded weight update trains like the replicated one, with its byte
       INFO("worst relative parameter difference " << worst << ", worst loss difference " << worst_loss);
       GSHARD_REQUIRE(worst < 1e-9 && worst_loss < 1e-10 && l2.back() < l2.front());
     };
-    compare(m, self);
-    compare(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), grid3(MPI_COMM_SELF, {1, 1, 1}));
+    // In one bucket at the backward's end (the default, for this small
+    // model), and in buckets of 1 KiB that travel while the backward and the
+    // update compute (reduce_scatters and all_gathers in flight, plans of
+    // several steps on three axes).
+    compare(m, self, default_bucket_bytes);
+    compare(m, self, 1024);
+    compare(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), grid3(MPI_COMM_SELF, {1, 1, 1}), 1024);
   }
 
   SECTION("float: the losses of the replicated update to 4 decimals; its bytes on the wire; the moments' memory") {
@@ -862,6 +877,7 @@ TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a s
   barrier(world_group());
   grid2 m(MPI_COMM_WORLD, {1, P});  // binding a mesh creates communicators: before the watch
   trainer<float, grid2> run(m, c, 5, {}, shard_weight_update<default_roles::batch>{});  // the trainer's default
+  run.ps.set_bucket_bytes(1024);  // buckets fill during the backward: started there, tested between its rules
   const auto tokens = run.tokens(tok);
   const preemption stop;
   collective_recorder rec;
@@ -881,12 +897,15 @@ TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a s
   // Each kind's MPI function ran exactly as often as the counters say it ran.
   GSHARD_REQUIRE(w.uncounted().empty() && !w.calls().empty() && events > 0 && sig == 0 && text == "from the root" &&
                  w.calls("MPI_Alltoall") == int(rec.calls(collective::all_to_all)) &&
-                 w.calls("MPI_Allreduce") == int(rec.calls(collective::all_reduce)) &&
+                 w.calls("MPI_Allreduce") + w.calls("MPI_Iallreduce") == int(rec.calls(collective::all_reduce)) &&
                  w.calls("MPI_Barrier") == int(rec.calls(collective::barrier)) &&
-                 w.calls("MPI_Allgather") == int(rec.calls(collective::all_gather)) &&
-                 // the sharded update's gradients: gshard's ring reduce_scatter over "expert", P-1 exchanges each
-                 w.calls("MPI_Sendrecv") == int(rec.calls(collective::reduce_scatter)) * (P - 1) &&
-                 (P == 1 || rec.calls(collective::reduce_scatter) > 0) &&
+                 w.calls("MPI_Allgather") + w.calls("MPI_Iallgather") == int(rec.calls(collective::all_gather)) &&
+                 // the sharded update's gradients: gshard's ring reduce_scatter over "expert", P-1 exchanges each,
+                 // the buckets' started (non-blocking, moved on by tests between the backward's rules)
+                 w.calls("MPI_Sendrecv") + w.calls("MPI_Isend") == int(rec.calls(collective::reduce_scatter)) * (P - 1) &&
+                 w.calls("MPI_Isend") == w.calls("MPI_Irecv") &&
+                 (P == 1 || (rec.calls(collective::reduce_scatter) > 0 && w.calls("MPI_Isend") > 0 &&
+                             w.calls("MPI_Iallgather") > 0 && w.calls("MPI_Test") + w.calls("MPI_Testall") > 0)) &&
                  w.calls("MPI_Comm_split") + w.calls("MPI_Comm_dup") == 0);
   barrier(world_group());
   if (world_rank() == 0) std::filesystem::remove_all(dir);

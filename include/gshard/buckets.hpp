@@ -11,13 +11,14 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <list>
 #include <memory>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "gshard/collectives.hpp"
+#include "gshard/nonblocking.hpp"
 #include "gshard/error.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/reshard_steps.hpp"
@@ -70,7 +71,13 @@ class bucket_memory {
 };
 
 // Tensors waiting to take one stackable plan together. Each member gives
-// its block (moved in) and a function that receives its result.
+// its block (copied in) and a function that receives its result. The plan's
+// collectives run non-blocking, one step at a time: start() posts the first
+// step, progress() moves the step in flight on (tests only), advance()
+// finishes it and posts the next, finish() runs the rest and hands out the
+// results. Where each step starts is the caller's program point (start,
+// advance, finish), never a test's finding, so every rank issues the same
+// collectives in the same order.
 template <class T>
 class bucket {
  public:
@@ -81,6 +88,7 @@ class bucket {
   bucket(bucket&&) noexcept = default;
   bucket& operator=(bucket&&) = delete;  // would drop its own buffers instead of giving them back
   ~bucket() {
+    flight_ = pending{};  // finished before its buffers go back
     memory_->give(std::move(data_));
     memory_->give(std::move(scratch_));
   }
@@ -90,6 +98,7 @@ class bucket {
   bool empty() const { return members_.empty(); }
 
   void add(std::span<const T> block, done_fn done) {
+    if (step_ >= 0) throw error("gshard::detail::bucket: a tensor added to a bucket that has started");
     // Each rank's part of a member must be whole: a reduce_scatter's group
     // divides its block (the layouts that plan it are divisible).
     std::size_t parts = 1;
@@ -102,11 +111,32 @@ class bucket {
     data_.insert(data_.end(), block.begin(), block.end());
   }
 
-  // Runs the plan's steps on every member, one collective per step, and
-  // hands each member its result. The bucket is empty afterwards.
-  void run() {
+  // Posts the first step's collective.
+  void start() {
+    if (members_.empty() || step_ >= 0) return;
+    step_ = 0;
+    flight_ = begin_step(plan_.step[0]);
+  }
+  // Finishes the step in flight (waiting if it must) and posts the next;
+  // nothing once the last step is in flight.
+  void advance() {
+    if (step_ < 0 || step_ + 1 >= plan_.n) return;
+    flight_.wait();
+    end_step(plan_.step[step_]);
+    flight_ = begin_step(plan_.step[++step_]);
+  }
+  // Moves the step in flight on, without blocking.
+  void progress() { flight_.test(); }
+  // Runs what is left of the plan and hands each member its result. Empty afterwards.
+  void finish() {
     if (members_.empty()) return;
-    for (int i = 0; i < plan_.n; ++i) step(plan_.step[i]);
+    start();
+    for (;;) {
+      flight_.wait();
+      end_step(plan_.step[step_]);
+      if (++step_ == plan_.n) break;
+      flight_ = begin_step(plan_.step[step_]);
+    }
     std::size_t at = 0;
     for (auto& m : members_) {
       m.done(std::span<const T>(data_.data() + at, m.size));
@@ -114,6 +144,7 @@ class bucket {
     }
     members_.clear();
     data_.clear();
+    step_ = -1;
   }
 
  private:
@@ -122,11 +153,10 @@ class bucket {
     done_fn done;
   };
 
-  void step(const reshard_step& s) {
-    if (s.kind == step_kind::all_reduce) {  // partial{x} |-> replicated on x, in place
-      all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
-      return;
-    }
+  // Pack and start one step's collective; end_step unpacks once it has finished.
+  pending begin_step(const reshard_step& s) {
+    if (s.kind == step_kind::all_reduce)  // partial{x} |-> replicated on x, in place
+      return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
     const axis_group& g = mesh_->group(1u << s.axis);
     const std::size_t p = std::size_t(g.size);
     if (s.kind == step_kind::reduce_scatter) {  // partial{x} |-> dim 0 split by x
@@ -143,13 +173,20 @@ class bucket {
         }
       }
       data_.resize(data_.size() / p);
-      reduce_scatter<T>(g, scratch_, data_);  // Communicate: this rank's parts, member after member
-      for (member& m : members_) m.size /= p;
-      return;
+      // Communicate: this rank's parts, member after member
+      return start_reduce_scatter<T>(g, std::span<const T>(scratch_), std::span<T>(data_));
     }
     // all_gather: dim 0 split by x |-> replicated on x
     scratch_.resize(data_.size() * p);
-    all_gather<T>(g, data_, scratch_);  // Communicate: every rank's blocks, rank after rank
+    return start_all_gather<T>(g, std::span<const T>(data_), std::span<T>(scratch_));  // every rank's blocks, rank after rank
+  }
+  void end_step(const reshard_step& s) {
+    if (s.kind == step_kind::all_reduce) return;
+    const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size);
+    if (s.kind == step_kind::reduce_scatter) {
+      for (member& m : members_) m.size /= p;
+      return;
+    }
     const std::size_t total = data_.size();
     data_.resize(total * p);
     std::size_t out = 0, at = 0;  // Unpack: each member's blocks in rank order
@@ -168,14 +205,22 @@ class bucket {
   bucket_memory<T>* memory_;
   std::vector<T> data_, scratch_;
   std::vector<member> members_;
+  int step_ = -1;   // the step in flight; -1: not started
+  pending flight_;  // its collective (finished in ~bucket before the buffers go back)
 };
 
-// Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket runs
-// as soon as it holds `limit` bytes or more (so one collective may carry
-// more than `limit`: a bucket holds at least one whole tensor), and flush()
-// runs the rest in the order their plans first came. limit 0: every tensor
-// on its own. The same sequence of adds on every rank gives the same
-// collectives.
+// Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket
+// starts as soon as it holds `limit` bytes or more (so one collective may
+// carry more than `limit`: a bucket holds at least one whole tensor), and a
+// new one takes its place. Each time one starts, the buckets started before
+// it move one step on (their next step is posted once the one in flight has
+// finished: between two buckets' starts lies the compute that filled the
+// second, so the wait is short when the network keeps up). progress() moves
+// the steps in flight on (call it between pieces of work); flush() starts
+// the rest in the order their plans first came and finishes every bucket in
+// the order they started. limit 0: every tensor on its own. The same
+// sequence of adds and flushes on every rank gives the same collectives in
+// the same order (progress() posts none).
 template <class T>
 class buckets {
  public:
@@ -190,23 +235,30 @@ class buckets {
 
   void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
     if (!stackable(plan)) throw error("gshard::detail::buckets: a plan whose steps cannot share a bucket");
-    bucket<T>* b = nullptr;
-    for (auto& x : open_)
-      if (same_steps(x.plan(), plan)) b = &x;
-    if (!b) b = &open_.emplace_back(*mesh_, plan, *memory_);
-    b->add(block, std::move(done));
-    if (b->bytes() >= limit_) b->run();
+    auto it = std::find_if(open_.begin(), open_.end(), [&](const bucket<T>& b) { return same_steps(b.plan(), plan); });
+    if (it == open_.end()) it = open_.emplace(open_.end(), *mesh_, plan, *memory_);
+    it->add(block, std::move(done));
+    if (it->bytes() < limit_) return;
+    for (auto& b : running_) b.advance();
+    it->start();
+    open_.emplace(it, *mesh_, plan, *memory_);            // an empty one keeps the plan's place in flush()'s order
+    running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put
+  }
+  void progress() {
+    for (auto& b : running_) b.progress();
   }
   void flush() {
-    for (auto& b : open_) b.run();
-    open_.clear();
+    for (auto& b : open_) b.start();
+    running_.splice(running_.end(), open_);
+    for (auto& b : running_) b.finish();
+    running_.clear();
   }
 
  private:
   const mesh_base* mesh_;
   std::size_t limit_;
-  std::shared_ptr<bucket_memory<T>> memory_;  // declared before open_: outlives the buckets that give back to it
-  std::vector<bucket<T>> open_;
+  std::shared_ptr<bucket_memory<T>> memory_;  // declared before the lists: outlives the buckets that give back to it
+  std::list<bucket<T>> open_, running_;
 };
 
 }  // namespace gshard::detail

@@ -53,10 +53,7 @@ class timed_collective {
   }
 
  private:
-  struct depth {  // first: counted before the checked mode's own calls, and uncounted even if they throw
-    depth() { ++counted_depth(); }
-    ~depth() { --counted_depth(); }
-  } depth_;
+  counted_scope depth_;  // first: counted before the checked mode's own calls, and uncounted even if they throw
   collective kind_;
   const std::string& axes_;  // the group's label: the mesh outlives every collective on it
   std::size_t bytes_;

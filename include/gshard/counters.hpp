@@ -78,6 +78,13 @@ inline int& counted_depth() {
   thread_local int depth = 0;
   return depth;
 }
+// While one lives, this thread is inside a counted collective.
+struct counted_scope {
+  counted_scope() { ++counted_depth(); }
+  ~counted_scope() { --counted_depth(); }
+  counted_scope(const counted_scope&) = delete;
+  counted_scope& operator=(const counted_scope&) = delete;
+};
 }  // namespace detail
 
 // True while a counted collective runs on this thread.
@@ -97,6 +104,17 @@ inline void count_collective(collective kind, std::string_view axes, std::size_t
     }
   if (!found) s.totals.push_back({kind, std::string(axes), 1, bytes, seconds});
   if (s.recorders > 0) s.log.push_back({kind, std::string(axes), bytes, seconds});
+}
+
+// Wall time of a collective's later MPI calls — a non-blocking one's tests
+// and wait (gshard/nonblocking.hpp) — added to its kind's total (counted
+// when it started).
+inline void add_collective_seconds(collective kind, std::string_view axes, double seconds) {
+  for (auto& t : detail::counters().totals)
+    if (t.kind == kind && t.axes == axes) {
+      t.seconds += seconds;
+      return;
+    }
 }
 
 // Seconds spent in collectives of one kind since the start (every axis set).

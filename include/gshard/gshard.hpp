@@ -24,6 +24,7 @@
 #include "gshard/labels.hpp"
 #include "gshard/mesh.hpp"
 #include "gshard/mpi.hpp"
+#include "gshard/nonblocking.hpp"
 #include "gshard/notation.hpp"
 #include "gshard/peak.hpp"
 #include "gshard/preemption.hpp"

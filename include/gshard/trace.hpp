@@ -32,6 +32,7 @@ struct record {
   std::string name, cat, args;  // args: the inside of a JSON object, or ""
   double begin, end;            // seconds on rank 0's clock
   char phase = 'X';             // 'X': a span; 'C': counters (args: their values, at `begin`)
+  int track = 0;                // trace::track
 };
 struct state {
   bool on = false;
@@ -61,13 +62,19 @@ inline std::string escape(std::string_view v) {
 }
 }  // namespace detail
 
+// A rank's tracks: what it runs (spans nest), and the non-blocking
+// collectives in flight meanwhile (gshard/nonblocking.hpp; they overlap the
+// first track's spans, so they get their own).
+enum class track : int { rank = 0, in_flight = 1 };
+
 inline bool enabled() { return detail::st().on; }
 inline double now() { return MPI_Wtime() + detail::st().offset; }
 
 // Records a finished span (seconds on the aligned clock).
-inline void add(std::string_view name, std::string_view cat, double begin, double end, std::string args = {}) {
+inline void add(std::string_view name, std::string_view cat, double begin, double end, std::string args = {},
+                track on = track::rank) {
   if (!enabled()) return;
-  detail::st().records.push_back({std::string(name), std::string(cat), std::move(args), begin, end});
+  detail::st().records.push_back({std::string(name), std::string(cat), std::move(args), begin, end, 'X', int(on)});
 }
 
 // Records counters at this moment: values the trace viewer draws as a

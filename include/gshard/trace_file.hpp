@@ -53,8 +53,8 @@ inline std::size_t stop(const gshard::detail::axis_group& g) {
     if (r.phase == 'C')
       std::snprintf(head, sizeof head, "{\"ph\":\"C\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,", g.rank, r.begin * 1e6);
     else
-      std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"pid\":%d,\"tid\":0,\"ts\":%.3f,\"dur\":%.3f,", g.rank,
-                    r.begin * 1e6, (r.end - r.begin) * 1e6);
+      std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,", g.rank,
+                    r.track, r.begin * 1e6, (r.end - r.begin) * 1e6);
     mine += head;
     mine += "\"name\":\"" + detail::escape(r.name) + "\",\"cat\":\"" + detail::escape(r.cat) + "\"";
     if (!r.args.empty()) mine += ",\"args\":{" + r.args + "}";
@@ -67,8 +67,12 @@ inline std::size_t stop(const gshard::detail::axis_group& g) {
   if (g.rank == 0) {
     std::string json = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
     for (int r = 0; r < g.size; ++r) {
-      char meta[120];
-      std::snprintf(meta, sizeof meta, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n", r, r);
+      char meta[320];
+      std::snprintf(meta, sizeof meta,
+                    "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n"
+                    "{\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"name\":\"thread_name\",\"args\":{\"name\":\"runs\"}},\n"
+                    "{\"ph\":\"M\",\"pid\":%d,\"tid\":1,\"name\":\"thread_name\",\"args\":{\"name\":\"collectives in flight\"}},\n",
+                    r, r, r, r);
       json += meta;
     }
     json += all;

@@ -21,7 +21,10 @@
 // contribution only from its last use in the forward to its first one; the
 // weights whose reductions take the same steps go through one bucket
 // (gshard/buckets.hpp: one collective per step for up to
-// parameters::bucket_bytes() of them), the last buckets at the backward's end.
+// parameters::bucket_bytes() of them), started non-blocking as soon as it is
+// full and moved on between the backward's rules, so it travels while the
+// backward computes; the last buckets start at the backward's end, and all
+// are finished before it returns.
 //
 // Rematerialisation (gshard/ad/remat.hpp) runs a function's forward once
 // with nothing recorded (suspended) and again in the backward (recomputing);
@@ -298,6 +301,10 @@ class tape {
       running_rule_ = i;
       rules_[i]();
       rules_[i] = nullptr;  // frees what the rule kept
+      // The started buckets' collectives move on only inside MPI calls: a
+      // test between rules keeps them moving while the next rule computes.
+      if (float_buckets_) float_buckets_->progress();
+      if (double_buckets_) double_buckets_->progress();
     }
     rules_.clear();
     finish_complete(0);
