@@ -9,7 +9,7 @@ import sys
 from html import escape
 
 COLOURS = {"step": "#9e9e9e", "model": "#b3cde3", "moe": "#ccebc5", "einsum": "#fbb4ae",
-           "collective": "#7b3294", "user": "#fed9a6"}
+           "collective": "#7b3294", "in flight": "#c2a5cf", "user": "#fed9a6"}
 
 
 def main(src: str, dst: str, title: str) -> None:
@@ -18,12 +18,12 @@ def main(src: str, dst: str, title: str) -> None:
         raise SystemExit("no spans in " + src)
     t0 = min(e["ts"] for e in events)
     t1 = max(e["ts"] + e["dur"] for e in events)
-    ranks = sorted({e["pid"] for e in events})
+    ranks = sorted({(e["pid"], e.get("tid", 0)) for e in events})  # a lane per rank and track
     width, left, row_h = 1400, 70, 18
     scale = (width - left - 10) / max(t1 - t0, 1e-9)
     lanes = []
     for r in ranks:
-        spans = sorted((e for e in events if e["pid"] == r), key=lambda e: (e["ts"], -e["dur"]))
+        spans = sorted((e for e in events if (e["pid"], e.get("tid", 0)) == r), key=lambda e: (e["ts"], -e["dur"]))
         stack, placed = [], []
         for e in spans:  # depth = number of enclosing spans
             while stack and stack[-1] <= e["ts"]:
@@ -36,7 +36,8 @@ def main(src: str, dst: str, title: str) -> None:
            f'<text x="{left}" y="16" font-size="13">{escape(title)}</text>']
     y = 30
     for r, placed, depth in lanes:
-        out.append(f'<text x="4" y="{y + 12}" font-size="12">rank {r}</text>')
+        label = f"rank {r[0]}" if r[1] == 0 else "in flight"
+        out.append(f'<text x="4" y="{y + 12}" font-size="12">{label}</text>')
         for d, e in placed:
             x = left + (e["ts"] - t0) * scale
             w = max(e["dur"] * scale, 0.5)

@@ -89,12 +89,17 @@ def main() -> int:
                 if not spec_spans or not all(e["args"]["flops"] > 0 for e in spec_spans):
                     problems.append(f"rank {r}: no einsum span {spec} with FLOPs")
             # The gradient buckets' collectives run while the backward computes: on
-            # the rank's second track, from their start to the test that saw them end.
+            # the rank's "in flight" tracks (tid 1, 2, ...: spans of one never
+            # overlap), from their start to the test that saw them end.
             flying = [e for e in mine if e["cat"] == "in flight"]
             if ranks > 1 and not flying:
                 problems.append(f"rank {r}: no collective in flight")
-            if not all(e.get("tid") == 1 and e["name"] in ("all_reduce", "reduce_scatter", "all_gather") for e in flying):
-                problems.append(f"rank {r}: an in-flight span off its track: {flying[:3]}")
+            if not all(e.get("tid", 0) >= 1 and e["name"] in ("all_reduce", "reduce_scatter", "all_gather") for e in flying):
+                problems.append(f"rank {r}: an in-flight span off its tracks: {flying[:3]}")
+            for tid in {e["tid"] for e in flying}:
+                lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in flying if e["tid"] == tid)
+                if any(b[0] < a[1] - 1e-3 for a, b in zip(lane, lane[1:])):
+                    problems.append(f"rank {r}: in-flight track {tid} has overlapping spans")
             colls = Counter((e["name"], e["args"]["axes"]) for e in mine if e["cat"] == "collective")
             # 2 MoE blocks x (2 forward + 2 backward) all_to_alls
             if colls[("all_to_all", "expert")] != 8:

@@ -11,6 +11,7 @@
 //   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
 //   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
 //   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
+//   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
 //   train_throw   one rank throws between the forward and the backward of a step
 //   train_kill    one rank is killed by SIGKILL in the middle of a step
 //   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
@@ -92,6 +93,17 @@ int main(int argc, char** argv) {
   if (mode == "debug_started") {
     pending p = odd ? start_all_gather<double>(m.group<"expert">(), v, wide) : start_all_reduce<double>(m.group<"expert">(), v);
     p.wait();
+  }
+  if (mode == "throw_in_flight") {
+    try {  // caught (as the trainer catches bad_alloc to say so): the stack unwinds past the pending
+      std::vector<double> part(4);
+      pending p = start_reduce_scatter<double>(m.group<"expert">(), wide, part);  // P-1 exchanges: it needs every rank
+      if (odd) throw shape_error("gshard::test: deliberate failure with a collective in flight");
+      all_reduce<double>(m.group<"expert">(), v);  // the others wait here, so the ring's later exchanges never come
+      p.wait();
+    } catch (const shape_error&) {
+      throw;
+    }
   }
   if (mode == "watchdog_wait") {
     if (odd) std::this_thread::sleep_for(std::chrono::seconds(60));

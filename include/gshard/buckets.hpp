@@ -74,10 +74,10 @@ class bucket_memory {
 // its block (copied in) and a function that receives its result. The plan's
 // collectives run non-blocking, one step at a time: start() posts the first
 // step, progress() moves the step in flight on (tests only), advance()
-// finishes it and posts the next, finish() runs the rest and hands out the
-// results. Where each step starts is the caller's program point (start,
-// advance, finish), never a test's finding, so every rank issues the same
-// collectives in the same order.
+// finishes it and posts the next — or, after the last, hands each member its
+// result — and finish() advances to the end. Where each step starts is the
+// caller's program point (start, advance, finish), never a test's finding,
+// so every rank issues the same collectives in the same order.
 template <class T>
 class bucket {
  public:
@@ -85,8 +85,8 @@ class bucket {
 
   bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory)
       : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()) {}
-  bucket(bucket&&) noexcept = default;
-  bucket& operator=(bucket&&) = delete;  // would drop its own buffers instead of giving them back
+  bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes
+  bucket& operator=(const bucket&) = delete;
   ~bucket() {
     flight_ = pending{};  // finished before its buffers go back
     memory_->give(std::move(data_));
@@ -114,29 +114,24 @@ class bucket {
   // Posts the first step's collective.
   void start() {
     if (members_.empty() || step_ >= 0) return;
-    step_ = 0;
     flight_ = begin_step(plan_.step[0]);
-  }
-  // Finishes the step in flight (waiting if it must) and posts the next;
-  // nothing once the last step is in flight.
-  void advance() {
-    if (step_ < 0 || step_ + 1 >= plan_.n) return;
-    flight_.wait();
-    end_step(plan_.step[step_]);
-    flight_ = begin_step(plan_.step[++step_]);
+    step_ = 0;
   }
   // Moves the step in flight on, without blocking.
   void progress() { flight_.test(); }
-  // Runs what is left of the plan and hands each member its result. Empty afterwards.
-  void finish() {
-    if (members_.empty()) return;
-    start();
-    for (;;) {
-      flight_.wait();
-      end_step(plan_.step[step_]);
-      if (++step_ == plan_.n) break;
-      flight_ = begin_step(plan_.step[step_]);
+  // Finishes the step in flight (waiting if it must) and posts the next;
+  // after the last, hands each member its result and empties the bucket.
+  void advance() {
+    if (step_ < 0) return;
+    flight_.wait();
+    end_step(plan_.step[step_]);
+    if (step_ + 1 < plan_.n) {
+      flight_ = begin_step(plan_.step[step_ + 1]);
+      ++step_;
+      return;
     }
+    flight_ = pending{};
+    step_ = -1;
     std::size_t at = 0;
     for (auto& m : members_) {
       m.done(std::span<const T>(data_.data() + at, m.size));
@@ -144,7 +139,11 @@ class bucket {
     }
     members_.clear();
     data_.clear();
-    step_ = -1;
+  }
+  // Runs what is left of the plan and hands out the results.
+  void finish() {
+    start();
+    while (step_ >= 0) advance();
   }
 
  private:
@@ -205,7 +204,7 @@ class bucket {
   bucket_memory<T>* memory_;
   std::vector<T> data_, scratch_;
   std::vector<member> members_;
-  int step_ = -1;   // the step in flight; -1: not started
+  int step_ = -1;   // the step in flight; -1: none
   pending flight_;  // its collective (finished in ~bucket before the buffers go back)
 };
 
@@ -213,14 +212,15 @@ class bucket {
 // starts as soon as it holds `limit` bytes or more (so one collective may
 // carry more than `limit`: a bucket holds at least one whole tensor), and a
 // new one takes its place. Each time one starts, the buckets started before
-// it move one step on (their next step is posted once the one in flight has
-// finished: between two buckets' starts lies the compute that filled the
-// second, so the wait is short when the network keeps up). progress() moves
-// the steps in flight on (call it between pieces of work); flush() starts
-// the rest in the order their plans first came and finishes every bucket in
-// the order they started. limit 0: every tensor on its own. The same
-// sequence of adds and flushes on every rank gives the same collectives in
-// the same order (progress() posts none).
+// it move one step on — the next step posted, or the results handed out
+// after the last — once the step in flight has finished: between two
+// buckets' starts lies the compute that filled the second, so the wait is
+// short when the network keeps up. progress() moves the steps in flight on
+// (call it between pieces of work); flush() starts the rest in the order
+// their plans first came and finishes every bucket in the order they
+// started. limit 0: every tensor on its own. The same sequence of adds and
+// flushes on every rank gives the same collectives in the same order
+// (progress() posts nothing).
 template <class T>
 class buckets {
  public:
@@ -240,6 +240,7 @@ class buckets {
     it->add(block, std::move(done));
     if (it->bytes() < limit_) return;
     for (auto& b : running_) b.advance();
+    running_.remove_if([](const bucket<T>& b) { return b.empty(); });  // their buffers go back for the next ones
     it->start();
     open_.emplace(it, *mesh_, plan, *memory_);            // an empty one keeps the plan's place in flush()'s order
     running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put

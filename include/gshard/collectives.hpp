@@ -25,21 +25,31 @@
 namespace gshard {
 
 namespace detail {
+// What every collective, blocking or not (nonblocking.hpp), does first:
+// takes its number in the mesh's sequence, has the watchdog watch it from
+// here (`watch`: until the caller drops it), and in the checked mode
+// compares itself with the other ranks (debug.hpp). `type` and `count`
+// describe its input (count -1: it may differ across ranks, as for gather
+// and scatter). Returns its number.
+inline std::uint64_t open_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count,
+                                     std::optional<debug::watch>& watch) {
+  const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
+  if (options().watchdog_seconds > 0) {
+    debug::start_watchdog();  // once per process
+    watch.emplace(kind, g.label, bytes, seq);
+  }
+  if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, seq, kind, g.label, type, count);
+  return seq;
+}
+
 // Counts one collective, with the wall time of its MPI call(s) on this rank;
 // traces it; and, when asked, lets the watchdog watch it and checks it
-// against the other ranks first (debug.hpp).
+// against the other ranks first.
 class timed_collective {
  public:
-  // A collective over a mesh group: `type` and `count` describe its input
-  // (count -1: it may differ across ranks, as for gather and scatter).
   timed_collective(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
       : kind_(kind), axes_(g.label), bytes_(bytes) {
-    const std::uint64_t seq = g.sequence ? (*g.sequence)++ : 0;
-    if (options().watchdog_seconds > 0) {
-      debug::start_watchdog();  // once per process
-      watch_.emplace(kind, axes_, bytes, seq);
-    }
-    if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, seq, kind, axes_, type, count);
+    open_collective(kind, g, bytes, type, count, watch_);
     t0_ = MPI_Wtime();
   }
   timed_collective(const timed_collective&) = delete;
@@ -137,6 +147,16 @@ inline bool reduce_scatter_uses_mpi() { return options().reduce_scatter_mpi != 0
 // passing one running partial sum of n/P elements to the right neighbour and
 // adding this rank's block to the one arriving from the left. Rank r ends
 // with block r. The summation order is fixed for a given P.
+// The ring's arithmetic, shared by the blocking ring and the non-blocking one
+// (nonblocking.hpp), so both add the same numbers in the same order: at
+// exchange `step` rank r adds its own block ring_block(r, step, P) to the
+// partial sum arriving from the left; it first sends ring_block(r, -1, P).
+constexpr int ring_block(int r, int step, int P) { return ((r - step - 2) % P + P) % P; }
+template <class T>
+void ring_add(const T* own, const T* incoming, T* out, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = own[i] + incoming[i];
+}
+
 template <class T>
 void ring_reduce_scatter(const axis_group& g, const T* send, T* recv, std::size_t chunk) {
   const int P = g.size, r = g.rank;
@@ -148,14 +168,12 @@ void ring_reduce_scatter(const axis_group& g, const T* send, T* recv, std::size_
   incoming.resize(chunk);
   const int right = (r + 1) % P, left = (r + P - 1) % P;
   const int n = mpi::count(chunk, "reduce_scatter");
-  const T* running = send + std::size_t((r + P - 1) % P) * chunk;
+  const T* running = send + std::size_t(ring_block(r, -1, P)) * chunk;
   for (int step = 0; step < P - 1; ++step) {
-    const int block = ((r - step - 2) % P + P) % P;
     mpi::check(MPI_Sendrecv(running, n, mpi::datatype<T>(), right, 0x7273, incoming.data(), n, mpi::datatype<T>(), left,
                             0x7273, g.comm, MPI_STATUS_IGNORE),
                "MPI_Sendrecv");
-    const T* own = send + std::size_t(block) * chunk;
-    for (std::size_t i = 0; i < chunk; ++i) recv[i] = own[i] + incoming[i];
+    ring_add(send + std::size_t(ring_block(r, step, P)) * chunk, incoming.data(), recv, chunk);
     running = recv;
   }
 }

@@ -45,7 +45,8 @@ struct collective_event {
   friend bool operator==(const collective_event& a, const collective_event& b) {
     return a.kind == b.kind && a.axes == b.axes && a.bytes == b.bytes;
   }
-  double seconds = 0;  // wall time of the MPI call(s) on this rank
+  double seconds = 0;  // wall time of the MPI call(s) on this rank; a non-blocking one's posting only (its
+                       // tests and wait are added to the totals: add_collective_seconds)
 };
 
 inline std::string to_string(const collective_event& e) {

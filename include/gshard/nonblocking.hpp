@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
@@ -38,7 +39,6 @@ namespace gshard {
 
 namespace detail {
 
-// One collective in flight. Subclasses post its MPI calls and move it on.
 // One collective in flight. Subclasses post its MPI calls (inside a
 // counted_scope: test/pmpi.cpp checks that every MPI call gshard makes is a
 // counted collective's) and move it on.
@@ -47,24 +47,19 @@ class in_flight {
   in_flight(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
       : kind_(kind), axes_(g.label), bytes_(bytes) {
     const counted_scope scope;
-    seq_ = g.sequence ? (*g.sequence)++ : 0;
-    if (options().watchdog_seconds > 0) debug::start_watchdog();  // once per process
-    if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) {
-      std::optional<debug::watch> watch;  // the check itself may wait for a rank that never comes
-      if (options().watchdog_seconds > 0) watch.emplace(kind, axes_, bytes, seq_);
-      debug::check(g.mesh_comm, seq_, kind, axes_, type, count);
-    }
+    std::optional<debug::watch> watch;  // while the checked mode compares it: a rank may never come
+    seq_ = open_collective(kind, g, bytes, type, count, watch);
+    count_collective(kind, axes_, bytes_);  // before it is posted: nothing after the post throws
     started_ = MPI_Wtime();
   }
   in_flight(const in_flight&) = delete;
   in_flight& operator=(const in_flight&) = delete;
   virtual ~in_flight() = default;
 
-  // Called once by the start_* function after the subclass posted its calls:
-  // counted now, with the posting's wall time.
-  void posted() {
+  // Called by the start_* function once the subclass has posted its calls.
+  void posted() noexcept {
     done_ = false;
-    count_collective(kind_, axes_, bytes_, MPI_Wtime() - started_);
+    add_collective_seconds(kind_, axes_, MPI_Wtime() - started_);
   }
 
   // Moves it on; true once it has finished (its result is in place).
@@ -94,13 +89,32 @@ class in_flight {
     ended(t1);
   }
 
+  // While an exception leaves the scope of a collective in flight: moves it
+  // on for as long as the watchdog allows (10 s without one). When every
+  // rank unwinds past it, they finish it together; when this rank alone
+  // does, the others are blocked elsewhere and never will — then the job
+  // ends with a message, instead of this rank waiting forever.
+  void finish_while_unwinding() noexcept {
+    const double limit = options().watchdog_seconds > 0 ? options().watchdog_seconds : 10.0;
+    const double t0 = MPI_Wtime();
+    try {
+      while (!test())
+        if (MPI_Wtime() - t0 > limit) break;
+    } catch (...) {
+    }
+    if (done_) return;
+    const std::string msg = "collective #" + std::to_string(seq_) + " " + std::string(name_of(kind_)) + " over {" + axes_ +
+                            "} was in flight when an exception left its scope on this rank, and the other ranks did not "
+                            "finish it within " + std::to_string(int(limit)) +
+                            " s: the exception is this rank's alone; ending the job";
+    mpi::abort_job(msg.c_str());
+  }
+
+  std::uint64_t sequence() const { return seq_; }
+
  protected:
   // block: wait for the MPI calls; otherwise test them. True once finished.
   virtual bool advance(bool block) = 0;
-  // A tag for this collective's own point-to-point messages, the same on every
-  // rank (from the mesh's sequence number) and different from any other
-  // collective in flight (a few thousand apart), and from the blocking forms' tags.
-  int tag() const { return 0x4000 + int(seq_ % 0x2000); }
 
  private:
   std::string args() const {
@@ -138,6 +152,19 @@ class request_in_flight final : public in_flight {
   }
 };
 
+// The tags of the rings in flight. A ring's point-to-point messages carry
+// tag ring_tag_base + its number in the mesh's sequence modulo
+// ring_tag_slots (the same on every rank); a slot still held by an earlier
+// ring that has not been let go — its `pending` destroyed or replaced, a
+// program point, the same on every rank — is waited for first. So two rings
+// in flight never share a tag, and neither shares one with the blocking
+// ring (0x7273) or permute (0x6773).
+inline constexpr int ring_tag_base = 0x4000, ring_tag_slots = 0x2000;
+inline std::vector<in_flight*>& ring_tag_owners() {
+  thread_local std::vector<in_flight*> owners(ring_tag_slots, nullptr);
+  return owners;
+}
+
 // Receive buffers for the rings in flight, kept from one to the next (fresh
 // pages cost ~10 us per 4 KiB on these machines).
 template <class T>
@@ -154,7 +181,7 @@ class ring_in_flight final : public in_flight {
  public:
   ring_in_flight(const axis_group& g, std::span<const T> send, std::span<T> recv)
       : in_flight(collective::reduce_scatter, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size())),
-        g_(g), send_(send.data()), recv_(recv.data()), chunk_(recv.size()) {
+        g_(g), send_(send.data()), recv_(recv.data()), chunk_(recv.size()), slot_(int(sequence() % ring_tag_slots)) {
     if (g.size == 1) {
       std::copy(send.begin(), send.end(), recv.begin());
       return;
@@ -165,22 +192,25 @@ class ring_in_flight final : public in_flight {
       free.pop_back();
     }
     incoming_.resize(chunk_);
-    running_ = send_ + std::size_t((g.rank + g.size - 1) % g.size) * chunk_;
+    in_flight*& owner = ring_tag_owners()[std::size_t(slot_)];
+    if (owner) owner->wait();
+    owner = this;
+    running_ = send_ + std::size_t(ring_block(g.rank, -1, g.size)) * chunk_;
     post();
   }
   ~ring_in_flight() override {
+    if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
     if (incoming_.capacity() > 0) ring_buffers<T>().push_back(std::move(incoming_));
   }
 
  private:
   void post() {
-    const int P = g_.size, r = g_.rank, n = mpi::count(chunk_, "reduce_scatter");
-    mpi::check(MPI_Irecv(incoming_.data(), n, mpi::datatype<T>(), (r + P - 1) % P, tag(), g_.comm, &req_[0]), "MPI_Irecv");
-    mpi::check(MPI_Isend(running_, n, mpi::datatype<T>(), (r + 1) % P, tag(), g_.comm, &req_[1]), "MPI_Isend");
+    const int P = g_.size, r = g_.rank, n = mpi::count(chunk_, "reduce_scatter"), tag = ring_tag_base + slot_;
+    mpi::check(MPI_Irecv(incoming_.data(), n, mpi::datatype<T>(), (r + P - 1) % P, tag, g_.comm, &req_[0]), "MPI_Irecv");
+    mpi::check(MPI_Isend(running_, n, mpi::datatype<T>(), (r + 1) % P, tag, g_.comm, &req_[1]), "MPI_Isend");
   }
   bool advance(bool block) override {
-    const int P = g_.size, r = g_.rank;
-    while (step_ < P - 1) {
+    while (step_ < g_.size - 1) {
       if (block) {
         mpi::check(MPI_Waitall(2, req_, MPI_STATUSES_IGNORE), "MPI_Waitall");
       } else {
@@ -188,10 +218,9 @@ class ring_in_flight final : public in_flight {
         mpi::check(MPI_Testall(2, req_, &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
         if (!flag) return false;
       }
-      const T* own = send_ + std::size_t(((r - step_ - 2) % P + P) % P) * chunk_;
-      for (std::size_t i = 0; i < chunk_; ++i) recv_[i] = own[i] + incoming_[i];
+      ring_add(send_ + std::size_t(ring_block(g_.rank, step_, g_.size)) * chunk_, incoming_.data(), recv_, chunk_);
       running_ = recv_;
-      if (++step_ < P - 1) post();
+      if (++step_ < g_.size - 1) post();
     }
     return true;
   }
@@ -200,6 +229,7 @@ class ring_in_flight final : public in_flight {
   const T* send_;
   T* recv_;
   std::size_t chunk_;
+  int slot_;
   const T* running_ = nullptr;
   std::vector<T> incoming_;
   MPI_Request req_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -210,21 +240,21 @@ class ring_in_flight final : public in_flight {
 
 // A collective started by start_*: its buffers must stay where they are, and
 // untouched, until it has finished. Destroying one that has not finished
-// waits for it (an exception unwinding past it on every rank; on one rank
-// alone the job ends through its terminate handler or the watchdog).
+// waits for it; while an exception unwinds, only as long as the other ranks
+// could take to unwind past it too (in_flight::finish_while_unwinding).
 class pending {
  public:
   pending() = default;
-  explicit pending(std::unique_ptr<detail::in_flight> op) : op_(std::move(op)) {}
+  explicit pending(std::unique_ptr<detail::in_flight> op) noexcept : op_(std::move(op)) {}
   pending(pending&&) noexcept = default;
   pending& operator=(pending&& o) noexcept {
     if (this != &o) {
-      finish_quietly();
+      let_go();
       op_ = std::move(o.op_);
     }
     return *this;
   }
-  ~pending() { finish_quietly(); }
+  ~pending() { let_go(); }
 
   // Moves it on without blocking; true once finished.
   bool test() { return !op_ || op_->test(); }
@@ -234,12 +264,16 @@ class pending {
   }
 
  private:
-  void finish_quietly() noexcept {
+  void let_go() noexcept {
     if (!op_) return;
-    try {
-      op_->wait();
-    } catch (const std::exception& e) {
-      mpi::abort_job((std::string("a collective in flight failed while it was abandoned: ") + e.what()).c_str());
+    if (std::uncaught_exceptions() > 0) {
+      op_->finish_while_unwinding();
+    } else {
+      try {
+        op_->wait();
+      } catch (const std::exception& e) {
+        mpi::abort_job((std::string("a collective in flight failed as its pending was let go: ") + e.what()).c_str());
+      }
     }
     op_.reset();
   }
@@ -277,6 +311,9 @@ pending start_all_gather(const detail::axis_group& g, std::span<const T> send, s
 template <class T>
 pending start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
+  if (!g.sequence)  // every mesh group and world_group() has one
+    throw error("gshard::start_reduce_scatter: the group {" + g.label + "} keeps no sequence of its collectives, which "
+                "its ring's message tags come from");
   const detail::counted_scope scope;
   if (!detail::reduce_scatter_uses_mpi()) {
     auto op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);

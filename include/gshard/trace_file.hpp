@@ -4,6 +4,7 @@
 // collectives like every other MPI communication gshard makes.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -47,7 +48,29 @@ inline void start(const std::string& path) { start(path, world_group()); }
 inline std::size_t stop(const gshard::detail::axis_group& g) {
   auto& s = detail::st();
   s.on = false;
+  // Collectives in flight overlap each other: each goes on the first of
+  // this rank's "in flight" tracks (tid 1, 2, ...) free at its start, so
+  // the spans of one track never overlap (the viewers draw them nested).
+  std::vector<std::size_t> flying;
+  for (std::size_t i = 0; i < s.records.size(); ++i)
+    if (s.records[i].track == int(track::in_flight)) flying.push_back(i);
+  std::sort(flying.begin(), flying.end(), [&](std::size_t a, std::size_t b) { return s.records[a].begin < s.records[b].begin; });
+  std::vector<double> lane_end;  // when each in-flight track is free again
+  for (std::size_t i : flying) {
+    auto& r = s.records[i];
+    std::size_t lane = 0;
+    while (lane < lane_end.size() && lane_end[lane] > r.begin) ++lane;
+    if (lane == lane_end.size()) lane_end.push_back(0);
+    lane_end[lane] = r.end;
+    r.track = int(track::in_flight) + int(lane);
+  }
   std::string mine;
+  for (std::size_t t = 0; t <= lane_end.size(); ++t) {  // the tracks' names: what runs, then the collectives in flight
+    char meta[160];
+    std::snprintf(meta, sizeof meta, "{\"ph\":\"M\",\"pid\":%d,\"tid\":%zu,\"name\":\"thread_name\",\"args\":{\"name\":\"%s\"}},\n",
+                  g.rank, t, t == 0 ? "runs" : "collectives in flight");
+    mine += meta;
+  }
   for (const auto& r : s.records) {
     char head[160];
     if (r.phase == 'C')
@@ -67,12 +90,8 @@ inline std::size_t stop(const gshard::detail::axis_group& g) {
   if (g.rank == 0) {
     std::string json = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
     for (int r = 0; r < g.size; ++r) {
-      char meta[320];
-      std::snprintf(meta, sizeof meta,
-                    "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n"
-                    "{\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"name\":\"thread_name\",\"args\":{\"name\":\"runs\"}},\n"
-                    "{\"ph\":\"M\",\"pid\":%d,\"tid\":1,\"name\":\"thread_name\",\"args\":{\"name\":\"collectives in flight\"}},\n",
-                    r, r, r, r);
+      char meta[120];
+      std::snprintf(meta, sizeof meta, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n", r, r);
       json += meta;
     }
     json += all;
