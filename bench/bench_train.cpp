@@ -12,7 +12,7 @@
 //   page faults per step after three warm-up steps.
 // remat, remat_vs_kept: rematerialisation at 8 blocks (below).
 // cost_model: the cost model's predicted step against the measured one (below).
-// buckets_vs_per_weight: gradient buckets against one collective per weight (below).
+// bucket_sizes: one collective per weight against buckets of three sizes (below).
 // moe_layer: the MoE layer alone in its reference configuration (4096
 //   tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
 //   backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
@@ -136,24 +136,32 @@ void sharded_vs_replicated_update(benchmark::State& state) {
   state.counters["sharded/replicated"] = c.median_ratio[1];
 }
 
-// buckets_vs_per_weight: the step (sharded update) with the weights'
-// gradient reductions and gathers in buckets (parameters' default) over
-// one collective per weight, interleaved step by step (the median ratio);
-// and the collectives each issues per step.
-void buckets_vs_per_weight(benchmark::State& state) {
-  trainer per(true), bucketed(true);
-  per.ps.set_bucket_bytes(0);
-  auto calls = [](trainer& t) {
+// bucket_sizes: the step (sharded update) with its gradient reductions and
+// weight gathers one collective per weight, and in buckets of 256 KiB,
+// 1 MiB and 4 MiB (the default), interleaved step by step (median times,
+// ratios to one per weight); and the collectives each issues per step.
+// Buckets start as they fill and travel while the step computes: smaller
+// ones start sooner, larger ones pay each collective's latency fewer times.
+void bucket_sizes(benchmark::State& state) {
+  const std::size_t kib[] = {0, 256, 1024, default_bucket_bytes >> 10};
+  std::vector<std::unique_ptr<trainer>> runs;
+  std::vector<std::function<void()>> steps;
+  for (std::size_t k : kib) {
+    runs.push_back(std::make_unique<trainer>(true));
+    runs.back()->ps.set_bucket_bytes(k << 10);
+    steps.push_back([t = runs.back().get()] { t->step(); });
+  }
+  auto name = [](std::size_t k) { return k == 0 ? std::string("per_weight") : std::to_string(k) + "KiB"; };
+  for (std::size_t i = 0; i < runs.size(); ++i) {
     collective_recorder rec;
-    t.step();
-    return double(rec.events().size());
-  };
-  state.counters["collectives_per_weight"] = calls(per);
-  state.counters["collectives_bucketed"] = calls(bucketed);
-  const auto c = gshard::bench::compare(state, {[&] { per.step(); }, [&] { bucketed.step(); }}, 1);
-  state.counters["per_weight_ms"] = 1e3 * c.median_time[0];
-  state.counters["bucketed_ms"] = 1e3 * c.median_time[1];
-  state.counters["bucketed/per_weight"] = c.median_ratio[1];
+    runs[i]->step();
+    state.counters["collectives_" + name(kib[i])] = double(rec.events().size());
+  }
+  const auto c = gshard::bench::compare(state, steps, runs.size() - 1);
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    state.counters[name(kib[i]) + "_ms"] = 1e3 * c.median_time[i];
+    if (i > 0) state.counters[name(kib[i]) + "/per_weight"] = c.median_ratio[i];
+  }
 }
 
 // kB of a "VmRSS:" / "VmHWM:" line of /proc/self/status, in MiB.
@@ -356,7 +364,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("buckets_vs_per_weight", buckets_vs_per_weight)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
       ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
