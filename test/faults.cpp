@@ -91,13 +91,13 @@ int main(int argc, char** argv) {
   if (mode == "debug_extra" && odd) broadcast<double>(m.group<"expert">(), v, 0);
   if (mode == "watchdog" && odd) std::this_thread::sleep_for(std::chrono::seconds(60));
   if (mode == "debug_started") {
-    pending p = odd ? start_all_gather<double>(m.group<"expert">(), v, wide) : start_all_reduce<double>(m.group<"expert">(), v);
+    collective_request p = odd ? start_all_gather<double>(m.group<"expert">(), v, wide) : start_all_reduce<double>(m.group<"expert">(), v);
     p.wait();
   }
   if (mode == "throw_in_flight") {
-    try {  // caught (as the trainer catches bad_alloc to say so): the stack unwinds past the pending
+    try {  // caught (as the trainer catches bad_alloc to say so): the stack unwinds past the request
       std::vector<double> part(4);
-      pending p = start_reduce_scatter<double>(m.group<"expert">(), wide, part);  // P-1 exchanges: it needs every rank
+      collective_request p = start_reduce_scatter<double>(m.group<"expert">(), wide, part);  // P-1 exchanges: it needs every rank
       if (odd) throw shape_error("gshard::test: deliberate failure with a collective in flight");
       all_reduce<double>(m.group<"expert">(), v);  // the others wait here, so the ring's later exchanges never come
       p.wait();

@@ -308,10 +308,10 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
   collective_recorder rec;
   // Four in flight at once (two rings on one group: their messages must not
   // mix), a blocking collective among them, finished in another order.
-  pending p1 = start_reduce_scatter<double>(g, rs1_in, rs1);
-  pending p2 = start_all_reduce<double>(g, ar);
-  pending p3 = start_reduce_scatter<double>(g, rs2_in, rs2);
-  pending p4 = start_all_gather<float>(g, ag_send, ag);
+  collective_request p1 = start_reduce_scatter<double>(g, rs1_in, rs1);
+  collective_request p2 = start_all_reduce<double>(g, ar);
+  collective_request p3 = start_reduce_scatter<double>(g, rs2_in, rs2);
+  collective_request p4 = start_all_gather<float>(g, ag_send, ag);
   std::vector<double> mid(1, 1.0);
   all_reduce<double>(g, mid);
   while (!p3.test()) {
@@ -349,7 +349,7 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
 
   // One destroyed unfinished is finished first: its buffer holds the result.
   std::vector<double> left(3, double(r));
-  { pending p = start_all_reduce<double>(g, left); }
+  { collective_request p = start_all_reduce<double>(g, left); }
   GSHARD_REQUIRE(left[2] == double(P * (P - 1) / 2));
   // Mismatched buffers are refused before MPI sees them, and nothing is counted.
   rec.reset();

@@ -88,7 +88,7 @@ class bucket {
   bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes
   bucket& operator=(const bucket&) = delete;
   ~bucket() {
-    flight_ = pending{};  // finished before its buffers go back
+    flight_ = collective_request{};  // finished before its buffers go back
     memory_->give(std::move(data_));
     memory_->give(std::move(scratch_));
   }
@@ -130,7 +130,7 @@ class bucket {
       ++step_;
       return;
     }
-    flight_ = pending{};
+    flight_ = collective_request{};
     step_ = -1;
     std::size_t at = 0;
     for (auto& m : members_) {
@@ -153,7 +153,7 @@ class bucket {
   };
 
   // Pack and start one step's collective; end_step unpacks once it has finished.
-  pending begin_step(const reshard_step& s) {
+  collective_request begin_step(const reshard_step& s) {
     if (s.kind == step_kind::all_reduce)  // partial{x} |-> replicated on x, in place
       return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
     const axis_group& g = mesh_->group(1u << s.axis);
@@ -205,7 +205,7 @@ class bucket {
   std::vector<T> data_, scratch_;
   std::vector<member> members_;
   int step_ = -1;   // the step in flight; -1: none
-  pending flight_;  // its collective (finished in ~bucket before the buffers go back)
+  collective_request flight_;  // its collective (finished in ~bucket before the buffers go back)
 };
 
 // Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket

@@ -1,6 +1,7 @@
 // gshard/nonblocking.hpp — collectives started now and finished later, so a
 // rank computes while its data moves: start_all_reduce, start_all_gather,
-// start_reduce_scatter return a `pending`; its test() moves the collective on
+// start_reduce_scatter return a `collective_request` (MPI's
+// word for the handle of a non-blocking operation); its test() moves the collective on
 // without blocking, its wait() finishes it. The gradient buckets start their
 // reductions this way the moment a bucket is full, and the backward tests them
 // between its rules (gshard/buckets.hpp, gshard/ad/tape.hpp): PyTorch DDP's
@@ -155,7 +156,7 @@ class request_in_flight final : public in_flight {
 // The tags of the rings in flight. A ring's point-to-point messages carry
 // tag ring_tag_base + its number in the mesh's sequence modulo
 // ring_tag_slots (the same on every rank); a slot still held by an earlier
-// ring that has not been let go — its `pending` destroyed or replaced, a
+// ring that has not been let go — its collective_request destroyed or replaced, a
 // program point, the same on every rank — is waited for first. So two rings
 // in flight never share a tag, and neither shares one with the blocking
 // ring (0x7273) or permute (0x6773).
@@ -242,19 +243,19 @@ class ring_in_flight final : public in_flight {
 // untouched, until it has finished. Destroying one that has not finished
 // waits for it; while an exception unwinds, only as long as the other ranks
 // could take to unwind past it too (in_flight::finish_while_unwinding).
-class pending {
+class collective_request {
  public:
-  pending() = default;
-  explicit pending(std::unique_ptr<detail::in_flight> op) noexcept : op_(std::move(op)) {}
-  pending(pending&&) noexcept = default;
-  pending& operator=(pending&& o) noexcept {
+  collective_request() = default;
+  explicit collective_request(std::unique_ptr<detail::in_flight> op) noexcept : op_(std::move(op)) {}
+  collective_request(collective_request&&) noexcept = default;
+  collective_request& operator=(collective_request&& o) noexcept {
     if (this != &o) {
       let_go();
       op_ = std::move(o.op_);
     }
     return *this;
   }
-  ~pending() { let_go(); }
+  ~collective_request() { let_go(); }
 
   // Moves it on without blocking; true once finished.
   bool test() { return !op_ || op_->test(); }
@@ -272,7 +273,7 @@ class pending {
       try {
         op_->wait();
       } catch (const std::exception& e) {
-        mpi::abort_job((std::string("a collective in flight failed as its pending was let go: ") + e.what()).c_str());
+        mpi::abort_job((std::string("a collective in flight failed as its request was let go: ") + e.what()).c_str());
       }
     }
     op_.reset();
@@ -282,7 +283,7 @@ class pending {
 
 // x |-> the sum over the group of x, in place, started.
 template <class T>
-pending start_all_reduce(const detail::axis_group& g, std::span<T> data) {
+collective_request start_all_reduce(const detail::axis_group& g, std::span<T> data) {
   const detail::counted_scope scope;
   auto op = std::make_unique<detail::request_in_flight>(collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(),
                                                         std::int64_t(data.size()));
@@ -290,12 +291,12 @@ pending start_all_reduce(const detail::axis_group& g, std::span<T> data) {
                             g.comm, &op->request),
              "MPI_Iallreduce");
   op->posted();
-  return pending(std::move(op));
+  return collective_request(std::move(op));
 }
 
 // recv = concat over group ranks r of send(r), started.
 template <class T>
-pending start_all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+collective_request start_all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(recv.size() == send.size() * std::size_t(g.size), "all_gather", g, send.size(), recv.size());
   const detail::counted_scope scope;
   auto op = std::make_unique<detail::request_in_flight>(collective::all_gather, g, send.size_bytes(), debug::type_code<T>(),
@@ -304,12 +305,12 @@ pending start_all_gather(const detail::axis_group& g, std::span<const T> send, s
   mpi::check(MPI_Iallgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm, &op->request),
              "MPI_Iallgather");
   op->posted();
-  return pending(std::move(op));
+  return collective_request(std::move(op));
 }
 
 // recv = block `g.rank` of the sum over group ranks of send, started.
 template <class T>
-pending start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+collective_request start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
   if (!g.sequence)  // every mesh group and world_group() has one
     throw error("gshard::start_reduce_scatter: the group {" + g.label + "} keeps no sequence of its collectives, which "
@@ -318,7 +319,7 @@ pending start_reduce_scatter(const detail::axis_group& g, std::span<const T> sen
   if (!detail::reduce_scatter_uses_mpi()) {
     auto op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);
     op->posted();
-    return pending(std::move(op));
+    return collective_request(std::move(op));
   }
   auto op = std::make_unique<detail::request_in_flight>(collective::reduce_scatter, g, send.size_bytes(),
                                                         debug::type_code<T>(), std::int64_t(send.size()));
@@ -326,7 +327,7 @@ pending start_reduce_scatter(const detail::axis_group& g, std::span<const T> sen
                                        mpi::datatype<T>(), MPI_SUM, g.comm, &op->request),
              "MPI_Ireduce_scatter_block");
   op->posted();
-  return pending(std::move(op));
+  return collective_request(std::move(op));
 }
 
 }  // namespace gshard
