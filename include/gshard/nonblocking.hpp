@@ -281,51 +281,59 @@ class collective_request {
   std::unique_ptr<detail::in_flight> op_;
 };
 
+namespace detail {
+// One MPI request's collective: counted and checked (in_flight), posted by
+// `post` (which fills the request and returns MPI's code), then handed over.
+template <class Post>
+collective_request start_request(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count,
+                                 const char* call, Post post) {
+  const counted_scope scope;
+  auto op = std::make_unique<request_in_flight>(kind, g, bytes, type, count);
+  mpi::check(post(&op->request), call);
+  op->posted();
+  return collective_request(std::move(op));
+}
+}  // namespace detail
+
 // x |-> the sum over the group of x, in place, started.
 template <class T>
 collective_request start_all_reduce(const detail::axis_group& g, std::span<T> data) {
-  const detail::counted_scope scope;
-  auto op = std::make_unique<detail::request_in_flight>(collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(),
-                                                        std::int64_t(data.size()));
-  mpi::check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
-                            g.comm, &op->request),
-             "MPI_Iallreduce");
-  op->posted();
-  return collective_request(std::move(op));
+  const int n = mpi::count(data.size(), "all_reduce");
+  return detail::start_request(collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()),
+                               "MPI_Iallreduce", [&](MPI_Request* q) {
+                                 return MPI_Iallreduce(MPI_IN_PLACE, data.data(), n, mpi::datatype<T>(), MPI_SUM, g.comm, q);
+                               });
 }
 
 // recv = concat over group ranks r of send(r), started.
 template <class T>
 collective_request start_all_gather(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(recv.size() == send.size() * std::size_t(g.size), "all_gather", g, send.size(), recv.size());
-  const detail::counted_scope scope;
-  auto op = std::make_unique<detail::request_in_flight>(collective::all_gather, g, send.size_bytes(), debug::type_code<T>(),
-                                                        std::int64_t(send.size()));
   const int n = mpi::count(send.size(), "all_gather");
-  mpi::check(MPI_Iallgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(), g.comm, &op->request),
-             "MPI_Iallgather");
-  op->posted();
-  return collective_request(std::move(op));
+  return detail::start_request(collective::all_gather, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()),
+                               "MPI_Iallgather", [&](MPI_Request* q) {
+                                 return MPI_Iallgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(),
+                                                       g.comm, q);
+                               });
 }
 
 // recv = block `g.rank` of the sum over group ranks of send, started.
 template <class T>
 collective_request start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
+  if (detail::reduce_scatter_uses_mpi()) {
+    const int n = mpi::count(recv.size(), "reduce_scatter");
+    return detail::start_request(collective::reduce_scatter, g, send.size_bytes(), debug::type_code<T>(),
+                                 std::int64_t(send.size()), "MPI_Ireduce_scatter_block", [&](MPI_Request* q) {
+                                   return MPI_Ireduce_scatter_block(send.data(), recv.data(), n, mpi::datatype<T>(), MPI_SUM,
+                                                                    g.comm, q);
+                                 });
+  }
   if (!g.sequence)  // every mesh group and world_group() has one
     throw error("gshard::start_reduce_scatter: the group {" + g.label + "} keeps no sequence of its collectives, which "
                 "its ring's message tags come from");
   const detail::counted_scope scope;
-  if (!detail::reduce_scatter_uses_mpi()) {
-    auto op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);
-    op->posted();
-    return collective_request(std::move(op));
-  }
-  auto op = std::make_unique<detail::request_in_flight>(collective::reduce_scatter, g, send.size_bytes(),
-                                                        debug::type_code<T>(), std::int64_t(send.size()));
-  mpi::check(MPI_Ireduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
-                                       mpi::datatype<T>(), MPI_SUM, g.comm, &op->request),
-             "MPI_Ireduce_scatter_block");
+  auto op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);
   op->posted();
   return collective_request(std::move(op));
 }
