@@ -18,6 +18,7 @@
 //   backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
 //   called directly in the same iterations: of_gemm_rate, the median ratio
 //   of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
+// moe_overlap: the same layer with its all_to_alls pipelined in 1, 2, 4, 8 chunks (below).
 // (docs/10_performance.md compares these with the hand-written backward
 // they replaced, measured before it was deleted.)
 #include <gshard/gshard.hpp>
@@ -360,6 +361,51 @@ void moe_layer(benchmark::State& state) {
   state.counters["page_faults/iter"] = faults;
 }
 
+// moe_overlap: the MoE layer of moe_layer (4096 tokens per rank, M=512,
+// H=2048, E=8), forward plus backward, with its all_to_alls pipelined with
+// the experts in 1 (none), 2, 4 and 8 chunks of the capacity
+// (layer_options::overlap_degree), interleaved iteration by iteration:
+// each degree's time, its ratio to one chunk, and the time the slowest rank
+// spent in the all_to_alls' MPI calls (posting, tests, waits: what the
+// pipeline left exposed). Over shared memory the
+// all_to_alls are short and chunks cost smaller GEMMs; over a slow link
+// (scripts/multihost --link-rate 1gbit) chunks hide them behind the experts.
+void moe_overlap(benchmark::State& state) {
+  const grid& m = gshard::bench::world_mesh<grid>();
+  const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
+  const int degrees[] = {1, 2, 4, 8};
+  moe::gating_config gc;
+  using L = moe::layer<float, grid>;
+  std::vector<std::unique_ptr<parameters<grid>>> pss;
+  std::vector<std::unique_ptr<L>> layers;
+  named<float, "GSM", grid, L::at_tokens> x(m, {G, S, M});
+  fill_normal(x, 1.0, 2, 3);
+  const auto dy = relabel<"">(named<float, "GSM", grid, L::at_tokens>(x));
+  std::vector<std::function<void()>> runs;
+  std::vector<double> a2a_s(std::size(degrees)), a2a_n(std::size(degrees));  // time in the all_to_alls' MPI calls
+  for (int k : degrees) {
+    pss.push_back(std::make_unique<parameters<grid>>(m, 1));
+    moe::layer_options o;
+    o.overlap_degree = k;
+    layers.push_back(std::make_unique<L>(*pss.back(), "moe.", M, H, E, o));
+    runs.push_back([&, i = runs.size(), ps = pss.back().get(), layer = layers.back().get(), s = std::uint64_t(0)]() mutable {
+      const double a0 = collective_seconds(collective::all_to_all);
+      tape t(*ps);
+      auto out = (*layer)(t.constant(x), gc, s++);
+      auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(dy)));
+      t.backward(l);
+      a2a_s[i] += collective_seconds(collective::all_to_all) - a0, a2a_n[i] += 1;
+    });
+  }
+  const auto c = gshard::bench::compare(state, runs, 0);
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const std::string k = std::to_string(degrees[i]);
+    state.counters["chunks" + k + "_ms"] = 1e3 * c.median_time[i];
+    state.counters["chunks" + k + "_a2a_ms"] = 1e3 * gshard::bench::max_over_ranks(a2a_s[i] / a2a_n[i]);
+    if (i > 0) state.counters["chunks" + k + "/chunks1"] = c.median_ratio[i];
+  }
+}
+
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
@@ -372,6 +418,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;
 }();

@@ -9,6 +9,7 @@
 //       [routing: --top-k K --shared-experts N --dropless
 //        --capacity-factor F --eval-capacity-factor F --z-loss C
 //        --balance aux|bias --aux-coef C --ffn relu|swiglu]
+//       [--weight-update sharded|replicated --bucket-kib N --overlap-degree K]
 // SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
 // the same step, saves when --save is given, and exits with 128 + the signal.
 // Prints a progress line every few steps (loss, tokens/s, model FLOPs
@@ -106,7 +107,9 @@ constexpr const char* usage =
     "  --weight-update sharded|replicated  the Adam update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
-    "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n";
+    "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n"
+    "  --overlap-degree K the MoE layers' all_to_alls pipelined with the experts in K chunks of the capacity:\n"
+    "                     chunk i+1 travels while chunk i's experts compute, forward and backward (1: none)\n";
 
 // --remat's value: none, all, or blocks as a comma-separated list.
 std::vector<int> remat_blocks(const std::string& v, int layers) {
@@ -137,7 +140,7 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
-                          "--z-loss", "--balance", "--bias-rate", "--aux-coef"})
+                          "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree"})
       if (a == r && routing_given.empty()) routing_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;
@@ -172,6 +175,7 @@ options parse(int argc, char** argv) {
     else if (a == "--layers") o.layers = integer(1);
     else if (a == "--remat") o.remat = next();
     else if (a == "--bucket-kib") o.bucket_kib = examples::number<long long>("train", a, next(), 0, 1LL << 30);
+    else if (a == "--overlap-degree") o.model.overlap_degree = int(examples::number<long long>("train", a, next(), 1, 1 << 16));
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
     else if (a == "--dropless") g.dropless = true;
@@ -441,9 +445,10 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
                   c.gating.eval_capacity_factor > 0 ? c.gating.eval_capacity_factor : c.gating.capacity_factor);
     std::snprintf(aux, sizeof aux, c.gating.balance == moe::balance_mode::aux ? "aux loss x %g" : "bias (rate %g)",
                   c.gating.balance == moe::balance_mode::aux ? c.aux_coef : c.gating.bias_rate);
-    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs\n",
+    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s\n",
                 c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux, c.gating.z_loss_coef, c.shared_experts,
-                c.ffn == moe::ffn_kind::relu ? "relu" : "swiglu");
+                c.ffn == moe::ffn_kind::relu ? "relu" : "swiglu",
+                c.overlap_degree > 1 ? (", all_to_alls in " + std::to_string(c.overlap_degree) + " chunks").c_str() : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step

@@ -89,6 +89,9 @@ int MPI_Iallreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI
 int MPI_Iallgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt, MPI_Comm c, MPI_Request* q) {
   return seen("MPI_Iallgather"), PMPI_Iallgather(s, sn, st, r, rn, rt, c, q);
 }
+int MPI_Ialltoall(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt, MPI_Comm c, MPI_Request* q) {
+  return seen("MPI_Ialltoall"), PMPI_Ialltoall(s, sn, st, r, rn, rt, c, q);
+}
 int MPI_Ireduce_scatter_block(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm c, MPI_Request* q) {
   return seen("MPI_Ireduce_scatter_block"), PMPI_Ireduce_scatter_block(s, r, n, t, op, c, q);
 }

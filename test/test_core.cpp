@@ -304,30 +304,35 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
   const std::vector<double> rs1_in = seeded(3 * std::size_t(P), 1), rs2_in = seeded(5 * std::size_t(P), 2);
   std::vector<double> rs1(3, -1), rs2(5, -1), ar = seeded(4, 3), ar_in = ar;
   std::vector<float> ag_send(2, float(r) + 0.5f), ag(2 * std::size_t(P), -1);
+  std::vector<double> a2a_send = seeded(3 * std::size_t(P), 4), a2a(a2a_send.size(), -1);
 
   collective_recorder rec;
-  // Four in flight at once (two rings on one group: their messages must not
+  // Five in flight at once (two rings on one group: their messages must not
   // mix), a blocking collective among them, finished in another order.
   collective_request p1 = start_reduce_scatter<double>(g, rs1_in, rs1);
   collective_request p2 = start_all_reduce<double>(g, ar);
   collective_request p3 = start_reduce_scatter<double>(g, rs2_in, rs2);
   collective_request p4 = start_all_gather<float>(g, ag_send, ag);
+  collective_request p5 = start_all_to_all<double>(g, a2a_send, a2a);
   std::vector<double> mid(1, 1.0);
   all_reduce<double>(g, mid);
   while (!p3.test()) {
   }
+  detail::progress_in_flight();  // tests what is in flight; finishes nothing it must not
+  p5.wait();
   p4.wait();
   p2.wait();
   p1.wait();
   GSHARD_REQUIRE(p1.test() && p3.test());  // finished stays finished
 
   const auto ev = rec.events();  // in the order they started, every rank alike
-  GSHARD_REQUIRE(ev.size() == 5);
+  GSHARD_REQUIRE(ev.size() == 6);
   GSHARD_REQUIRE((ev[0] == collective_event{collective::reduce_scatter, "x", 3 * std::size_t(P) * sizeof(double)}));
   GSHARD_REQUIRE((ev[1] == collective_event{collective::all_reduce, "x", 4 * sizeof(double)}));
   GSHARD_REQUIRE((ev[2] == collective_event{collective::reduce_scatter, "x", 5 * std::size_t(P) * sizeof(double)}));
   GSHARD_REQUIRE((ev[3] == collective_event{collective::all_gather, "x", 2 * sizeof(float)}));
-  GSHARD_REQUIRE((ev[4] == collective_event{collective::all_reduce, "x", sizeof(double)}) && mid[0] == double(P));
+  GSHARD_REQUIRE((ev[4] == collective_event{collective::all_to_all, "x", 3 * std::size_t(P) * sizeof(double)}));
+  GSHARD_REQUIRE((ev[5] == collective_event{collective::all_reduce, "x", sizeof(double)}) && mid[0] == double(P));
 
   // The blocking forms on the same data: gshard's rings add in the same
   // order, so their values are the same to the bit; MPI's own algorithms
@@ -335,6 +340,8 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
   // may add in another order, so theirs agree to rounding.
   std::vector<double> ref1(3), ref2(5), ref_ar = ar_in;
   std::vector<float> ref_ag(ag.size());
+  std::vector<double> ref_a2a(a2a.size());
+  all_to_all<double>(g, a2a_send, ref_a2a);
   reduce_scatter<double>(g, rs1_in, ref1);
   reduce_scatter<double>(g, rs2_in, ref2);
   all_reduce<double>(g, ref_ar);
@@ -346,7 +353,7 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
   };
   const bool rings = !detail::reduce_scatter_uses_mpi();
   GSHARD_REQUIRE((rings ? rs1 == ref1 && rs2 == ref2 : close(rs1, ref1) && close(rs2, ref2)));
-  GSHARD_REQUIRE((close(ar, ref_ar) && ag == ref_ag));
+  GSHARD_REQUIRE((close(ar, ref_ar) && ag == ref_ag && a2a == ref_a2a));
   // ... and what they mean: block r of the sum over ranks; every rank's pair.
   bool ok = true;
   for (std::size_t i = 0; i < 5; ++i) {
@@ -355,6 +362,9 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
     ok = ok && std::abs(rs2[i] - sum) < 1e-9 * (1 + std::abs(sum));
   }
   for (int q = 0; q < P; ++q) ok = ok && ag[2 * std::size_t(q) + 1] == float(q) + 0.5f;
+  for (int q = 0; q < P; ++q)  // block q of rank q's send: its entries 3r..3r+2
+    for (int i = 0; i < 3; ++i)
+      ok = ok && a2a[3 * std::size_t(q) + std::size_t(i)] == double((q * 7919 + (3 * r + i) * 104729 + 4) % 1000) / 7.0 - 60.0;
   GSHARD_REQUIRE(ok);
 
   // One destroyed unfinished is finished first: its buffer holds the result.
@@ -368,6 +378,8 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
                              "gshard::reduce_scatter: buffers of 1 and 3 elements do not fit a group of");
   GSHARD_REQUIRE_THROWS_WITH(start_all_gather<double>(g, left, small), shape_error,
                              "gshard::all_gather: buffers of 3 and 1 elements do not fit a group of");
+  GSHARD_REQUIRE_THROWS_WITH(start_all_to_all<double>(g, left, small), shape_error,
+                             "gshard::all_to_all: buffers of 3 and 1 elements do not fit a group of");
   GSHARD_REQUIRE(rec.events().empty());
 }
 

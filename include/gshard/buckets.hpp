@@ -73,11 +73,11 @@ class bucket_memory {
 // Tensors waiting to take one stackable plan together. Each member gives
 // its block (copied in) and a function that receives its result. The plan's
 // collectives run non-blocking, one step at a time: start() posts the first
-// step, progress() moves the step in flight on (tests only), advance()
-// finishes it and posts the next — or, after the last, hands each member its
-// result — and finish() advances to the end. Where each step starts is the
-// caller's program point (start, advance, finish), never a test's finding,
-// so every rank issues the same collectives in the same order.
+// step (detail::progress_in_flight() moves it on), advance() finishes it and
+// posts the next — or, after the last, hands each member its result — and
+// finish() advances to the end. Where each step starts is the caller's
+// program point (start, advance, finish), never a test's finding, so every
+// rank issues the same collectives in the same order.
 template <class T>
 class bucket {
  public:
@@ -118,7 +118,6 @@ class bucket {
     step_ = 0;
   }
   // Moves the step in flight on, without blocking.
-  void progress() { flight_.test(); }
   // Finishes the step in flight (waiting if it must) and posts the next;
   // after the last, hands each member its result and empties the bucket.
   void advance() {
@@ -215,12 +214,12 @@ class bucket {
 // it move one step on — the next step posted, or the results handed out
 // after the last — once the step in flight has finished: between two
 // buckets' starts lies the compute that filled the second, so the wait is
-// short when the network keeps up. progress() moves the steps in flight on
-// (call it between pieces of work); flush() starts the rest in the order
-// their plans first came and finishes every bucket in the order they
-// started. limit 0: every tensor on its own. The same sequence of adds and
-// flushes on every rank gives the same collectives in the same order
-// (progress() posts nothing).
+// short when the network keeps up. detail::progress_in_flight() moves the
+// steps in flight on (call it between pieces of work: it posts nothing);
+// flush() starts the rest in the order their plans first came and finishes
+// every bucket in the order they started. limit 0: every tensor on its own.
+// The same sequence of adds and flushes on every rank gives the same
+// collectives in the same order.
 template <class T>
 class buckets {
  public:
@@ -244,9 +243,6 @@ class buckets {
     it->start();
     open_.emplace(it, *mesh_, plan, *memory_);            // an empty one keeps the plan's place in flush()'s order
     running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put
-  }
-  void progress() {
-    for (auto& b : running_) b.progress();
   }
   void flush() {
     for (auto& b : open_) b.start();

@@ -1,6 +1,6 @@
 // gshard/nonblocking.hpp — collectives started now and finished later, so a
 // rank computes while its data moves: start_all_reduce, start_all_gather,
-// start_reduce_scatter return a `collective_request` (MPI's
+// start_reduce_scatter, start_all_to_all return a `collective_request` (MPI's
 // word for the handle of a non-blocking operation); its test() moves the collective on
 // without blocking, its wait() finishes it. The gradient buckets start their
 // reductions this way the moment a bucket is full, and the backward tests them
@@ -10,7 +10,8 @@
 // Progress: MPI moves a non-blocking collective on only inside MPI calls
 // (OpenMPI's and MPICH's default; no progress thread here: MPI runs
 // FUNNELED), so the caller tests between pieces of work — each test is a few
-// microseconds when nothing has arrived.
+// microseconds when nothing has arrived; detail::progress_in_flight() tests
+// what this rank has in flight.
 //
 // Each one is the blocking form's twin: counted when it starts (in the order
 // every rank starts it, the order the checked mode compares), checked against
@@ -55,13 +56,24 @@ class in_flight {
   }
   in_flight(const in_flight&) = delete;
   in_flight& operator=(const in_flight&) = delete;
-  virtual ~in_flight() = default;
+
+  virtual ~in_flight() { unlist(); }
 
   // Called by the start_* function once the subclass has posted its calls.
   void posted() noexcept {
     done_ = false;
     add_collective_seconds(kind_, axes_, MPI_Wtime() - started_);
+    running().push_back(this);
   }
+
+  // The collectives this rank has in flight, oldest first (progress_in_flight).
+  static std::vector<in_flight*>& running() {
+    thread_local std::vector<in_flight*> list;
+    return list;
+  }
+  // True for a collective that moves on only when it is itself tested (a
+  // ring posts its next exchange then); false when any MPI call moves it.
+  virtual bool needs_own_test() const { return false; }
 
   // Moves it on; true once it has finished (its result is in place).
   bool test() {
@@ -121,7 +133,12 @@ class in_flight {
   std::string args() const {
     return "\"axes\":\"" + trace::detail::escape(axes_) + "\",\"bytes\":" + std::to_string(bytes_);
   }
+  void unlist() noexcept {
+    auto& r = running();
+    if (auto it = std::find(r.begin(), r.end(), this); it != r.end()) r.erase(it);
+  }
   void ended(double t) {
+    unlist();
     if (trace::enabled())  // the "in flight" track: from its start to the call that saw it end
       trace::add(name_of(kind_), "in flight", started_ + trace::detail::st().offset, t + trace::detail::st().offset, args(),
                  trace::track::in_flight);
@@ -199,6 +216,7 @@ class ring_in_flight final : public in_flight {
     running_ = send_ + std::size_t(ring_block(g.rank, -1, g.size)) * chunk_;
     post();
   }
+  bool needs_own_test() const override { return true; }
   ~ring_in_flight() override {
     if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
     if (incoming_.capacity() > 0) ring_buffers<T>().push_back(std::move(incoming_));
@@ -236,6 +254,26 @@ class ring_in_flight final : public in_flight {
   MPI_Request req_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   int step_ = 0;
 };
+
+// Moves every collective this rank has in flight on, without blocking: one
+// MPI_Test of the oldest request (any MPI call moves all of MPI's
+// non-blocking operations on) and a test of each ring (which posts its next
+// exchange only when tested). Nothing when none is in flight. The tape calls
+// it as each operation of the forward ends and between the backward's rules,
+// the batched GEMMs between their GEMMs: the points where a rank that
+// computes can let its data move.
+inline void progress_in_flight() {
+  auto& r = in_flight::running();
+  if (r.empty()) return;
+  bool tested_request = false;
+  for (std::size_t i = 0; i < r.size();) {  // a test that ends one unlists it
+    in_flight* op = r[i];
+    const bool test = op->needs_own_test() || !tested_request;
+    tested_request = tested_request || !op->needs_own_test();
+    if (test && op->test()) continue;
+    ++i;
+  }
+}
 
 }  // namespace detail
 
@@ -314,6 +352,20 @@ collective_request start_all_gather(const detail::axis_group& g, std::span<const
                                "MPI_Iallgather", [&](MPI_Request* q) {
                                  return MPI_Iallgather(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(),
                                                        g.comm, q);
+                               });
+}
+
+// Block j of send goes to group rank j; block i of recv comes from group
+// rank i, started.
+template <class T>
+collective_request start_all_to_all(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
+  detail::require_size(send.size() == recv.size() && send.size() % std::size_t(g.size) == 0, "all_to_all", g, send.size(),
+                       recv.size());
+  const int n = mpi::count(send.size() / std::size_t(g.size), "all_to_all");
+  return detail::start_request(collective::all_to_all, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()),
+                               "MPI_Ialltoall", [&](MPI_Request* q) {
+                                 return MPI_Ialltoall(send.data(), n, mpi::datatype<T>(), recv.data(), n, mpi::datatype<T>(),
+                                                      g.comm, q);
                                });
 }
 

@@ -124,8 +124,7 @@ class adam {
       };
       if (!w.f32().empty()) gather(f32, w.f32(), ps.values()[i].f32());
       if (!w.f64().empty()) gather(f64, w.f64(), ps.values()[i].f64());
-      f32.progress();  // a started gather travels while the next weights update
-      f64.progress();
+      detail::progress_in_flight();  // a started gather travels while the next weights update
     }
     f32.flush();
     f64.flush();

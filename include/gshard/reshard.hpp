@@ -1,15 +1,20 @@
 // gshard/reshard.hpp — reshard<Target>(t): the same global tensor in another
 // sharding (a sharding, or a rules table applied to its labels), with the
 // collectives its plan (reshard_plan.hpp, computed at compile time) names,
-// run by detail/execute_reshard.hpp. The one-collective forms and
+// run by detail/execute_reshard.hpp; start_reshard<Target>(t), the same
+// started now and finished later. The one-collective forms and
 // gather/scatter are in tensor_collectives.hpp, reshard's gradient in grad.hpp.
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "gshard/detail/execute_reshard.hpp"
 #include "gshard/labels.hpp"
+#include "gshard/nonblocking.hpp"
 #include "gshard/reshard_plan.hpp"
 #include "gshard/tensor.hpp"
 
@@ -50,6 +55,96 @@ auto reshard(X&& x) {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, x.local(), extents));
+  }
+}
+
+// A reshard started now and finished later (start_reshard<To>(t)); wait()
+// gives the tensor in To. A plan of one all_to_all — a split moved from one
+// dim to another, as the MoE layer's dispatch and combine — travels while
+// the rank computes: packed and posted (start_all_to_all) when it starts,
+// unpacked by wait(). Any other plan runs whole when it starts and wait()
+// hands its result out: the same values and the same collectives either way.
+template <class Out>
+class reshard_request {
+  using T = typename Out::value_type;
+  static constexpr int R = Out::rank;
+
+ public:
+  // In flight (a plan of one all_to_all): `in` is the shard to send.
+  template <class Local>
+  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in)
+      : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
+    const detail::all_to_all_geometry<T, R> geo(m, p.step[0], p.state[0], p.state[1], global);
+    const T* send = in.data();
+    if (geo.packs()) {
+      s_->send.resize(geo.n);
+      geo.pack(in.data(), s_->send.data());
+      send = s_->send.data();
+    } else {
+      s_->in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
+      send = s_->in.data();
+    }
+    s_->out = local_tensor<T, R>(geo.eo);
+    if (geo.unpacks()) {
+      s_->recv.resize(geo.n);
+      s_->unpack.emplace(geo);
+    }
+    T* recv = geo.unpacks() ? s_->recv.data() : s_->out.data();
+    s_->request = start_all_to_all<T>(m.group(1u << p.step[0].axis), {send, geo.n}, {recv, geo.n});
+  }
+  // Already done (any other plan): `out` is the result.
+  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, local_tensor<T, R>&& out)
+      : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
+    s_->out = std::move(out);
+  }
+
+  // Moves it on without blocking; true once its data has arrived.
+  bool test() { return !s_ || s_->request.test(); }
+
+  // The tensor in To; once.
+  Out wait() {
+    if (!s_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
+    s_->request.wait();
+    if (s_->unpack) s_->unpack->unpack(s_->recv.data(), s_->out.data());
+    Out out(*mesh_, extents_, std::move(s_->out));
+    s_.reset();
+    return out;
+  }
+
+ private:
+  struct state {  // on the heap: the request may move while MPI writes into it
+    local_tensor<T, R> in;
+    std::vector<T> send, recv;
+    local_tensor<T, R> out;
+    std::optional<detail::all_to_all_geometry<T, R>> unpack;
+    collective_request request;  // last: destroyed (finished) before the buffers it uses
+  };
+  const typename Out::mesh_type* mesh_;
+  shape<R> extents_;
+  std::unique_ptr<state> s_;
+};
+
+// reshard<To>(x), started: the same checks and plan, the collective posted
+// now (reshard_request). The caller computes, then wait()s.
+template <class ToOrRules, class X>
+  requires sharded_tensor<X>
+auto start_reshard(X&& x) {
+  using Y = std::remove_cvref_t<X>;
+  using To = typename detail::reshard_target<ToOrRules, Y>::type;
+  using out_t = with_sharding<Y, To>;
+  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
+  using T = typename Y::value_type;
+  const auto& mesh = x.mesh();
+  const auto extents = x.extents();
+  detail::check_divisible<Y::rank>(out_t::resolved, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
+  if constexpr (plan::steps.n == 1 && plan::steps.step[0].kind == step_kind::all_to_all) {
+    if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
+      return reshard_request<out_t>(mesh, extents, plan::steps, std::move(x.local()));
+    else
+      return reshard_request<out_t>(mesh, extents, plan::steps, x.local());
+  } else {
+    auto y = reshard<To>(std::forward<X>(x));
+    return reshard_request<out_t>(mesh, extents, std::move(y.local()));
   }
 }
 

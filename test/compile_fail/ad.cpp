@@ -13,6 +13,14 @@ using pend = sharding<partial<"data">>;
 
 #if defined(GSHARD_CASE_plain_tensor_with_var)
 void f(const var<t<2, rep>>& a, const t<2, rep>& w) { (void)einsum<"ij,jk->ik">(a, w); }
+#elif defined(GSHARD_CASE_chunk_dim)
+void f(const var<t<2, rows>>& a) { (void)chunk<2>(a, 2); }
+#elif defined(GSHARD_CASE_chunk_split)
+void f(const var<t<2, rows>>& a) { (void)chunk<0>(a, 2); }
+#elif defined(GSHARD_CASE_concat_dim)
+void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<-1>(a); }
+#elif defined(GSHARD_CASE_concat_split)
+void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<0>(a); }
 #elif defined(GSHARD_CASE_params_alone)
 void f(const param<t<2, rep>>& a, const param<t<2, rep>>& b) { (void)einsum<"ij,jk->ik">(a, b); }
 #elif defined(GSHARD_CASE_product_pending)

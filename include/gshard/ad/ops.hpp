@@ -1,6 +1,7 @@
 // gshard/ad/ops.hpp — the operations a model is written in, on vars (values
 // on a tape) and declared parameters: einsum, reshard and the one-collective
-// forms, relabel, element-wise + − ⊙, scalar × and ÷, relu, gelu, silu,
+// forms, start_reshard (a reshard in flight while the model computes), chunk
+// and concat, relabel, element-wise + − ⊙, scalar × and ÷, relu, gelu, silu,
 // sigmoid, exp, log, tanh, sqrt, softmax, causal masking and the RMS norm.
 // Each computes like its tensor form and, while the tape records, notes its
 // gradient rule (the ones with arithmetic of their own are in
@@ -17,16 +18,22 @@
 //   reshard     the transposed collectives, planned from the gradient's
 //               pending layout: all_gather <-> reduce_scatter (or a local
 //               slice), all_to_all <-> all_to_all, all_reduce <-> nothing
+//   start_reshard  the same, started by wait()'s rule and finished by
+//               start_reshard's: in flight while the rules between run
 //   the rest    local
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gshard/ad/tape.hpp"
+#include "gshard/detail/copy_box.hpp"
 #include "gshard/einsum.hpp"
 #include "gshard/grad.hpp"
 #include "gshard/ops.hpp"
@@ -248,6 +255,179 @@ auto reshard(V&& v) {
       if (dx) tp->slot<X>(xs).add(std::move(*dx));
     });
   return out;
+}
+
+// A reshard of a var started now and finished later: start_reshard<To>(v)
+// posts its collective (gshard/reshard.hpp's start_reshard), wait() gives
+// the var in To. On a recording tape it is two operations, so the backward
+// runs them transposed and reversed too: wait()'s rule starts the
+// gradient's collective (the forward's, transposed) and start_reshard's
+// rule finishes it — what the forward computes between the two, the
+// backward computes (transposed) while the gradient travels. The MoE
+// layer's all_to_alls pipelined with its experts are built of these.
+template <class Y, class X>
+class var_in_flight {
+ public:
+  var_in_flight(tape& t, int xs, reshard_request<Y>&& r) : t_(&t), xs_(xs), f_(std::make_shared<flight>()) {
+    f_->forward.emplace(std::move(r));
+    if (xs >= 0)
+      t.record([tp = &t, xs, f = f_] {
+        if (!f->backward) return;  // the result received no gradient (on every rank: the program is the same)
+        auto dx = f->backward->wait();
+        f->backward.reset();
+        tp->slot<X>(xs).add(std::move(dx));
+      });
+  }
+
+  // The resharded var; once.
+  var<Y> wait() {
+    if (!f_->forward)
+      throw error("gshard::var_in_flight: wait() was called before on this reshard of " +
+                  to_string<typename X::sharding_type>(X::rank, X::labels) + " to " +
+                  to_string<typename Y::sharding_type>(Y::rank, Y::labels) + "; it hands the var out once");
+    auto y = f_->forward->wait();
+    f_->forward.reset();
+    auto out = t_->output(std::move(y), xs_ >= 0);
+    if (out.tracked())
+      t_->record([tp = t_, ys = out.slot(), f = f_] {
+        auto dy = tp->slot<Y>(ys).template take<gradient_sharding<typename Y::sharding_type>>();
+        if (dy) f->backward.emplace(start_reshard<gradient_sharding<typename X::sharding_type>>(std::move(*dy)));
+      });
+    return out;
+  }
+
+ private:
+  using dx_type = detail::gradient_of<X>;
+  struct flight {
+    std::optional<reshard_request<Y>> forward;
+    std::optional<reshard_request<dx_type>> backward;
+  };
+  tape* t_;
+  int xs_;
+  std::shared_ptr<flight> f_;  // shared with the two rules
+};
+
+template <class ToOrRules, class V>
+  requires var_type<V>
+auto start_reshard(V&& v) {
+  using X = detail::tensor_of<V>;
+  tape& t = v.on_tape();
+  const int xs = v.slot();
+  auto r = start_reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  using Y = decltype(r.wait());
+  return var_in_flight<Y, X>(t, xs, std::move(r));
+}
+
+// Pieces along a dim and back: chunk<Dim>(v, k) cuts v into k pieces along
+// Dim (in order; n/k each, the first n % k one longer), concat<Dim>(pieces)
+// joins them. Dim is whole on each rank (split over no mesh axis), so each
+// rank cuts and joins its own shard and nothing moves; each op's gradient
+// is the other's.
+namespace detail {
+inline index_t piece_offset(index_t n, index_t k, index_t p) { return p * (n / k) + std::min(p, n % k); }
+inline index_t piece_length(index_t n, index_t k, index_t p) { return n / k + (p < n % k ? 1 : 0); }
+// Copies the box of `from` (local extents fe) at `off` along Dim into `to` (extents te) at `to_off` along Dim.
+template <int Dim, class T, int R>
+void copy_along(const T* from, const shape<R>& fe, index_t off, T* to, const shape<R>& te, index_t to_off, index_t len) {
+  shape<R> a{}, b{}, box = fe;
+  a[Dim] = off, b[Dim] = to_off, box[Dim] = len;
+  copy_box(from, fe.data(), a.data(), to, te.data(), b.data(), box.data(), R);
+}
+template <int Dim, class X>
+constexpr bool dim_whole() {
+  if constexpr (Dim >= 0 && Dim < X::rank) return X::resolved.dims[Dim].n == 0;
+  else return true;  // the other assertion names it
+}
+}  // namespace detail
+
+template <int Dim, class V>
+  requires var_type<V>
+std::vector<var<detail::tensor_of<V>>> chunk(const V& v, index_t k) {
+  using X = detail::tensor_of<V>;
+  using T = typename X::value_type;
+  constexpr int R = X::rank;
+  static_assert(Dim >= 0 && Dim < R, "gshard::chunk: the dim is not one of the tensor's");
+  static_assert(detail::dim_whole<Dim, X>(), "gshard::chunk: the dim is split over mesh axes; chunk cuts a dim that is whole on each rank");
+  const index_t n = v.extent(Dim);
+  if (k < 1 || k > std::max<index_t>(n, 1))
+    throw shape_error("gshard::chunk: " + std::to_string(k) + " pieces of dim " + std::to_string(Dim) + " of " + v.notation() +
+                      ": between 1 and its extent");
+  tape& t = v.on_tape();
+  const shape<R> le = v.value().local_extents();
+  std::vector<var<X>> pieces;
+  std::vector<int> slots;
+  for (index_t p = 0; p < k; ++p) {
+    shape<R> g = v.extents(), pl = le;
+    g[Dim] = pl[Dim] = detail::piece_length(n, k, p);
+    X x(v.mesh(), g);
+    detail::copy_along<Dim, T, R>(v.value().data(), le, detail::piece_offset(n, k, p), x.data(), pl, 0, pl[Dim]);
+    pieces.push_back(t.output(std::move(x), v.tracked()));
+    slots.push_back(pieces.back().slot());
+  }
+  if (v.tracked())
+    t.record([tp = &t, xs = v.slot(), slots, mesh = &v.mesh(), extents = v.extents(), le, n, k] {
+      using G = detail::gradient_of<X>;
+      std::optional<G> dx;
+      for (index_t p = 0; p < k; ++p) {
+        auto dp = tp->slot<X>(slots[std::size_t(p)]).template take<gradient_sharding<typename X::sharding_type>>();
+        if (!dp) continue;
+        if (!dx) {
+          dx.emplace(*mesh, extents);
+          dx->local().setZero();
+        }
+        detail::copy_along<Dim, T, R>(dp->data(), dp->local_extents(), 0, dx->data(), le, detail::piece_offset(n, k, p),
+                                      dp->local_extents()[Dim]);
+      }
+      if (dx) tp->slot<X>(xs).add(std::move(*dx));
+    });
+  return pieces;
+}
+
+template <int Dim, class X>
+var<X> concat(const std::vector<var<X>>& pieces) {
+  using T = typename X::value_type;
+  constexpr int R = X::rank;
+  static_assert(Dim >= 0 && Dim < R, "gshard::concat: the dim is not one of the tensor's");
+  static_assert(detail::dim_whole<Dim, X>(), "gshard::concat: the dim is split over mesh axes; concat joins along a dim that is whole on each rank");
+  if (pieces.empty()) throw shape_error("gshard::concat: no pieces to join");
+  tape& t = pieces[0].on_tape();
+  shape<R> g = pieces[0].extents();
+  g[Dim] = 0;
+  bool tracked = false;
+  for (const auto& p : pieces) {
+    for (int d = 0; d < R; ++d)
+      if (d != Dim && p.extent(d) != pieces[0].extent(d))
+        throw shape_error("gshard::concat: the pieces " + pieces[0].notation() + " and " + p.notation() +
+                          " differ outside dim " + std::to_string(Dim));
+    g[Dim] += p.extent(Dim);
+    tracked = tracked || p.tracked();
+  }
+  X x(pieces[0].mesh(), g);
+  const shape<R> le = x.local_extents();
+  std::vector<std::pair<int, index_t>> slots;  // each piece's slot and offset
+  index_t off = 0;
+  for (const auto& p : pieces) {
+    detail::copy_along<Dim, T, R>(p.value().data(), p.value().local_extents(), 0, x.data(), le, off, p.extent(Dim));
+    slots.emplace_back(p.slot(), off);
+    off += p.extent(Dim);
+  }
+  auto y = t.output(std::move(x), tracked);
+  if (y.tracked()) {
+    std::vector<shape<R>> extents;
+    for (const auto& p : pieces) extents.push_back(p.extents());
+    t.record([tp = &t, ys = y.slot(), slots, extents, le] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      for (std::size_t p = 0; p < slots.size(); ++p) {
+        if (slots[p].first < 0) continue;
+        detail::gradient_of<X> dp(dy->mesh(), extents[p]);
+        detail::copy_along<Dim, T, R>(dy->data(), le, slots[p].second, dp.data(), dp.local_extents(), 0,
+                                      dp.local_extents()[Dim]);
+        tp->slot<X>(slots[p].first).add(std::move(dp));
+      }
+    });
+  }
+  return y;
 }
 
 // The one-collective forms on the tape: the same targets (and checks) as

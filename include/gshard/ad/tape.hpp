@@ -260,6 +260,7 @@ class tape {
       throw error("gshard::remat: the function uses a tracked value " + value.notation() +
                   " that it was not given as an input; pass every value it reads as an argument of remat");
     const int id = recording_ && any_input_tracked ? new_slot<X>(value.mesh(), value.extents()) : -1;
+    detail::progress_in_flight();  // as each operation ends: a reshard in flight moves while the forward computes
     return {*this, std::make_shared<X>(std::move(value)), id};  // not const: take_value may move it
   }
 
@@ -301,10 +302,10 @@ class tape {
       running_rule_ = i;
       rules_[i]();
       rules_[i] = nullptr;  // frees what the rule kept
-      // The started buckets' collectives move on only inside MPI calls: a
-      // test between rules keeps them moving while the next rule computes.
-      if (float_buckets_) float_buckets_->progress();
-      if (double_buckets_) double_buckets_->progress();
+      // Started collectives (the buckets', a reshard's in flight) move on
+      // only inside MPI calls: a test between rules keeps them moving while
+      // the next rule computes.
+      detail::progress_in_flight();
     }
     rules_.clear();
     finish_complete(0);

@@ -68,6 +68,34 @@ void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, 
   copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
 }
 
+// An all_to_all step (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
+// as Pack / Communicate / Unpack: piece j of dim b goes to group rank j, the
+// piece from group rank i is block i of dim a. Each of Pack and Unpack is
+// needed only when its dim has others outside it (else the pieces lie in
+// order already). The blocking step (run_step) and the one started now and
+// finished later (reshard_request, gshard/reshard.hpp) share it.
+template <class T, int Rank>
+struct all_to_all_geometry {
+  shape<Rank> e, eo;   // local extents before and after
+  int a, b;            // the dim gathered (from_dim) and the dim split (to_dim)
+  index_t P;           // the group's size
+  std::size_t n;       // elements sent (and received)
+  all_to_all_geometry(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+                      const shape<Rank>& global)
+      : e(local_extents<Rank>(before, global, m)), eo(local_extents<Rank>(after, global, m)), a(s.from_dim), b(s.to_dim),
+        P(m.group(1u << s.axis).size), n(std::size_t(product<Rank>(e))) {}
+  bool packs() const { return product<Rank>(e, 0, b) != 1; }
+  bool unpacks() const { return product<Rank>(eo, 0, a) != 1; }
+  void pack(const T* in, T* send) const {
+    for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in, e, b, P, j, send + std::size_t(j) * (n / std::size_t(P)));
+  }
+  void unpack(const T* recv, T* out) const {
+    shape<Rank> pe = e;
+    pe[std::size_t(b)] = eo[std::size_t(b)];
+    for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, a, i, out, eo);
+  }
+};
+
 // Runs one step; `before` is the layout of `in`, and the result has `after`.
 // One piece: a switch over the step kinds, each case its Pack / Communicate /
 // Unpack in a few lines; split per kind, the cases would repeat the shared
@@ -97,25 +125,19 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       return out;
     }
     case step_kind::all_to_all: {  // (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
-      const axis_group& g = m.group(1u << s.axis);
-      const index_t P = g.size;
+      const all_to_all_geometry<T, Rank> geo(m, s, before, after, global);
       local_tensor<T, Rank> out(eo);
       std::vector<T> send_buf, recv_buf;
       const T* send = in.data();
-      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack: piece j of dim b goes to rank j
+      if (geo.packs()) {  // Pack
         send_buf.resize(n);
-        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.data() + std::size_t(j) * (n / std::size_t(P)));
+        geo.pack(in.data(), send_buf.data());
         send = send_buf.data();
       }
-      const bool direct = product<Rank>(eo, 0, s.from_dim) == 1;
-      if (!direct) recv_buf.resize(n);
-      T* recv = direct ? out.data() : recv_buf.data();
-      all_to_all<T>(g, {send, n}, {recv, n});  // Communicate
-      if (!direct) {                           // Unpack: the piece from rank i is block i of dim a
-        shape<Rank> pe = e;
-        pe[std::size_t(s.to_dim)] = eo[std::size_t(s.to_dim)];
-        for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, s.from_dim, i, out.data(), eo);
-      }
+      if (geo.unpacks()) recv_buf.resize(n);
+      T* recv = geo.unpacks() ? recv_buf.data() : out.data();
+      all_to_all<T>(m.group(1u << s.axis), {send, n}, {recv, n});  // Communicate
+      if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
       return out;
     }
     case step_kind::all_reduce: {  // partial{x} |-> replicated on x

@@ -47,6 +47,7 @@ struct config {
   moe::gating_config gating{};  // top-k, capacity, dropless, z-loss, balancing (moe/gating.hpp)
   moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
+  int overlap_degree = 1;       // the MoE layers' all_to_alls pipelined with the experts in this many chunks (moe::layer_options)
   // Blocks that keep only their input and recompute their forward in the
   // backward (rematerialisation): less memory, one more forward of each.
   std::vector<int> remat;
@@ -225,7 +226,7 @@ class transformer {
       block_params bp{norm1, attn, norm2, std::nullopt, std::nullopt};
       const index_t H = c.ffn_hidden(l);
       if (c.is_moe(l)) {
-        bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance});
+        bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance, c.overlap_degree});
       } else {
         weight<"MH"> w1(ps, b + "w1", {M, H}, init::normal(sd_in));
         std::optional<weight<"MH">> w1_up;

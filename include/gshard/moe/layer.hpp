@@ -8,10 +8,12 @@
 // in one all_reduce over them. The backward is derived (gshard/ad/).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
@@ -33,6 +35,13 @@ struct layer_options {
   ffn_kind ffn = ffn_kind::relu;
   int shared_experts = 0;
   balance_mode balance = balance_mode::aux;
+  // The all_to_alls pipelined with the experts in this many chunks of the
+  // capacity dim C (Tutel's a2a_ffn_overlap_degree): chunk i+1 travels to
+  // its experts and chunk i-1 back while chunk i's FFN computes, and so in
+  // the backward. 1: one all_to_all each way. More chunks hide more of the
+  // all_to_alls behind the experts' GEMMs, in smaller messages and GEMMs
+  // (docs/10_performance.md measures it). Capped at C.
+  int overlap_degree = 1;
 };
 
 template <class T, mesh_type Mesh, class Roles = default_roles>
@@ -74,6 +83,9 @@ struct layer {
         name(prefix.empty() || prefix.back() != '.' ? prefix : prefix.substr(0, prefix.size() - 1)) {
     if (o.shared_experts < 0)
       throw error("gshard::moe::layer: shared_experts = " + std::to_string(o.shared_experts) + " is negative");
+    if (o.overlap_degree < 1)
+      throw error("gshard::moe::layer: overlap_degree = " + std::to_string(o.overlap_degree) +
+                  " chunks; 1 (no pipelining) or more");
     if (o.shared_experts > 0) {
       const index_t Hs = H * o.shared_experts;
       std::optional<weight<"MH", at_tokens>> up;
@@ -120,19 +132,27 @@ struct layer {
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
-    auto xe = [&] {  // [E{expert},G{data},C,M]: one all_to_all either way
-      if (mode == dispatch_mode::index) return reshard<at_experts>(dispatch(route, x));
-      return einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x);
+    auto y = [&] {  // [E,G{data,expert},C,M]: the experts' outputs, back at the groups
+      if (mode == dispatch_mode::einsum)  // the reference form: one all_to_all each way
+        return reshard<at_tokens>(experts_ffn(einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x)));
+      auto d = dispatch(route, x);  // [E,G{data,expert},C,M]
+      const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
+      if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d))));
+      // Pipelined: chunk i+1 goes out and chunk i-1 comes back while chunk i's experts compute.
+      auto pieces = chunk<2>(d, k);
+      using going_t = decltype(start_reshard<at_experts>(pieces[0]));
+      using coming_t = decltype(start_reshard<at_tokens>(experts_ffn(std::declval<going_t&>().wait())));
+      std::vector<going_t> going;
+      std::vector<coming_t> coming;
+      going.push_back(start_reshard<at_experts>(std::move(pieces[0])));
+      for (index_t i = 0; i < k; ++i) {
+        if (i + 1 < k) going.push_back(start_reshard<at_experts>(std::move(pieces[std::size_t(i + 1)])));
+        coming.push_back(start_reshard<at_tokens>(experts_ffn(going[std::size_t(i)].wait())));
+      }
+      std::vector<decltype(coming[0].wait())> back;
+      for (auto& c : coming) back.push_back(c.wait());
+      return concat<2>(back);
     }();
-    auto h = [&] {  // [E{expert},G{data},C,H{model}]: the experts live here
-      if (options.ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
-      // wi used before wi_up, in their declaration order (as every weight
-      // is): gradients complete in reverse, the order buckets and the cost model take.
-      auto gate = silu(einsum<"EGCM,EMH->EGCH">(xe, wi));
-      return std::move(gate) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
-    }();
-    auto ye = einsum<"EGCH,EHM->EGCM", at_experts>(h, wo);  // with model axes: one all_reduce over them
-    auto y = reshard<at_tokens>(std::move(ye));               // all_to_all back: [E,G{data,expert},C,M]
     auto out = mode == dispatch_mode::index ? combine(route, std::move(y))
                                             : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
     if (shared) out = std::move(out) + shared_ffn(x);
@@ -140,6 +160,20 @@ struct layer {
   }
 
  private:
+  // Each expert's FFN on its tokens: [E{expert},G{data},C,M] |->
+  // [E{expert},G{data},C,M], with model axes one all_reduce over them at the end.
+  template <class XE>
+  auto experts_ffn(const XE& xe) const {
+    auto h = [&] {  // [E{expert},G{data},C,H{model}]: the experts live here
+      if (options.ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
+      // wi used before wi_up, in their declaration order (as every weight
+      // is): gradients complete in reverse, the order buckets and the cost model take.
+      auto gate = silu(einsum<"EGCM,EMH->EGCH">(xe, wi));
+      return std::move(gate) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
+    }();
+    return einsum<"EGCH,EHM->EGCM", at_experts>(h, wo);
+  }
+
   // The shared experts: every token, [G,S,H{model}] hidden units, one all_reduce over the model axes.
   template <class V>
   auto shared_ffn(const V& x) const {
