@@ -241,21 +241,13 @@ void relayout(const T*& p, labeled_view& v, const labeled_view& to, std::vector<
 // Whether a matrix (r×q) with element strides (sr, sq) fits a BLAS layout.
 inline bool blas_fits(index_t r, index_t q, index_t sr, index_t sq) { return r <= 1 || q <= 1 || sr == 1 || sq == 1; }
 
-// Rows of one GEMM call: a GEMM of more multiply-adds than this runs in
-// blocks of rows (at least 256), with the collectives in flight tested
-// between them (nonblocking.hpp): a rank inside one long GEMM would
-// otherwise leave a started all_to_all unmoved until the GEMM ends. Blocks
-// of 2^26 multiply-adds take about a millisecond on one core; B is packed
-// again per block, 1/(2·rows) of the work. The blocks depend on the shapes
-// alone, never on what is in flight, so results are the same run to run.
-inline constexpr index_t gemm_block_macs = index_t(1) << 26;
-inline index_t gemm_block_rows(index_t m, index_t n, index_t k) {
-  if (m * n * k <= gemm_block_macs) return m;
-  return std::max<index_t>(256, gemm_block_macs / std::max<index_t>(n * k, 1));
-}
-
 // C (+)= A·B for every index of the loop labels L, one strided GEMM each (a
-// label an operand lacks has stride 0 there), large ones in blocks of rows.
+// label an operand lacks has stride 0 there), the collectives in flight
+// tested between them (nonblocking.hpp: the experts' GEMMs, one per local
+// expert, let a started all_to_all move). Not within one GEMM: cutting the
+// MoE layer's expert GEMMs into blocks of 256 rows to test between them
+// cost 10% of its forward + backward (bench_train moe_layer, 733 against
+// 805-821 ms on an AVX-512 Xeon), more than it let the all_to_alls gain.
 template <class T>
 void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, const labeled_view& va, const T* b,
                     const labeled_view& vb, T* c, const labeled_view& vc, bool accumulate) {
@@ -269,7 +261,6 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
   }
   const index_t a_m = inner_stride(va, g.M), a_k = inner_stride(va, g.K), b_k = inner_stride(vb, g.K),
                 b_n = inner_stride(vb, g.N), c_m = inner_stride(vc, g.M), c_n = inner_stride(vc, g.N);
-  const index_t rows = gemm_block_rows(m, n, k);
   index_t pos[max_rank] = {};
   while (true) {
     index_t oa = 0, ob = 0, oc = 0;
@@ -278,14 +269,10 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
       ob += pos[i] * sb[i];
       oc += pos[i] * sc[i];
     }
-    for (index_t r = 0; r < m; r += rows) {
-      const index_t mr = std::min(rows, m - r);
-      const bool ok = strided_gemm<T>(mr, n, k, a + oa + r * a_m, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0),
-                                      c + oc + r * c_m, c_m, c_n);
-      if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
-                           std::string(s.term(1)) + "->" + std::string(s.out_term()));
-      progress_in_flight();
-    }
+    const bool ok = strided_gemm<T>(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0), c + oc, c_m, c_n);
+    if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
+                         std::string(s.term(1)) + "->" + std::string(s.out_term()));
+    progress_in_flight();
     int i = g.L.n - 1;
     while (i >= 0 && ++pos[i] == loop_ext[i]) pos[i--] = 0;
     if (i < 0) break;
