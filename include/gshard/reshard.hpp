@@ -33,6 +33,21 @@ struct reshard_target<rules_text<R>, X> {
                 "gshard::reshard: resharding by rules needs a labelled tensor; name its dims with relabel<\"...\">");
   using type = sharding_by<rules_text<R>, X::label_string>;
 };
+
+// What reshard<ToOrRules>(x) and start_reshard<ToOrRules>(x) work out for
+// an x of type X: the target sharding, the result's type, the plan.
+template <class ToOrRules, class X>
+struct reshard_of {
+  using Y = std::remove_cvref_t<X>;
+  using To = typename reshard_target<ToOrRules, Y>::type;
+  using out_t = with_sharding<Y, To>;
+  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
+  using T = typename Y::value_type;
+  // Before any collective: a target that does not divide throws the same on every rank.
+  static void check(const Y& x) {
+    check_divisible<Y::rank>(out_t::resolved, To::spec, x.extents(), x.mesh(), dtype_name<T>(), Y::labels);
+  }
+};
 }  // namespace detail
 
 // The same global tensor with sharding To — a sharding, or a rules table
@@ -42,15 +57,14 @@ struct reshard_target<rules_text<R>, X> {
 template <class ToOrRules, class X>
   requires sharded_tensor<X>
 auto reshard(X&& x) {
-  using Y = std::remove_cvref_t<X>;
-  using To = typename detail::reshard_target<ToOrRules, Y>::type;
-  using out_t = with_sharding<Y, To>;
-  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
-  using T = typename Y::value_type;
+  using R = detail::reshard_of<ToOrRules, X>;
+  using Y = typename R::Y;
+  using out_t = typename R::out_t;
+  using plan = typename R::plan;
+  using T = typename R::T;
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
-  // Before any collective: a target that does not divide throws the same on every rank.
-  detail::check_divisible<Y::rank>(out_t::resolved, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
+  R::check(x);
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {
@@ -129,21 +143,19 @@ class reshard_request {
 template <class ToOrRules, class X>
   requires sharded_tensor<X>
 auto start_reshard(X&& x) {
-  using Y = std::remove_cvref_t<X>;
-  using To = typename detail::reshard_target<ToOrRules, Y>::type;
-  using out_t = with_sharding<Y, To>;
-  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
-  using T = typename Y::value_type;
+  using R = detail::reshard_of<ToOrRules, X>;
+  using out_t = typename R::out_t;
+  using plan = typename R::plan;
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
-  detail::check_divisible<Y::rank>(out_t::resolved, To::spec, extents, mesh, detail::dtype_name<T>(), Y::labels);
+  R::check(x);
   if constexpr (plan::steps.n == 1 && plan::steps.step[0].kind == step_kind::all_to_all) {
     if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
       return reshard_request<out_t>(mesh, extents, plan::steps, std::move(x.local()));
     else
       return reshard_request<out_t>(mesh, extents, plan::steps, x.local());
   } else {
-    auto y = reshard<To>(std::forward<X>(x));
+    auto y = reshard<typename R::To>(std::forward<X>(x));  // any other plan: run whole now
     return reshard_request<out_t>(mesh, extents, std::move(y.local()));
   }
 }
