@@ -27,6 +27,7 @@ constexpr const char* usage =
     "                       experts at D = 128, 512, 2048 ranks on one expert axis), as a table\n"
     "model (default: examples/train's): --model M --heads N --head-dim K --hidden H --experts E\n"
     "  --layers N --vocab V --top-k K --capacity-factor F --min-capacity C (4) --shared-experts N --swiglu\n"
+    "  --overlap-degree K (the MoE all_to_alls in K chunks of the capacity: K calls each, the same bytes)\n"
     "batch: --seq L (128; 1024 with --gshard)  --sequences-per-rank B (8; 4 with --gshard)\n"
     "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
     "  over expert, heads and hidden units over model\n"
@@ -73,6 +74,7 @@ options parse(int argc, char** argv) {
     else if (a == "--capacity-factor") o.c.gating.capacity_factor = real(0);
     else if (a == "--min-capacity") o.c.gating.min_capacity = whole(1);
     else if (a == "--shared-experts") o.c.shared_experts = int(whole(0));
+    else if (a == "--overlap-degree") o.c.overlap_degree = int(std::min<index_t>(whole(1), 1 << 16));
     else if (a == "--swiglu") o.c.ffn = moe::ffn_kind::swiglu;
     else if (a == "--seq") o.seq = whole(1), o.seq_given = true;
     else if (a == "--sequences-per-rank") o.per_rank = whole(1), o.per_rank_given = true;

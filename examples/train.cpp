@@ -448,7 +448,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s\n",
                 c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux, c.gating.z_loss_coef, c.shared_experts,
                 c.ffn == moe::ffn_kind::relu ? "relu" : "swiglu",
-                c.overlap_degree > 1 ? (", all_to_alls in " + std::to_string(c.overlap_degree) + " chunks").c_str() : "");
+                c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step

@@ -209,6 +209,15 @@ TEST_CASE("autodiff: reshards started and finished later, chunks and concat: the
   auto once = start_reshard<by_cols>(t.use(x));
   (void)once.wait();
   GSHARD_REQUIRE_THROWS_WITH(once.wait(), error, "gshard::var_in_flight: wait() was called before");
+  auto plain = start_reshard<by_cols>(x.value());  // the tensor form
+  (void)plain.wait();
+  GSHARD_REQUIRE_THROWS_WITH(plain.wait(), error, "gshard::reshard_request: wait() was called before");
+  GSHARD_REQUIRE(detail::in_flight::running().empty());  // nothing left in flight once waited
+  std::vector<var<tensor<double, 3, grid2, by_rows, "BCM">>> none, odd;
+  GSHARD_REQUIRE_THROWS_WITH(concat<1>(none), shape_error, "gshard::concat: no pieces to join");
+  odd.push_back(t.use(x));
+  odd.push_back(chunk<2>(t.use(x), 2)[0]);
+  GSHARD_REQUIRE_THROWS_WITH(concat<1>(odd), shape_error, "differ outside dim 1");
 }
 
 TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[autodiff][grad]") {

@@ -357,7 +357,7 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
     }
     // The all_to_alls pipelined with the experts in 3 chunks of the capacity:
     // three each way (and with a model axis an all_reduce per chunk), the
-    // same result; the rows of a chunk are the same rows, so to the bit.
+    // same result to rounding (the chunks' GEMMs run on fewer rows).
     moe::layer_options o;
     o.overlap_degree = 3;
     const auto r = run_variant<double>(m, {G, S, M}, H, E, cfg, moe::dispatch_mode::index, o);
@@ -366,6 +366,33 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
     GSHARD_REQUIRE(r.collectives == (Mesh::index_of("model") >= 0 ? 36 : 6) + 100);
     GSHARD_REQUIRE(max_rel_diff(r.y, ref) < 1e-12);
     GSHARD_REQUIRE(r.broken.empty());
+    // ... and its gradients (the backward's pipeline, with a model axis its
+    // all_reduce before each chunk's all_to_all): those of one chunk.
+    auto grads = [&](int k) {
+      parameters ps(m, 42);
+      moe::layer_options ok;
+      ok.overlap_degree = k;
+      const moe::layer<double, Mesh> layer(ps, "moe.", M, H, E, ok);
+      using X = named<double, "GSM", Mesh, typename moe::layer<double, Mesh>::at_tokens>;
+      param<X> x(ps, "x", {G, S, M}, init::normal(1.0));
+      X c(m, {G, S, M});
+      fill_normal(c, 1.0, 8, 98);
+      tape t(ps);
+      auto out = layer(t.use(x), cfg, 3);
+      t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))) + 0.5 * out.aux);
+      std::vector<double> g;  // every parameter's gradient, gathered
+      auto add = [&](const auto& p) {
+        const auto whole = gather(p.grad());
+        g.insert(g.end(), whole.data(), whole.data() + whole.size());
+      };
+      add(x), add(layer.gate), add(layer.wi), add(layer.wo);
+      return g;
+    };
+    const auto g1 = grads(1), g3 = grads(3);
+    double gd = g1.size() == g3.size() ? 0.0 : 1e300;
+    for (std::size_t i = 0; gd < 1e300 && i < g1.size(); ++i) gd = std::max(gd, std::abs(g1[i] - g3[i]) / (1 + std::abs(g1[i])));
+    INFO("gradients, overlap_degree 3 against 1: " << gd);
+    GSHARD_REQUIRE(gd < 1e-12);
   };
   check(grid1(MPI_COMM_WORLD), "mesh (P)");
   check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
@@ -614,6 +641,14 @@ TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", 
     }
     GSHARD_REQUIRE(out.stats.invalid == P && zero_there && finite_elsewhere);  // one per rank's groups
     GSHARD_REQUIRE(check_invariants(*out.route).empty());
+  }
+  // Zero chunks: refused when the layer is declared.
+  {
+    parameters ps(m, 1);
+    moe::layer_options o;
+    o.overlap_degree = 0;
+    GSHARD_REQUIRE_THROWS_WITH((moe::layer<float, grid2>(ps, "moe.", 4, 8, 2 * P, o)), error,
+                               "gshard::moe::layer: overlap_degree = 0 chunks; 1 (no pipelining) or more");
   }
   // Experts that do not divide over the expert axis: one clear error on every rank.
   if (P > 1) {

@@ -405,6 +405,9 @@ TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, m
   c.gating.balance = moe::balance_mode::bias, c.gating.bias_rate = 0.01, c.gating.second = moe::second_policy::random;
   check(grid2(MPI_COMM_WORLD, {1, P}), c);
   if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P, moe::ffn_kind::swiglu));
+  auto piped = tiny(P);  // the all_to_alls in flight, recomputed in the backward with their pipeline
+  piped.overlap_degree = 2;
+  check(grid2(MPI_COMM_WORLD, {1, P}), piped);
 
   // Misuse: a block that does not exist; a function reading a tracked value
   // it was not given.
@@ -497,8 +500,10 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
   auto dense = tiny(P);
   dense.experts = 0, dense.slot_hidden = 16;
+  auto piped = tiny(P);
+  piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
   const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
-  for (const auto& c : {tiny(P), shared_top1, dense})
+  for (const auto& c : {tiny(P), shared_top1, dense, piped})
     for (bool sharded : {false, true}) {
       ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded);
       ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded);

@@ -117,7 +117,6 @@ class bucket {
     flight_ = begin_step(plan_.step[0]);
     step_ = 0;
   }
-  // Moves the step in flight on, without blocking.
   // Finishes the step in flight (waiting if it must) and posts the next;
   // after the last, hands each member its result and empties the bucket.
   void advance() {

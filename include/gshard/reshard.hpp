@@ -73,43 +73,35 @@ auto reshard(X&& x) {
 }
 
 // A reshard started now and finished later (start_reshard<To>(t)); wait()
-// gives the tensor in To. A plan of one all_to_all — a split moved from one
-// dim to another, as the MoE layer's dispatch and combine — travels while
-// the rank computes: packed and posted (start_all_to_all) when it starts,
-// unpacked by wait(). Any other plan runs whole when it starts and wait()
+// gives the tensor in To. A plan that ends in an all_to_all — a split moved
+// from one dim to another, as the MoE layer's dispatch and combine, after
+// any steps before it — runs those steps at once and posts the all_to_all
+// (start_all_to_all, packed), which travels while the rank computes;
+// wait() unpacks it. Any other plan runs whole when it starts and wait()
 // hands its result out: the same values and the same collectives either way.
 template <class Out>
-class reshard_request {
+class [[nodiscard]] reshard_request {
   using T = typename Out::value_type;
   static constexpr int R = Out::rank;
 
  public:
-  // In flight (a plan of one all_to_all): `in` is the shard to send.
+  // Runs plan `p` (of Out's mesh; its last state is Out's layout) on `in`,
+  // the shard in its first state.
   template <class Local>
   reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in)
       : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
-    const detail::all_to_all_geometry<T, R> geo(m, p.step[0], p.state[0], p.state[1], global);
-    const T* send = in.data();
-    if (geo.packs()) {
-      s_->send.resize(geo.n);
-      geo.pack(in.data(), s_->send.data());
-      send = s_->send.data();
+    const int last = p.n - 1;
+    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
+      s_->out = detail::execute_reshard<T, R>(m, p, std::forward<Local>(in), global);
+      return;
+    }
+    if (last > 0) {  // the steps before the all_to_all, now
+      detail::reshard_steps head = p;
+      head.n = last;
+      post(m, p, last, detail::execute_reshard<T, R>(m, head, std::forward<Local>(in), global), global);
     } else {
-      s_->in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
-      send = s_->in.data();
+      post(m, p, last, std::forward<Local>(in), global);
     }
-    s_->out = local_tensor<T, R>(geo.eo);
-    if (geo.unpacks()) {
-      s_->recv.resize(geo.n);
-      s_->unpack.emplace(geo);
-    }
-    T* recv = geo.unpacks() ? s_->recv.data() : s_->out.data();
-    s_->request = start_all_to_all<T>(m.group(1u << p.step[0].axis), {send, geo.n}, {recv, geo.n});
-  }
-  // Already done (any other plan): `out` is the result.
-  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, local_tensor<T, R>&& out)
-      : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
-    s_->out = std::move(out);
   }
 
   // Moves it on without blocking; true once its data has arrived.
@@ -126,6 +118,28 @@ class reshard_request {
   }
 
  private:
+  // Packs `in` (in state i of the plan) and posts step i, an all_to_all.
+  template <class Local>
+  void post(const typename Out::mesh_type& m, const detail::reshard_steps& p, int i, Local&& in, const shape<R>& global) {
+    const detail::all_to_all_geometry<T, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
+    const T* send = in.data();
+    if (geo.packs()) {
+      s_->send.resize(geo.n);
+      geo.pack(in.data(), s_->send.data());
+      send = s_->send.data();
+    } else {
+      s_->in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
+      send = s_->in.data();
+    }
+    s_->out = local_tensor<T, R>(geo.eo);
+    if (geo.unpacks()) {
+      s_->recv.resize(geo.n);
+      s_->unpack.emplace(geo);
+    }
+    T* recv = geo.unpacks() ? s_->recv.data() : s_->out.data();
+    s_->request = start_all_to_all<T>(m.group(1u << p.step[i].axis), {send, geo.n}, {recv, geo.n});
+  }
+
   struct state {  // on the heap: the request may move while MPI writes into it
     local_tensor<T, R> in;
     std::vector<T> send, recv;
@@ -138,26 +152,17 @@ class reshard_request {
   std::unique_ptr<state> s_;
 };
 
-// reshard<To>(x), started: the same checks and plan, the collective posted
+// reshard<To>(x), started: the same checks and plan, the collectives posted
 // now (reshard_request). The caller computes, then wait()s.
 template <class ToOrRules, class X>
   requires sharded_tensor<X>
-auto start_reshard(X&& x) {
+[[nodiscard]] auto start_reshard(X&& x) {
   using R = detail::reshard_of<ToOrRules, X>;
-  using out_t = typename R::out_t;
-  using plan = typename R::plan;
-  const auto& mesh = x.mesh();
-  const auto extents = x.extents();
   R::check(x);
-  if constexpr (plan::steps.n == 1 && plan::steps.step[0].kind == step_kind::all_to_all) {
-    if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
-      return reshard_request<out_t>(mesh, extents, plan::steps, std::move(x.local()));
-    else
-      return reshard_request<out_t>(mesh, extents, plan::steps, x.local());
-  } else {
-    auto y = reshard<typename R::To>(std::forward<X>(x));  // any other plan: run whole now
-    return reshard_request<out_t>(mesh, extents, std::move(y.local()));
-  }
+  if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()));
+  else
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, x.local());
 }
 
 }  // namespace gshard

@@ -18,8 +18,9 @@
 //   reshard     the transposed collectives, planned from the gradient's
 //               pending layout: all_gather <-> reduce_scatter (or a local
 //               slice), all_to_all <-> all_to_all, all_reduce <-> nothing
-//   start_reshard  the same, started by wait()'s rule and finished by
-//               start_reshard's: in flight while the rules between run
+//   start_reshard  the same plan, started by wait()'s rule and finished by
+//               start_reshard's: a final all_to_all in flight while the
+//               rules between run
 //   the rest    local
 #pragma once
 
@@ -266,13 +267,13 @@ auto reshard(V&& v) {
 // backward computes (transposed) while the gradient travels. The MoE
 // layer's all_to_alls pipelined with its experts are built of these.
 template <class Y, class X>
-class var_in_flight {
+class [[nodiscard]] var_in_flight {
  public:
   var_in_flight(tape& t, int xs, reshard_request<Y>&& r) : t_(&t), xs_(xs), f_(std::make_shared<flight>()) {
     f_->forward.emplace(std::move(r));
     if (xs >= 0)
       t.record([tp = &t, xs, f = f_] {
-        if (!f->backward) return;  // the result received no gradient (on every rank: the program is the same)
+        if (!f->backward) return;  // the result received no gradient
         auto dx = f->backward->wait();
         f->backward.reset();
         tp->slot<X>(xs).add(std::move(dx));
@@ -289,9 +290,16 @@ class var_in_flight {
     f_->forward.reset();
     auto out = t_->output(std::move(y), xs_ >= 0);
     if (out.tracked())
-      t_->record([tp = t_, ys = out.slot(), f = f_] {
-        auto dy = tp->slot<Y>(ys).template take<gradient_sharding<typename Y::sharding_type>>();
-        if (dy) f->backward.emplace(start_reshard<gradient_sharding<typename X::sharding_type>>(std::move(*dy)));
+      t_->record([tp = t_, ys = out.slot(), f = f_, mesh = &out.mesh(), extents = out.extents()] {
+        // Planned from dy's pending layout, as reshard's rule: a pending dy
+        // of an all_gather becomes one reduce_scatter; a plan that ends in
+        // an all_to_all leaves it in flight.
+        auto dy = tp->slot<Y>(ys).take_pending();
+        if (!dy) return;  // the result received no gradient (on every rank: the program is the same)
+        using mesh_t = typename X::mesh_type;
+        constexpr detail::rlayout to = detail::bind_layout<mesh_t, X::rank, gradient_sharding<typename X::sharding_type>>::value;
+        const auto plan = detail::plan_reshard(dy->second, to, mesh->naxes(), mesh->sizes());
+        f->backward.emplace(*mesh, extents, plan, std::move(dy->first));
       });
     return out;
   }
@@ -309,7 +317,7 @@ class var_in_flight {
 
 template <class ToOrRules, class V>
   requires var_type<V>
-auto start_reshard(V&& v) {
+[[nodiscard]] auto start_reshard(V&& v) {
   using X = detail::tensor_of<V>;
   tape& t = v.on_tape();
   const int xs = v.slot();
@@ -342,7 +350,7 @@ constexpr bool dim_whole() {
 
 template <int Dim, class V>
   requires var_type<V>
-std::vector<var<detail::tensor_of<V>>> chunk(const V& v, index_t k) {
+std::vector<var<detail::tensor_of<V>>> chunk(V v, index_t k) {  // by value: chunk(std::move(v), k) lets v's tensor go
   using X = detail::tensor_of<V>;
   using T = typename X::value_type;
   constexpr int R = X::rank;

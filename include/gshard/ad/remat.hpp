@@ -131,6 +131,7 @@ auto remat(F f, const var<X>&... inputs) {
     for (std::size_t i = rules.size(); i-- > 0;) {
       rules[i]();
       rules[i] = nullptr;
+      detail::progress_in_flight();  // as between the tape's own rules
     }
   });
   return out;

@@ -251,9 +251,14 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   auto& cs = w.collectives;
   using detail_cost::add;
   const std::uint32_t batch = data_bit | expert_bit, all = batch | (m.has_model_axis ? model_bit : 0u);
+  // The MoE layers' all_to_alls pipelined in chunks of C (overlap_degree):
+  // as many calls per all_to_all, the same bytes in all. (The expert
+  // einsums are counted whole: their FLOPs are the chunks' sum.)
+  const int chunks = int(std::min<index_t>(std::max(c.overlap_degree, 1), std::max<index_t>(C, 1)));
   if (moe_layers > 0) {
     const double xe = double((E)*Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
-    add(cs, collective::all_to_all, expert_bit, 4 * moe_layers, 4.0 * moe_layers * xe, "MoE dispatch and combine, forward and backward");
+    add(cs, collective::all_to_all, expert_bit, 4 * moe_layers * chunks, 4.0 * moe_layers * xe,
+        "MoE dispatch and combine, forward and backward");
     // The gating counters, aux loss and z-loss: 2E + 4 + 2k doubles per MoE layer.
     add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * double(2 * E + 4 + 2 * k) * 8, "MoE statistics");
     if (c.gating.dropless) add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * 8, "dropless capacity");
@@ -264,7 +269,7 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     int per_tokens = 2 * layers + 2 * dense_layers + (c.shared_experts > 0 ? 2 * moe_layers : 0);
     add(cs, collective::all_reduce, model_bit, per_tokens, per_tokens * act, "activations of model-split contractions");
     if (moe_layers > 0)
-      add(cs, collective::all_reduce, model_bit, 2 * moe_layers,
+      add(cs, collective::all_reduce, model_bit, 2 * moe_layers * chunks,
           2.0 * moe_layers * double((E / e) * (B / d) * C * M) * f, "expert FFN outputs and inputs' gradients");
   }
   add(cs, collective::all_reduce, all, 1, 8, "global gradient norm");

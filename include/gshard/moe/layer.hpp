@@ -40,7 +40,8 @@ struct layer_options {
   // its experts and chunk i-1 back while chunk i's FFN computes, and so in
   // the backward. 1: one all_to_all each way. More chunks hide more of the
   // all_to_alls behind the experts' GEMMs, in smaller messages and GEMMs
-  // (docs/10_performance.md measures it). Capped at C.
+  // (docs/10_performance.md measures it). Capped at C. dispatch_mode::einsum
+  // (the reference form) runs unchunked.
   int overlap_degree = 1;
 };
 
@@ -139,7 +140,7 @@ struct layer {
       const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
       if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d))));
       // Pipelined: chunk i+1 goes out and chunk i-1 comes back while chunk i's experts compute.
-      auto pieces = chunk<2>(d, k);
+      auto pieces = chunk<2>(std::move(d), k);  // the whole goes: only the chunks stay
       using going_t = decltype(start_reshard<at_experts>(pieces[0]));
       using coming_t = decltype(start_reshard<at_tokens>(experts_ffn(std::declval<going_t&>().wait())));
       std::vector<going_t> going;
