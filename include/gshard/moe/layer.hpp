@@ -5,7 +5,10 @@
 // roles (gshard/roles.hpp): at_tokens puts the groups G on every batch axis,
 // at_experts the experts E on the expert axes. With model axes the experts'
 // hidden units H are split over them too, and the second expert einsum ends
-// in one all_reduce over them. The backward is derived (gshard/ad/).
+// in one all_reduce over them. With layer_options::overlap_degree = k each
+// all_to_all is k, one per chunk of the capacity, pipelined with the
+// experts (start_reshard, gshard/ad/ops.hpp). The backward is derived
+// (gshard/ad/).
 #pragma once
 
 #include <algorithm>
