@@ -209,8 +209,10 @@ TEST_CASE("autodiff: reshards started and finished later, chunks and concat: the
   auto once = start_reshard<by_cols>(t.use(x));
   (void)once.wait();
   GSHARD_REQUIRE_THROWS_WITH(once.wait(), error, "gshard::var_in_flight: wait() was called before");
-  auto plain = start_reshard<by_cols>(x.value());  // the tensor form
-  (void)plain.wait();
+  auto plain = start_reshard<by_cols>(x.value());  // the tensor form, tested until its data has arrived
+  while (!plain.test()) {
+  }
+  GSHARD_REQUIRE(equal_tensors(plain.wait().local(), reshard<by_cols>(x.value()).local()));
   GSHARD_REQUIRE_THROWS_WITH(plain.wait(), error, "gshard::reshard_request: wait() was called before");
   GSHARD_REQUIRE(detail::in_flight::running().empty());  // nothing left in flight once waited
   std::vector<var<tensor<double, 3, grid2, by_rows, "BCM">>> none, odd;
