@@ -89,12 +89,41 @@ TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finit
     auto e = against(t, relu(xv), 1) + against(t, gelu(xv), 2) + against(t, silu(xv), 3) + against(t, sigmoid(xv), 4) +
              against(t, tanh(xv), 5) + against(t, sqrt(exp(xv)), 6) + against(t, log(exp(yv) + exp(xv)), 7) +
              against(t, xv * yv - xv / 3.0, 8) + against(t, -(2.0 * yv), 9) + against(t, softmax(xv), 10) +
-             against(t, rms_norm(yv, s), 11) + against(t, softmax(causal_mask(1.5 * t.use(lg))), 12);
+             against(t, rms_norm(yv, s), 11) + against(t, softmax(causal_mask(1.5 * t.use(lg))), 12) +
+             against(t, causal_softmax(t.use(lg), 1.5), 13);
     return all_reduce<"x">(std::move(e));
   };
   const double worst = fd_check_params(ps, loss, x, y, s, lg);
   INFO("worst relative error " << worst);
   GSHARD_REQUIRE(worst < 1e-6);
+}
+
+TEST_CASE("autodiff: causal_softmax is softmax(causal_mask(scale * x)) in value and gradient, for L <, = and > T",
+          "[autodiff][grad]") {
+  const int P = world_size();
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 3);
+  for (const auto& [L, Tn] : {std::pair<index_t, index_t>{3, 5}, {5, 5}, {6, 2}, {1, 1}}) {
+    param<tensor<double, 3, grid1, rows>> lg(ps, "lg" + std::to_string(L) + "x" + std::to_string(Tn), {index_t(P), L, Tn},
+                                             init::normal(3.0));
+    const auto run = [&](bool fused) {
+      tape t(ps);
+      auto p = fused ? causal_softmax(t.use(lg), 0.7) : softmax(causal_mask(0.7 * t.use(lg)));
+      auto value = gather(p.value());
+      t.backward(all_reduce<"x">(against(t, p, 5)));
+      return std::pair{value, gather(lg.grad())};
+    };
+    const auto [y1, g1] = run(true);
+    const auto [y0, g0] = run(false);
+    double worst = 0, zero_above = 0;
+    for (index_t i = 0; i < y1.size(); ++i) worst = std::max({worst, std::abs(y1.data()[i] - y0.data()[i]), std::abs(g1.data()[i] - g0.data()[i])});
+    for (index_t b = 0; b < index_t(P); ++b)
+      for (index_t l = 0; l < L; ++l)
+        for (index_t k = l + 1; k < Tn; ++k) zero_above += std::abs(y1(b, l, k)) + std::abs(g1(b, l, k));
+    INFO("L " << L << ", T " << Tn << ": worst difference " << worst);
+    GSHARD_REQUIRE(worst < 1e-12);
+    GSHARD_REQUIRE(zero_above == 0.0);
+  }
 }
 
 TEST_CASE("autodiff: the maximum and minimum over a dim, split or whole, pass the gradient to the extreme", "[autodiff][grad]") {

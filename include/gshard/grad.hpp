@@ -11,6 +11,8 @@
 // transposed. Also: relu, softmax and the RMS norm, element-wise and local.
 #pragma once
 
+#include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 
 #include "gshard/einsum.hpp"
@@ -230,44 +232,57 @@ DY relu_backward(DY dy, const X& x) {
 template <sharded_tensor DY, sharded_tensor Y>
 DY softmax_backward(DY dy, const Y& y) {
   static_assert(detail::same_shards<DY, Y>(), "gshard::softmax_backward: dy and y are sharded differently");
-  using T = typename DY::value_type;
   const index_t n = DY::rank ? dy.local().dimension(DY::rank - 1) : 1;
   if (n == 0) return dy;
+  auto* g = dy.data();
+  const auto* p = y.data();
+  for (index_t row = 0, rows = dy.local().size() / n; row < rows; ++row, g += n, p += n) detail::softmax_row_backward(g, p, n);
+  return dy;
+}
+
+// dx = scale · y · (dy − Σ_t dy·y) over each row's unmasked entries (t <= l)
+// and 0 above the diagonal, where the forward was y = causal_softmax(x, scale).
+template <sharded_tensor DY, sharded_tensor Y>
+DY causal_softmax_backward(DY dy, const Y& y, double scale) {
+  static_assert(detail::same_shards<DY, Y>(), "gshard::causal_softmax_backward: dy and y are sharded differently");
+  using T = typename DY::value_type;
+  const auto le = dy.local_extents();
+  const index_t L = le[DY::rank - 2], n = le[DY::rank - 1];
+  if (L * n == 0) return dy;
   T* g = dy.data();
   const T* p = y.data();
-  for (index_t row = 0, rows = dy.local().size() / n; row < rows; ++row, g += n, p += n) {
-    T dot = 0;
-    for (index_t i = 0; i < n; ++i) dot += g[i] * p[i];
-    for (index_t i = 0; i < n; ++i) g[i] = p[i] * (g[i] - dot);
-  }
+  for (index_t r = 0, rows = dy.local().size() / (L * n); r < rows; ++r)
+    for (index_t l = 0; l < L; ++l, g += n, p += n) {
+      const index_t kept = std::min(l + 1, n);
+      detail::softmax_row_backward(g, p, kept, T(scale));
+      std::fill(g + kept, g + n, T(0));
+    }
   return dy;
 }
 
 // The RMS norm y = x · r · s, r = (mean(x²) + eps)^-1/2, over the last dim:
 // dx = s·r·dy − x·r³·mean(dy·s·x), and the scale's gradient Σ_rows dy·x·r,
 // which is a pending sum over the ranks that split the rows; `ds` receives
-// this rank's summand (the caller reduces it).
+// this rank's summand (the caller reduces it). Rows of float and double take
+// Eigen's packets, as the forward's.
 template <sharded_tensor DY, sharded_tensor X, class Scale>
 DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
   static_assert(detail::same_shards<DY, X>(), "gshard::rms_norm_backward: dy and x are sharded differently");
   using T = typename X::value_type;
   const index_t n = x.local().dimension(X::rank - 1);
   if (n == 0) return dy;
+  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const row> s(scale.data(), n);
+  Eigen::Map<row> dsum(ds, n);
   T* g = dy.data();
   const T* v = x.data();
-  const T* s = scale.data();
-  for (index_t row = 0, rows = x.local().size() / n; row < rows; ++row, g += n, v += n) {
-    double ss = 0, dot = 0;
-    for (index_t i = 0; i < n; ++i) {
-      ss += double(v[i]) * double(v[i]);
-      dot += double(g[i]) * double(s[i]) * double(v[i]);
-    }
-    const double r = 1.0 / std::sqrt(ss / double(n) + eps);
-    const double c = r * r * r * dot / double(n);
-    for (index_t i = 0; i < n; ++i) {
-      ds[i] += T(double(g[i]) * double(v[i]) * r);
-      g[i] = T(double(s[i]) * r * double(g[i]) - double(v[i]) * c);
-    }
+  for (index_t r = 0, rows = x.local().size() / n; r < rows; ++r, g += n, v += n) {
+    Eigen::Map<row> gv(g, n);
+    const Eigen::Map<const row> xv(v, n);
+    const double inv = 1.0 / std::sqrt(double(xv.matrix().squaredNorm()) / double(n) + eps);
+    const double c = inv * inv * inv * double((gv * s * xv).sum()) / double(n);
+    dsum += gv * xv * T(inv);
+    gv = s * T(inv) * gv - xv * T(c);
   }
   return dy;
 }

@@ -4,6 +4,8 @@
 // not a summand of the relu), and last-dim operations refuse a split last dim.
 #pragma once
 
+#include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -191,8 +193,38 @@ std::remove_cvref_t<X> softmax(X&& x) {
   return out;
 }
 
+// Causal attention's softmax in one pass: softmax over the last dim T of
+// scale · x with the entries above the diagonal of the last two dims
+// [.., L, T] (t > l) masked out, which get 0 — softmax(causal_mask(scale · x))
+// without its two extra passes over the logits or the exps of the masked
+// half. Both last dims must be whole on each rank.
+template <class X>
+  requires sharded_tensor<X>
+std::remove_cvref_t<X> causal_softmax(X&& x, double scale = 1.0) {
+  using Y = std::remove_cvref_t<X>;
+  using T = typename Y::value_type;
+  static_assert(Y::rank >= 2, "gshard::causal_softmax: the tensor needs two dims [.., L, T] to mask");
+  static_assert(Y::resolved.dims[Y::rank - 1].n == 0 && Y::resolved.dims[Y::rank - 2].n == 0,
+                "gshard::causal_softmax: the last two dims are split; the mask needs them whole on each rank");
+  static_assert(!detail::has_pending_sums<Y>(), "gshard::causal_softmax: the tensor has pending sums; all_reduce it first");
+  Y out = std::forward<X>(x);
+  const auto le = out.local_extents();
+  const index_t L = le[Y::rank - 2], n = le[Y::rank - 1];
+  if (L * n == 0) return out;
+  T* p = out.data();
+  for (index_t r = 0, rows = out.local().size() / (L * n); r < rows; ++r)
+    for (index_t l = 0; l < L; ++l, p += n) {
+      const index_t kept = std::min(l + 1, n);
+      detail::softmax_row(p, kept, p, T(scale));
+      std::fill(p + kept, p + n, T(0));
+    }
+  return out;
+}
+
 // GShard's RMS-style norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
-// `scale` holds the last dim's extent of values, on every rank.
+// `scale` holds the last dim's extent of values, on every rank. Float and
+// double rows take Eigen's packets (the sum of squares in T, in several
+// accumulators), which -O2 would not vectorise.
 template <class X, class Scale>
   requires sharded_tensor<X>
 std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
@@ -206,13 +238,13 @@ std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
     throw shape_error("gshard::rms_norm: the scale has " + std::to_string(scale.size()) + " values for a last dim of " +
                       std::to_string(n));
   if (n == 0) return out;
+  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const row> s(scale.data(), n);
   T* p = out.data();
-  const T* s = scale.data();
-  for (index_t row = 0, rows = out.local().size() / n; row < rows; ++row, p += n) {
-    double ss = 0;
-    for (index_t i = 0; i < n; ++i) ss += double(p[i]) * double(p[i]);
-    const T r = T(1.0 / std::sqrt(ss / double(n) + eps));
-    for (index_t i = 0; i < n; ++i) p[i] = p[i] * r * s[i];
+  for (index_t r = 0, rows = out.local().size() / n; r < rows; ++r, p += n) {
+    Eigen::Map<row> v(p, n);
+    const T inv = T(1.0 / std::sqrt(double(v.matrix().squaredNorm()) / double(n) + eps));
+    v = v * inv * s;
   }
   return out;
 }

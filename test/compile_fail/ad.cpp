@@ -30,11 +30,11 @@ void f(const var<t<1, pend>>& a) {
   (void)relu(a), (void)gelu(a), (void)silu(a), (void)sigmoid(a), (void)exp(a), (void)log(a), (void)tanh(a), (void)sqrt(a);
 }
 #elif defined(GSHARD_CASE_mask_rank)
-void f(const var<t<1, rep>>& a) { (void)causal_mask(a); }
+void f(const var<t<1, rep>>& a) { (void)causal_mask(a), (void)causal_softmax(a); }
 #elif defined(GSHARD_CASE_mask_split)
-void f(const var<t<2, sharding<split<1, "data">>>>& a) { (void)causal_mask(a); }
+void f(const var<t<2, sharding<split<1, "data">>>>& a) { (void)causal_mask(a), (void)causal_softmax(a); }
 #elif defined(GSHARD_CASE_mask_pending)
-void f(const var<t<2, pend>>& a) { (void)causal_mask(a); }
+void f(const var<t<2, pend>>& a) { (void)causal_mask(a), (void)causal_softmax(a); }
 #elif defined(GSHARD_CASE_norm_scale)
 void f(const var<t<2, rows>>& x, const var<t<1, sharding<split<0, "expert">>>>& s) { (void)rms_norm(x, s); }
 #elif defined(GSHARD_CASE_param_other_mesh)

@@ -129,8 +129,8 @@ void f(const tensor<float, 1, grid, replicate>& dy, const tensor<float, 1, grid,
   (void)relu_backward(dy, x);
 }
 #elif defined(GSHARD_CASE_softmax_backward_shards)
-void f(const tensor<float, 1, grid, replicate>& dy, const tensor<float, 1, grid, sharding<split<0, "data">>>& y) {
-  (void)softmax_backward(dy, y);
+void f(const tensor<float, 2, grid, replicate>& dy, const tensor<float, 2, grid, sharding<split<0, "data">>>& y) {
+  (void)softmax_backward(dy, y), (void)causal_softmax_backward(dy, y, 1.0);
 }
 #elif defined(GSHARD_CASE_rms_norm_backward_shards)
 void f(const tensor<float, 2, grid, replicate>& dy, const tensor<float, 2, grid, sharding<split<0, "data">>>& x,

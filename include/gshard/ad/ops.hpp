@@ -658,6 +658,24 @@ auto causal_mask(V&& x) {
   return y;
 }
 
+// softmax(causal_mask(scale · x)) in one pass (ops.hpp): causal attention's
+// probabilities from its logits [.., L, T]. Keeps the output.
+template <class V>
+  requires var_type<V>
+auto causal_softmax(V&& x, double scale = 1.0) {
+  using X = detail::tensor_of<V>;
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  auto y = t.output(causal_softmax(detail::value_of(std::forward<V>(x)), scale), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, keep_y = y.shared(), scale] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      tp->slot<X>(xs).add(causal_softmax_backward(std::move(*dy), *keep_y, scale));
+    });
+  return y;
+}
+
 // GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
 // The scale's gradient is a sum over x's rows: pending over the axes that
 // split them, reduced once with the scale's other contributions.

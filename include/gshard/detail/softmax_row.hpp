@@ -1,6 +1,7 @@
-// gshard/detail/softmax_row.hpp — the softmax of one row, the one kernel
-// behind softmax() (ops.hpp), the router's gates (moe/gating.hpp) and the
-// cross-entropy's loss and gradient (ad/nn.hpp).
+// gshard/detail/softmax_row.hpp — the softmax of one row and its gradient,
+// the kernels behind softmax() and causal_softmax() (ops.hpp, grad.hpp), the
+// router's gates (moe/gating.hpp) and the cross-entropy's loss and gradient
+// (ad/nn.hpp).
 #pragma once
 
 #include <Eigen/Core>
@@ -13,8 +14,8 @@
 
 namespace gshard::detail {
 
-// out = softmax(in) over n entries (none: returns -inf), shifted by the largest for
-// stability (in may be out). Entries of -inf get 0. Returns the log of the
+// out = softmax(scale · in) over n entries (none: returns -inf), shifted by the
+// largest for stability (in may be out). Entries of -inf get 0. Returns the log of the
 // partition function, log Σ exp(in), in double. The caller decides what NaN,
 // +inf or a row of only -inf mean.
 //
@@ -29,9 +30,10 @@ namespace gshard::detail {
 // every entry takes the vectorised path whatever the row's address: on a
 // row at another address Eigen would compute some entries with std::exp
 // (its unaligned head), and the same logits would route differently on two
-// calls (test_moe caught it).
+// calls (test_moe caught it). The scale is applied (in T) as the row is
+// copied in, so softmax_row(x, n, out, s) equals softmax_row of s·x.
 template <class T>
-double softmax_row(const T* in, index_t n, T* out) {
+double softmax_row(const T* in, index_t n, T* out, T scale = T(1)) {
   if (n == 0) return -std::numeric_limits<double>::infinity();  // log Σ over nothing
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
     using row = Eigen::Array<T, Eigen::Dynamic, 1>;
@@ -40,7 +42,8 @@ double softmax_row(const T* in, index_t n, T* out) {
     const index_t padded = (n + 15) / 16 * 16;
     if (buf.size() < padded) buf.resize(padded);
     auto b = buf.head(padded);
-    std::copy(in, in + n, b.data());
+    if (scale == T(1)) std::copy(in, in + n, b.data());
+    else b.head(n) = Eigen::Map<const row>(in, n) * scale;
     b.tail(padded - n).setConstant(-std::numeric_limits<T>::infinity());
     const T mx = b.template maxCoeff<Eigen::PropagateNaN>();  // NaN or +inf: a row of NaN, as std::exp gives
     b = (b - mx).max(lowest).exp();
@@ -51,11 +54,29 @@ double softmax_row(const T* in, index_t n, T* out) {
     return double(mx) + std::log(double(sum));
   } else {
     T mx = -std::numeric_limits<T>::infinity();
-    for (index_t i = 0; i < n; ++i) mx = in[i] > mx ? in[i] : mx;
+    for (index_t i = 0; i < n; ++i) mx = scale * in[i] > mx ? scale * in[i] : mx;
     T sum = 0;
-    for (index_t i = 0; i < n; ++i) sum += (out[i] = std::exp(in[i] - mx));
+    for (index_t i = 0; i < n; ++i) sum += (out[i] = std::exp(scale * in[i] - mx));
     for (index_t i = 0; i < n; ++i) out[i] /= sum;
     return double(mx) + std::log(double(sum));
+  }
+}
+
+// The gradient through y = softmax(scale · x) of one row of n entries, in
+// place: g = scale · p ⊙ (g − <g, p>). Float and double take Eigen's
+// packets (the dot in several accumulators), which -O2 would not vectorise.
+template <class T>
+void softmax_row_backward(T* g, const T* p, index_t n, T scale = T(1)) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+    Eigen::Map<row> gv(g, n);
+    const Eigen::Map<const row> pv(p, n);
+    const T dot = gv.matrix().dot(pv.matrix());
+    gv = scale * pv * (gv - dot);
+  } else {
+    T dot = 0;
+    for (index_t i = 0; i < n; ++i) dot += g[i] * p[i];
+    for (index_t i = 0; i < n; ++i) g[i] = scale * p[i] * (g[i] - dot);
   }
 }
 

@@ -164,7 +164,7 @@ class transformer {
     auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);                     // [B{data,expert},L,N{model},K]
     auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));    // the keys' positions are T
     auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
-    auto probs = softmax(causal_mask(scale * einsum<"BLNK,BTNK->BNLT">(q, k)));  // [B{data,expert},N{model},L,T]
+    auto probs = causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k), scale);  // [B{data,expert},N{model},L,T]
     auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);
     return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
   }
