@@ -11,6 +11,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -147,44 +148,38 @@ class adam {
   }
 
  private:
-  // Adam on one tensor, in double whatever T. Whole blocks of 256 elements
-  // go through local double arrays, where Eigen computes on vectors (its
-  // square root does not wait on errno as std::sqrt's scalar call does);
-  // the rest one element at a time, with the same arithmetic.
+  // Adam on one tensor, in T (as PyTorch's for float weights), on Eigen's
+  // packets: in fixed blocks of 256 elements, the last one copied into a
+  // zero-padded block, so that every element takes the same instructions
+  // wherever it sits in memory and in the tensor — replicas on two ranks,
+  // and a sharded update's blocks against the replicated update, stay
+  // bit-identical. (In double with conversions the update took 5.0 ms per
+  // 1.5M floats on an AVX-512 Xeon, 6.7% of a 2-rank trainer step; in
+  // float on packets 1.5 ms, about the memory traffic's time.)
   template <class T>
   void update_one(std::span<T> w, std::span<T> g, std::span<T> m1, std::span<T> m2, double clip, double lr, double c1,
                   double c2) const {
-    const double b1 = cfg.beta1, b2 = cfg.beta2, eps = cfg.eps, decay = cfg.weight_decay;
-    constexpr int block = 256;
-    using local = Eigen::Array<double, block, 1>;
-    local gi, a, b, wi;
+    const T b1 = T(cfg.beta1), b2 = T(cfg.beta2), eps = T(cfg.eps), decay = T(cfg.weight_decay);
+    const T cl = T(clip), rate = T(lr), inv_c1 = T(1.0 / c1), inv_c2 = T(1.0 / c2);
+    constexpr std::size_t block = 256;
+    using array = Eigen::Array<T, block, 1>;
+    const auto update = [&](auto&& W, const auto& G, auto&& M, auto&& V) {
+      M = b1 * M + (T(1) - b1) * (cl * G);
+      V = b2 * V + (T(1) - b2) * (cl * G).square();
+      W -= rate * ((M * inv_c1) / ((V * inv_c2).sqrt() + eps) + decay * W);
+    };
     std::size_t at = 0;
-    for (; at + block <= w.size(); at += block) {
-      for (int i = 0; i < block; ++i) {
-        gi[i] = double(g[at + i]);
-        a[i] = double(m1[at + i]);
-        b[i] = double(m2[at + i]);
-        wi[i] = double(w[at + i]);
-      }
-      gi *= clip;
-      a = b1 * a + (1.0 - b1) * gi;
-      b = b2 * b + (1.0 - b2) * gi * gi;
-      for (int i = 0; i < block; ++i) {  // the moments as stored
-        m1[at + i] = T(a[i]);
-        m2[at + i] = T(b[i]);
-        a[i] = double(m1[at + i]);
-        b[i] = double(m2[at + i]);
-      }
-      wi -= lr * ((a / c1) / ((b / c2).sqrt() + eps) + decay * wi);
-      for (int i = 0; i < block; ++i) w[at + i] = T(wi[i]);
-    }
-    for (std::size_t i = at; i < w.size(); ++i) {
-      const double gj = double(g[i]) * clip;
-      m1[i] = T(b1 * double(m1[i]) + (1.0 - b1) * gj);
-      m2[i] = T(b2 * double(m2[i]) + (1.0 - b2) * gj * gj);
-      const double update = (double(m1[i]) / c1) / (std::sqrt(double(m2[i]) / c2) + eps);
-      w[i] = T(double(w[i]) - lr * (update + decay * double(w[i])));
-    }
+    for (; at + block <= w.size(); at += block)
+      update(Eigen::Map<array>(w.data() + at), Eigen::Map<const array>(g.data() + at), Eigen::Map<array>(m1.data() + at),
+             Eigen::Map<array>(m2.data() + at));
+    const std::size_t rest = w.size() - at;
+    if (rest == 0) return;
+    array W = array::Zero(), G = array::Zero(), M = array::Zero(), V = array::Zero();
+    std::copy_n(w.data() + at, rest, W.data()), std::copy_n(g.data() + at, rest, G.data());
+    std::copy_n(m1.data() + at, rest, M.data()), std::copy_n(m2.data() + at, rest, V.data());
+    update(W, G, M, V);
+    std::copy_n(W.data(), rest, w.data() + at), std::copy_n(M.data(), rest, m1.data() + at);
+    std::copy_n(V.data(), rest, m2.data() + at);
   }
 
   const void* owner_;
