@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gshard/detail/blockwise.hpp"
 #include "gshard/detail/softmax_row.hpp"
 #include "gshard/tensor.hpp"
 
@@ -27,7 +28,11 @@ constexpr bool last_dim_split() {
 }
 
 // Element-wise functions: y = f(x), and their derivatives f'(x, y) for
-// the tape (ad/ops.hpp), each written once here.
+// the tape (ad/ops.hpp), each written once here: on one value (f, df) and,
+// where Eigen has the functions, on an array of them (fv, dfv: its packets,
+// run by apply_elementwise in fixed blocks, detail/blockwise.hpp).
+template <class A>
+using scalar_of = typename std::remove_cvref_t<A>::Scalar;
 template <class T>
 T gelu_cdf(T x) {
   return T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
@@ -36,6 +41,23 @@ struct relu_op {
   static constexpr bool needs_x = false, needs_y = true;
   template <class T> static T f(T x) { return x > T(0) ? x : T(0); }
   template <class T> static T df(T, T y, T dy) { return y > T(0) ? dy : T(0); }
+  template <class A> static auto fv(const A& x) { return x.max(scalar_of<A>(0)); }
+  // g = relu'·g over n values: g where y > 0, by a packet mask (Eigen 3.4's
+  // select() is not on packets: in blocks it took 8.7% of a 2-rank trainer
+  // step, against 2.4% for the scalar loop). Exact, so the scalar rest
+  // gives what packets would.
+  template <class T>
+  static void df_n(T* g, const T*, const T* y, index_t n) {
+    index_t i = 0;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      namespace ei = Eigen::internal;
+      using P = typename ei::packet_traits<T>::type;
+      constexpr index_t w = ei::packet_traits<T>::size;
+      const P zero = ei::pset1<P>(T(0));
+      for (; i + w <= n; i += w) ei::pstoreu(g + i, ei::pand(ei::ploadu<P>(g + i), ei::pcmp_lt(zero, ei::ploadu<P>(y + i))));
+    }
+    for (; i < n; ++i) g[i] = y[i] > T(0) ? g[i] : T(0);
+  }
 };
 struct gelu_op {  // x·Φ(x), the exact form
   static constexpr bool needs_x = true, needs_y = false;
@@ -48,6 +70,8 @@ struct sigmoid_op {
   static constexpr bool needs_x = false, needs_y = true;
   template <class T> static T f(T x) { return T(1) / (T(1) + std::exp(-x)); }
   template <class T> static T df(T, T y, T dy) { return dy * y * (T(1) - y); }
+  template <class A> static auto fv(const A& x) { return scalar_of<A>(1) / (scalar_of<A>(1) + (-x).exp()); }
+  template <class A, class D> static auto dfv(const A&, const A& y, const D& dy) { return dy * y * (scalar_of<A>(1) - y); }
 };
 struct silu_op {  // x·σ(x)
   static constexpr bool needs_x = true, needs_y = false;
@@ -56,34 +80,77 @@ struct silu_op {  // x·σ(x)
     const T s = T(1) / (T(1) + std::exp(-x));
     return dy * s * (T(1) + x * (T(1) - s));
   }
+  template <class A> static auto fv(const A& x) { return x / (scalar_of<A>(1) + (-x).exp()); }
+  template <class A, class D> static auto dfv(const A& x, const A&, const D& dy) {
+    using S = scalar_of<A>;
+    const auto s = (S(1) / (S(1) + (-x).exp())).eval();
+    return (dy * s * (S(1) + x * (S(1) - s))).eval();
+  }
 };
 struct exp_op {
   static constexpr bool needs_x = false, needs_y = true;
   template <class T> static T f(T x) { return std::exp(x); }
   template <class T> static T df(T, T y, T dy) { return dy * y; }
+  template <class A> static auto fv(const A& x) { return x.exp(); }
+  template <class A, class D> static auto dfv(const A&, const A& y, const D& dy) { return dy * y; }
 };
 struct log_op {
   static constexpr bool needs_x = true, needs_y = false;
   template <class T> static T f(T x) { return std::log(x); }
   template <class T> static T df(T x, T, T dy) { return dy / x; }
+  template <class A> static auto fv(const A& x) { return x.log(); }
+  template <class A, class D> static auto dfv(const A& x, const A&, const D& dy) { return dy / x; }
 };
 struct tanh_op {
   static constexpr bool needs_x = false, needs_y = true;
   template <class T> static T f(T x) { return std::tanh(x); }
   template <class T> static T df(T, T y, T dy) { return dy * (T(1) - y * y); }
+  template <class A> static auto fv(const A& x) { return x.tanh(); }
+  template <class A, class D> static auto dfv(const A&, const A& y, const D& dy) { return dy * (scalar_of<A>(1) - y * y); }
 };
 struct sqrt_op {
   static constexpr bool needs_x = false, needs_y = true;
   template <class T> static T f(T x) { return std::sqrt(x); }
   template <class T> static T df(T, T y, T dy) { return dy / (T(2) * y); }
+  template <class A> static auto fv(const A& x) { return x.sqrt(); }
+  template <class A, class D> static auto dfv(const A&, const A& y, const D& dy) { return dy / (scalar_of<A>(2) * y); }
 };
+
+// Whether Op has an array form of f (fv) or of f' (dfv) for T: float and
+// double, where Eigen has packets.
+template <class Op, class T>
+concept array_f = (std::is_same_v<T, float> || std::is_same_v<T, double>) &&
+                  requires(const Eigen::Array<T, 4, 1>& a) { Op::fv(a); };
+template <class Op, class T>
+concept array_df = (std::is_same_v<T, float> || std::is_same_v<T, double>) &&
+                   requires(const Eigen::Array<T, 4, 1>& a) { Op::dfv(a, a, a); };
+
+// y = f(x) over n elements, in place (p holds x, then y).
+template <class Op, class T>
+void elementwise(T* p, index_t n) {
+  if constexpr (array_f<Op, T>) blockwise<T>(n, [](auto&& v) { v = Op::fv(v); }, p);
+  else
+    for (index_t i = 0; i < n; ++i) p[i] = Op::f(p[i]);
+}
+
+// g = f'(x, y)·g over n elements, reading x or y (the one Op needs).
+template <class Op, class T>
+void elementwise_backward(T* g, const T* x, const T* y, index_t n) {
+  if constexpr (requires { Op::df_n(g, x, y, n); }) {
+    Op::df_n(g, x, y, n);
+  } else if constexpr (array_df<Op, T>) {
+    static_assert(Op::needs_x != Op::needs_y);
+    blockwise<T>(n, [](auto&& d, const auto& v) { d = Op::dfv(v, v, d); }, g, Op::needs_x ? x : y);
+  } else {
+    for (index_t i = 0; i < n; ++i) g[i] = Op::df(x ? x[i] : T(0), y ? y[i] : T(0), g[i]);
+  }
+}
 
 template <class Op, class X>
 std::remove_cvref_t<X> apply_elementwise(X&& x) {
   using Y = std::remove_cvref_t<X>;
   Y out = std::forward<X>(x);
-  auto* p = out.data();
-  for (index_t i = 0, n = out.local().size(); i < n; ++i) p[i] = Op::f(p[i]);
+  elementwise<Op>(out.data(), out.local().size());
   return out;
 }
 }  // namespace detail

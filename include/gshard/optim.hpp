@@ -24,6 +24,7 @@
 #include "gshard/ad/parameters.hpp"
 #include "gshard/buckets.hpp"
 #include "gshard/collectives.hpp"
+#include "gshard/detail/blockwise.hpp"
 
 namespace gshard {
 
@@ -149,37 +150,26 @@ class adam {
 
  private:
   // Adam on one tensor, in T (as PyTorch's for float weights), on Eigen's
-  // packets: in fixed blocks of 256 elements, the last one copied into a
-  // zero-padded block, so that every element takes the same instructions
-  // wherever it sits in memory and in the tensor — replicas on two ranks,
-  // and a sharded update's blocks against the replicated update, stay
-  // bit-identical. (In double with conversions the update took 5.0 ms per
-  // 1.5M floats on an AVX-512 Xeon, 6.7% of a 2-rank trainer step; in
-  // float on packets 1.5 ms, about the memory traffic's time.)
+  // packets in fixed blocks (detail/blockwise.hpp): every element takes the
+  // same instructions wherever it sits in memory and in the tensor, so
+  // replicas on two ranks, and a sharded update's blocks against the
+  // replicated update, stay bit-identical. (In double with scalar
+  // conversions the update took 5.0 ms per 1.5M floats on an AVX-512 Xeon,
+  // 6.7% of a 2-rank trainer step; in float on packets 1.5 ms, about the
+  // memory traffic's time.)
   template <class T>
   void update_one(std::span<T> w, std::span<T> g, std::span<T> m1, std::span<T> m2, double clip, double lr, double c1,
                   double c2) const {
     const T b1 = T(cfg.beta1), b2 = T(cfg.beta2), eps = T(cfg.eps), decay = T(cfg.weight_decay);
     const T cl = T(clip), rate = T(lr), inv_c1 = T(1.0 / c1), inv_c2 = T(1.0 / c2);
-    constexpr std::size_t block = 256;
-    using array = Eigen::Array<T, block, 1>;
-    const auto update = [&](auto&& W, const auto& G, auto&& M, auto&& V) {
-      M = b1 * M + (T(1) - b1) * (cl * G);
-      V = b2 * V + (T(1) - b2) * (cl * G).square();
-      W -= rate * ((M * inv_c1) / ((V * inv_c2).sqrt() + eps) + decay * W);
-    };
-    std::size_t at = 0;
-    for (; at + block <= w.size(); at += block)
-      update(Eigen::Map<array>(w.data() + at), Eigen::Map<const array>(g.data() + at), Eigen::Map<array>(m1.data() + at),
-             Eigen::Map<array>(m2.data() + at));
-    const std::size_t rest = w.size() - at;
-    if (rest == 0) return;
-    array W = array::Zero(), G = array::Zero(), M = array::Zero(), V = array::Zero();
-    std::copy_n(w.data() + at, rest, W.data()), std::copy_n(g.data() + at, rest, G.data());
-    std::copy_n(m1.data() + at, rest, M.data()), std::copy_n(m2.data() + at, rest, V.data());
-    update(W, G, M, V);
-    std::copy_n(W.data(), rest, w.data() + at), std::copy_n(M.data(), rest, m1.data() + at);
-    std::copy_n(V.data(), rest, m2.data() + at);
+    detail::blockwise<T>(
+        index_t(w.size()),
+        [&](auto&& W, const auto& G, auto&& M, auto&& V) {
+          M = b1 * M + (T(1) - b1) * (cl * G);
+          V = b2 * V + (T(1) - b2) * (cl * G).square();
+          W -= rate * ((M * inv_c1) / ((V * inv_c2).sqrt() + eps) + decay * W);
+        },
+        w.data(), static_cast<const T*>(g.data()), m1.data(), m2.data());
   }
 
   const void* owner_;

@@ -100,23 +100,19 @@ using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sh
 template <class Op, class V>
 auto unary(V&& x) {
   using X = tensor_of<V>;
-  using T = typename X::value_type;
   tape& t = x.on_tape();
   const int xs = x.slot();
   std::shared_ptr<const X> keep_x = Op::needs_x && xs >= 0 ? x.shared() : nullptr;  // before x may be moved from
   X v = value_of(std::forward<V>(x));
-  T* p = v.data();
-  for (index_t i = 0, n = v.local().size(); i < n; ++i) p[i] = Op::f(p[i]);
+  elementwise<Op>(v.data(), v.local().size());
   auto y = t.output(std::move(v), xs >= 0);
   if (y.tracked()) {
     std::shared_ptr<const X> keep_y = Op::needs_y ? y.shared() : nullptr;
     t.record([tp = &t, ys = y.slot(), xs, keep_x, keep_y] {
       auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
       if (!dy) return;
-      T* g = dy->data();
-      const T* px = keep_x ? keep_x->data() : nullptr;
-      const T* py = keep_y ? keep_y->data() : nullptr;
-      for (index_t i = 0, n = dy->local().size(); i < n; ++i) g[i] = Op::df(px ? px[i] : T(0), py ? py[i] : T(0), g[i]);
+      elementwise_backward<Op>(dy->data(), keep_x ? keep_x->data() : nullptr, keep_y ? keep_y->data() : nullptr,
+                               dy->local().size());
       tp->slot<X>(xs).add(std::move(*dy));
     });
   }
