@@ -199,6 +199,36 @@ TEST_CASE("element-wise algebra on sharded tensors: each rank's shard, no collec
   GSHARD_REQUIRE_THROWS_WITH(x * z, shape_error, "differ in extents");
 }
 
+TEST_CASE("the row softmax on packets: scaled, any length, and NaN, +inf or only -inf rows as std::exp gives", "[tensor][ops]") {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  double worst = 0;
+  for (index_t n = 1; n <= 40; ++n)
+    for (const float scale : {1.0f, 0.37f}) {
+      std::vector<float> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
+      std::vector<long double> ref(static_cast<std::size_t>(n));
+      for (index_t i = 0; i < n; ++i) in[std::size_t(i)] = i % 5 == 4 ? -inf : 3.0f * std::sin(float(i) * 1.7f);
+      const double lse = detail::softmax_row(in.data(), n, out.data(), scale);
+      long double mx = -INFINITY, sum = 0;
+      for (index_t i = 0; i < n; ++i) mx = std::max(mx, (long double)scale * in[std::size_t(i)]);
+      for (index_t i = 0; i < n; ++i) sum += (ref[std::size_t(i)] = std::exp((long double)scale * in[std::size_t(i)] - mx));
+      for (index_t i = 0; i < n; ++i) worst = std::max(worst, double(std::abs(out[std::size_t(i)] - ref[std::size_t(i)] / sum)));
+      worst = std::max(worst, std::abs(lse - double(mx + std::log(sum))) / (1 + std::abs(lse)));
+    }
+  INFO("worst difference from long double " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+  const auto row_of = [](std::vector<float> in) {
+    std::vector<float> out(in.size());
+    const double lse = detail::softmax_row(in.data(), index_t(in.size()), out.data());
+    bool all_nan = std::isnan(lse);
+    for (float v : out) all_nan = all_nan && std::isnan(v);
+    return all_nan;
+  };
+  GSHARD_REQUIRE(row_of({1.0f, nan, 2.0f}));
+  GSHARD_REQUIRE(row_of({nan}));
+  GSHARD_REQUIRE(row_of({1.0f, inf, 2.0f, 0.5f, 0.25f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f}));
+  GSHARD_REQUIRE(row_of({-inf, -inf, -inf}));
+}
+
 TEST_CASE("element-wise functions on Eigen's packets agree with their one-value forms, forward and backward, in any block",
           "[tensor][ops]") {
   // 1000 values: three whole blocks of 256 and a padded rest of 232; each
