@@ -246,17 +246,12 @@ template <sharded_tensor DY, sharded_tensor Y>
 DY causal_softmax_backward(DY dy, const Y& y, double scale) {
   static_assert(detail::same_shards<DY, Y>(), "gshard::causal_softmax_backward: dy and y are sharded differently");
   using T = typename DY::value_type;
-  const auto le = dy.local_extents();
-  const index_t L = le[DY::rank - 2], n = le[DY::rank - 1];
-  if (L * n == 0) return dy;
   T* g = dy.data();
   const T* p = y.data();
-  for (index_t r = 0, rows = dy.local().size() / (L * n); r < rows; ++r)
-    for (index_t l = 0; l < L; ++l, g += n, p += n) {
-      const index_t kept = std::min(l + 1, n);
-      detail::softmax_row_backward(g, p, kept, T(scale));
-      std::fill(g + kept, g + n, T(0));
-    }
+  detail::causal_rows(dy.local_extents(), [&](index_t at, index_t kept, index_t n) {
+    detail::softmax_row_backward(g + at, p + at, kept, T(scale));
+    std::fill(g + at + kept, g + at + n, T(0));
+  });
   return dy;
 }
 

@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -260,6 +261,21 @@ std::remove_cvref_t<X> softmax(X&& x) {
   return out;
 }
 
+namespace detail {
+// f(at, kept, n) for each row [.., l, :] of a [.., L, T] shard (row-major):
+// the row starts at element `at`, has n = T entries, of which the first
+// kept = min(l + 1, T) are at or below the diagonal (t <= l).
+template <std::size_t R, class F>
+void causal_rows(const std::array<index_t, R>& le, F&& f) {
+  static_assert(R >= 2);
+  const index_t L = le[R - 2], n = le[R - 1];
+  index_t rows = 1;
+  for (std::size_t d = 0; d + 2 < R; ++d) rows *= le[d];
+  for (index_t r = 0, at = 0; r < rows; ++r)
+    for (index_t l = 0; l < L; ++l, at += n) f(at, std::min(l + 1, n), n);
+}
+}  // namespace detail
+
 // Causal attention's softmax in one pass: softmax over the last dim T of
 // scale · x with the entries above the diagonal of the last two dims
 // [.., L, T] (t > l) masked out, which get 0 — softmax(causal_mask(scale · x))
@@ -275,16 +291,11 @@ std::remove_cvref_t<X> causal_softmax(X&& x, double scale = 1.0) {
                 "gshard::causal_softmax: the last two dims are split; the mask needs them whole on each rank");
   static_assert(!detail::has_pending_sums<Y>(), "gshard::causal_softmax: the tensor has pending sums; all_reduce it first");
   Y out = std::forward<X>(x);
-  const auto le = out.local_extents();
-  const index_t L = le[Y::rank - 2], n = le[Y::rank - 1];
-  if (L * n == 0) return out;
   T* p = out.data();
-  for (index_t r = 0, rows = out.local().size() / (L * n); r < rows; ++r)
-    for (index_t l = 0; l < L; ++l, p += n) {
-      const index_t kept = std::min(l + 1, n);
-      detail::softmax_row(p, kept, p, T(scale));
-      std::fill(p + kept, p + n, T(0));
-    }
+  detail::causal_rows(out.local_extents(), [&](index_t at, index_t kept, index_t n) {
+    detail::softmax_row(p + at, kept, p + at, T(scale));
+    std::fill(p + at + kept, p + at + n, T(0));
+  });
   return out;
 }
 

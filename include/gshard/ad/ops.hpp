@@ -632,12 +632,7 @@ auto causal_mask(V&& x) {
                 "gshard::causal_mask: the last two dims are split; the mask needs them whole on each rank");
   static_assert(!detail::has_pending_sums<X>(), "gshard::causal_mask: the tensor has pending sums; all_reduce it first");
   auto apply = [](T* p, const auto& le, T fill) {
-    const index_t L = le[X::rank - 2], Tn = le[X::rank - 1];
-    index_t rows = 1;
-    for (int d = 0; d < X::rank - 2; ++d) rows *= le[std::size_t(d)];
-    for (index_t r = 0; r < rows; ++r)
-      for (index_t l = 0; l < L; ++l, p += Tn)
-        for (index_t k = l + 1; k < Tn; ++k) p[k] = fill;
+    detail::causal_rows(le, [&](index_t at, index_t kept, index_t n) { std::fill(p + at + kept, p + at + n, fill); });
   };
   tape& t = x.on_tape();
   const int xs = x.slot();
