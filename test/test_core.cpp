@@ -261,6 +261,15 @@ TEST_CASE("element-wise functions on Eigen's packets agree with their one-value 
   both(detail::relu_op{}), both(detail::gelu_op{}), both(detail::silu_op{}), both(detail::sigmoid_op{});
   both(detail::exp_op{}), both(detail::log_op{}), both(detail::tanh_op{}), both(detail::sqrt_op{});
   INFO("worst relative difference: float " << f32 << ", double " << f64);
+  // relu keeps a NaN, in a whole block (packets) and in the rest (one value at a time) alike.
+  std::vector<float> r(300, -1.0f);
+  r[7] = r[290] = std::numeric_limits<float>::quiet_NaN();
+  detail::elementwise<detail::relu_op>(r.data(), index_t(r.size()));
+  GSHARD_REQUIRE((std::isnan(r[7]) && std::isnan(r[290]) && r[8] == 0.0f && r[289] == 0.0f));
+  // The gradients' global norm: a block of float squares that overflows is summed in double.
+  std::vector<float> big(300, 1e20f);
+  const double sq = detail::sum_of_squares<float>(big);
+  GSHARD_REQUIRE(std::abs(sq / (300 * 1e40) - 1) < 1e-6);
   GSHARD_REQUIRE(f32 < 4e-6);  // Eigen's float exp and tanh are within a few ulp of std::'s
   GSHARD_REQUIRE(f64 < 1e-13);
 }

@@ -13,6 +13,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <numbers>
@@ -49,15 +50,23 @@ namespace detail {
 // sums in double. A float's block sum is within ~1e-7 of its double sum;
 // the loop in double does not vectorise at -O2 and waits on each add's
 // latency (3.0 against 0.42 ms for 3M floats on an AVX-512 Xeon).
+// A block whose sum overflows T (a float gradient above ~1.8e19) is summed
+// again in double, so the norm stays finite and clipping still applies.
 template <class T>
 double sum_of_squares(std::span<const T> v) {
   constexpr std::size_t block = 256;
+  const auto in_double = [&](std::size_t from, std::size_t to) {
+    double s = 0;
+    for (std::size_t i = from; i < to; ++i) s += double(v[i]) * double(v[i]);
+    return s;
+  };
   double sum = 0;
   std::size_t at = 0;
-  for (; at + block <= v.size(); at += block)
-    sum += double(Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(v.data() + at, block).squaredNorm());
-  for (; at < v.size(); ++at) sum += double(v[at]) * double(v[at]);
-  return sum;
+  for (; at + block <= v.size(); at += block) {
+    const T s = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(v.data() + at, block).squaredNorm();
+    sum += std::isfinite(s) ? double(s) : in_double(at, at + block);
+  }
+  return sum + in_double(at, v.size());
 }
 }  // namespace detail
 
@@ -160,14 +169,21 @@ class adam {
   template <class T>
   void update_one(std::span<T> w, std::span<T> g, std::span<T> m1, std::span<T> m2, double clip, double lr, double c1,
                   double c2) const {
-    const T b1 = T(cfg.beta1), b2 = T(cfg.beta2), eps = T(cfg.eps), decay = T(cfg.weight_decay);
+    // 1 - beta in double, as PyTorch's (in float, 1 - 0.999 is 1.3e-5 off).
+    const T b1 = T(cfg.beta1), b2 = T(cfg.beta2), one_b1 = T(1.0 - cfg.beta1), one_b2 = T(1.0 - cfg.beta2);
+    const T eps = T(cfg.eps), decay = T(cfg.weight_decay);
     const T cl = T(clip), rate = T(lr), inv_c1 = T(1.0 / c1), inv_c2 = T(1.0 / c2);
+    constexpr T largest = std::numeric_limits<T>::max();
     detail::blockwise<T>(
         index_t(w.size()),
         [&](auto&& W, const auto& G, auto&& M, auto&& V) {
-          M = b1 * M + (T(1) - b1) * (cl * G);
-          V = b2 * V + (T(1) - b2) * (cl * G).square();
-          W -= rate * ((M * inv_c1) / ((V * inv_c2).sqrt() + eps) + decay * W);
+          M = b1 * M + one_b1 * (cl * G);
+          V = b2 * V + one_b2 * (cl * G).square();
+          // Eigen's packet sqrt (EIGEN_FAST_MATH) is NaN at +inf: a second
+          // moment that overflowed (unclipped gradients above ~1.8e19)
+          // divides by the largest root instead, as std::sqrt's inf would
+          // (nearly) — the weight moves by ~0, not to NaN.
+          W -= rate * ((M * inv_c1) / ((V * inv_c2).min(largest).sqrt() + eps) + decay * W);
         },
         w.data(), static_cast<const T*>(g.data()), m1.data(), m2.data());
   }

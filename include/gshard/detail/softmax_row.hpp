@@ -54,6 +54,7 @@ double softmax_row(const T* in, index_t n, T* out, T scale = T(1)) {
     {  // b & ~(b <= cut), a packet at a time (NaN stays); a scalar loop here was a third of the row's time
       namespace ei = Eigen::internal;
       using P = typename ei::packet_traits<T>::type;
+      static_assert(16 % ei::packet_traits<T>::size == 0);  // packets tile the padding exactly
       const P c = ei::pset1<P>(cut);
       T* d = b.data();
       for (index_t i = 0; i < padded; i += ei::packet_traits<T>::size) {
