@@ -217,14 +217,12 @@ auto einsum_backward(const DZ& dz, const A& a, const B& b) {
                    finish(std::type_identity<DB>{}, std::type_identity<B>{}, detail::einsum_operand_grad<Spec, 1, B>(dz, &a, b.extents()))};
 }
 
-// dy · [x > 0], where the forward was y = relu(x).
+// dy where x > 0, else 0 (a NaN x passes dy, as relu keeps the NaN), where
+// the forward was y = relu(x): the tape's relu mask (detail/blockwise.hpp).
 template <sharded_tensor DY, sharded_tensor X>
 DY relu_backward(DY dy, const X& x) {
   static_assert(detail::same_shards<DY, X>(), "gshard::relu_backward: dy and x are sharded differently");
-  auto* g = dy.data();
-  const auto* v = x.data();
-  for (index_t i = 0, n = dy.local().size(); i < n; ++i)
-    if (!(v[i] > 0)) g[i] = 0;
+  detail::zero_where_at_most(dy.data(), x.data(), typename X::value_type(0), dy.local().size());
   return dy;
 }
 
