@@ -126,6 +126,128 @@ TEST_CASE("autodiff: causal_softmax is softmax(causal_mask(scale * x)) in value 
   }
 }
 
+namespace {
+// Causal attention by its definition, in long double, on gathered global
+// tensors q [B,L,N,K], k and v [B,T,N,K]: the single-process reference.
+template <class G>
+G attention_reference(const G& q, const G& k, const G& v, double scale) {
+  const index_t B = q.dimension(0), L = q.dimension(1), N = q.dimension(2), K = q.dimension(3), T = k.dimension(1);
+  G o(B, L, N, K);
+  for (index_t b = 0; b < B; ++b)
+    for (index_t n = 0; n < N; ++n)
+      for (index_t l = 0; l < L; ++l) {
+        const index_t kept = std::min(l + 1, T);
+        std::vector<long double> s(std::size_t(kept), 0);
+        long double mx = -INFINITY, sum = 0;
+        for (index_t t = 0; t < kept; ++t) {
+          long double d = 0;
+          for (index_t c = 0; c < K; ++c) d += (long double)q(b, l, n, c) * k(b, t, n, c);
+          s[std::size_t(t)] = scale * d;
+          mx = std::max(mx, s[std::size_t(t)]);
+        }
+        for (auto& e : s) sum += (e = std::exp(e - mx));
+        for (index_t c = 0; c < K; ++c) {
+          long double acc = 0;
+          for (index_t t = 0; t < kept; ++t) acc += s[std::size_t(t)] / sum * v(b, t, n, c);
+          o(b, l, n, c) = typename G::Scalar(acc);
+        }
+      }
+  return o;
+}
+
+template <class T>
+double attention_worst(const T& a, const T& b) {
+  double worst = 0;
+  for (index_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(double(a.data()[i]) - double(b.data()[i])));
+  return a.size() == b.size() ? worst : INFINITY;
+}
+}  // namespace
+
+TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in value and gradient, split over batch "
+          "and heads, for L <, = and > T and across its row blocks",
+          "[autodiff][grad][attention]") {
+  const int P = world_size();
+  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  grid2 m(MPI_COMM_WORLD, sizes);
+  parameters ps(m, 7);
+  using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
+  const index_t B = 2 * sizes[0], N = 2 * sizes[1], K = 3;
+  const double scale = 0.6;
+  for (const auto& [L, Tn] : {std::pair<index_t, index_t>{5, 5}, {3, 7}, {7, 3}, {70, 70}, {40, 33}, {33, 65}, {1, 1}}) {
+    const std::string at = std::to_string(L) + "x" + std::to_string(Tn);
+    param<tensor<double, 4, grid2, bn, "BLNK">> q(ps, "q" + at, {B, L, N, K}, init::normal(1.0));
+    param<tensor<double, 4, grid2, bn, "BTNK">> k(ps, "k" + at, {B, Tn, N, K}, init::normal(1.0));
+    param<tensor<double, 4, grid2, bn, "BTNK">> v(ps, "v" + at, {B, Tn, N, K}, init::normal(1.0));
+    tensor<double, 4, grid2, bn, "BLNK"> r(m, {B, L, N, K});
+    fill_normal(r, 1.0, 11, 3);
+    const auto run = [&](bool fused) {
+      tape t(ps);
+      auto o = fused ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
+                     : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
+                           causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
+      auto value = gather(o.value());
+      t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(r))));
+      return std::array{value, gather(q.grad()), gather(k.grad()), gather(v.grad())};
+    };
+    collective_recorder rec;
+    {  // the forward alone communicates nothing
+      tape t(ps, tape::no_grad);
+      (void)causal_attention(t.use(q), t.use(k), t.use(v), scale);
+    }
+    GSHARD_REQUIRE(rec.events().empty());
+    const auto fused = run(true), composed = run(false);
+    const auto reference = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), scale);
+    INFO("L " << L << ", T " << Tn << " on " << sizes[0] << " x " << sizes[1] << " ranks");
+    GSHARD_REQUIRE(attention_worst(fused[0], reference) < 1e-12);
+    for (std::size_t i = 0; i < fused.size(); ++i) {
+      INFO("output and gradients of q, k, v: " << i);
+      GSHARD_REQUIRE(attention_worst(fused[i], composed[i]) < 1e-12);
+    }
+  }
+  // Finite differences, with positions beyond a row block of 32.
+  param<tensor<double, 4, grid2, bn, "BLNK">> q(ps, "q_fd", {B, 36, N, K}, init::normal(1.0));
+  param<tensor<double, 4, grid2, bn, "BTNK">> k(ps, "k_fd", {B, 34, N, K}, init::normal(1.0));
+  param<tensor<double, 4, grid2, bn, "BTNK">> v(ps, "v_fd", {B, 34, N, K}, init::normal(1.0));
+  tensor<double, 4, grid2, bn, "BLNK"> r(m, {B, 36, N, K});
+  fill_normal(r, 1.0, 12, 3);
+  auto loss = [&](tape& t) {
+    return reshard<replicate>(einsum<"BLNK,BLNK->">(causal_attention(t.use(q), t.use(k), t.use(v), scale), t.constant(r)));
+  };
+  const double worst = fd_check_params(ps, loss, q, k, v);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+}
+
+TEST_CASE("autodiff: causal_attention in float; operands that do not fit", "[autodiff][attention][errors]") {
+  const int P = world_size();
+  grid1 m(MPI_COMM_WORLD);
+  parameters ps(m, 8);
+  using b_ = sharding<split<0, "x">>;
+  param<tensor<float, 4, grid1, b_>> q(ps, "q", {index_t(P), 130, 2, 16}, init::normal(1.0));
+  param<tensor<float, 4, grid1, b_>> k(ps, "k", {index_t(P), 130, 2, 16}, init::normal(1.0));
+  param<tensor<float, 4, grid1, b_>> v(ps, "v", {index_t(P), 130, 2, 16}, init::normal(1.0));
+  tape t(ps, tape::no_grad);
+  const auto o = gather(causal_attention(t.use(q), t.use(k), t.use(v), 0.25).value());
+  const auto want = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), 0.25);
+  GSHARD_REQUIRE(attention_worst(o, want) < 2e-6);
+  // The plain tensors' form computes the same.
+  const auto plain = gather(causal_attention(q.value(), k.value(), v.value(), 0.25));
+  GSHARD_REQUIRE(attention_worst(o, plain) == 0.0);
+  // Extents that do not fit: the same error on every rank, before any work.
+  param<tensor<float, 4, grid1, b_>> k_short(ps, "k_short", {index_t(P), 130, 2, 8}, init::normal(1.0));
+  const std::string p = std::to_string(P);
+  GSHARD_REQUIRE_THROWS_WITH(causal_attention(t.use(q), t.use(k_short), t.use(v), 0.25), shape_error,
+                             "gshard::causal_attention: q f32[" + p + "{x},130,2,16], k f32[" + p + "{x},130,2,8], v f32[" +
+                                 p + "{x},130,2,16]: k and v have equal extents [B, T, N, K], and q [B, L, N, K] the same B, N and K");
+  // No positions to attend to: zero; no head dim: nothing.
+  param<tensor<float, 4, grid1, b_>> none(ps, "none", {index_t(P), 0, 2, 16}, init::normal(1.0));
+  const auto zero = gather(causal_attention(t.use(q), t.use(none), t.use(none), 0.25).value());
+  GSHARD_REQUIRE(zero.size() == q.value().size() / P * P);
+  std::remove_cvref_t<decltype(zero)> zeros(zero.dimensions());
+  zeros.setZero();
+  GSHARD_REQUIRE(attention_worst(zero, zeros) == 0.0);
+}
+
 TEST_CASE("autodiff: the maximum and minimum over a dim, split or whole, pass the gradient to the extreme", "[autodiff][grad]") {
   const int P = world_size();
   grid1 m(MPI_COMM_WORLD);

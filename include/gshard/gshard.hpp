@@ -12,6 +12,7 @@
 //   the model       model/transformer, model/train
 #pragma once
 
+#include "gshard/attention.hpp"
 #include "gshard/buckets.hpp"
 #include "gshard/collectives.hpp"
 #include "gshard/counters.hpp"

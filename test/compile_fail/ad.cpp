@@ -35,6 +35,20 @@ void f(const var<t<1, rep>>& a) { (void)causal_mask(a), (void)causal_softmax(a);
 void f(const var<t<2, sharding<split<1, "data">>>>& a) { (void)causal_mask(a), (void)causal_softmax(a); }
 #elif defined(GSHARD_CASE_mask_pending)
 void f(const var<t<2, pend>>& a) { (void)causal_mask(a), (void)causal_softmax(a); }
+#elif defined(GSHARD_CASE_attention_rank)  // the tape's form and the plain tensors'
+void f(const var<t<3, rep>>& a) { (void)causal_attention(a, a, a, 1.0), (void)causal_attention(a.value(), a.value(), a.value(), 1.0); }
+#elif defined(GSHARD_CASE_attention_type)
+void f(const var<t<4, rep>>& q, const var<tensor<double, 4, grid, rep>>& k) { (void)causal_attention(q, k, k, 1.0); }
+#elif defined(GSHARD_CASE_attention_shards)
+void f(const var<t<4, rows>>& q, const var<t<4, rep>>& k) { (void)causal_attention(q, k, k, 1.0); }
+#elif defined(GSHARD_CASE_attention_pending)
+void f(const var<t<4, pend>>& q) { (void)causal_attention(q, q, q, 1.0); }
+#elif defined(GSHARD_CASE_attention_split)
+void f(const t<4, sharding<split<3, "data">>>& q) { (void)causal_attention(q, q, q, 1.0); }
+#elif defined(GSHARD_CASE_attention_labels)
+void f(const var<t<4, rows, "BLNK">>& q, const var<t<4, rows, "BTNK">>& k, const var<t<4, rows, "BSNK">>& v) {
+  (void)causal_attention(q, k, v, 1.0);
+}
 #elif defined(GSHARD_CASE_norm_scale)
 void f(const var<t<2, rows>>& x, const var<t<1, sharding<split<0, "expert">>>>& s) { (void)rms_norm(x, s); }
 #elif defined(GSHARD_CASE_param_other_mesh)

@@ -2,7 +2,8 @@
 // on a tape) and declared parameters: einsum, reshard and the one-collective
 // forms, start_reshard (a reshard in flight while the model computes), chunk
 // and concat, relabel, element-wise + − ⊙, scalar × and ÷, relu, gelu, silu,
-// sigmoid, exp, log, tanh, sqrt, softmax, causal masking and the RMS norm.
+// sigmoid, exp, log, tanh, sqrt, softmax, causal masking, causal attention and
+// the RMS norm.
 // Each computes like its tensor form and, while the tape records, notes its
 // gradient rule (the ones with arithmetic of their own are in
 // gshard/grad.hpp, each tested by finite differences). A rule keeps what it
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "gshard/ad/tape.hpp"
+#include "gshard/attention.hpp"
 #include "gshard/detail/copy_box.hpp"
 #include "gshard/einsum.hpp"
 #include "gshard/grad.hpp"
@@ -663,6 +665,41 @@ auto causal_softmax(V&& x, double scale = 1.0) {
       auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
       if (!dy) return;
       tp->slot<X>(xs).add(causal_softmax_backward(std::move(*dy), *keep_y, scale));
+    });
+  return y;
+}
+
+// Causal self-attention (gshard/attention.hpp): q [B, L, N, K], k and v
+// [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
+// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
+// the einsums and softmax it stands for keep them), not the logits.
+template <class Q, class K, class V>
+  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
+auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale) {
+  tape& t = detail::tape_of(q_in, k_in, v_in);
+  const auto q = detail::as_var(t, q_in);
+  const auto k = detail::as_var(t, k_in);
+  const auto v = detail::as_var(t, v_in);
+  using XQ = detail::tensor_of<decltype(q)>;
+  using XK = detail::tensor_of<decltype(k)>;
+  using XV = detail::tensor_of<decltype(v)>;
+  static_assert(detail::check_attention<XQ, XK, XV>());
+  using T = typename XQ::value_type;
+  const bool track = q.tracked() || k.tracked() || v.tracked();
+  std::shared_ptr<detail::aligned_buffer<T>> probs;
+  if (track && t.recording())
+    probs = std::make_shared<detail::aligned_buffer<T>>(detail::attention_shape(q.value(), k.value(), v.value()).probs_size());
+  auto y = t.output(detail::attention_forward(q.value(), k.value(), v.value(), scale, probs ? probs->data() : nullptr), track);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
+              kv = v.shared(), probs, scale] {
+      auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
+      if (!dy) return;
+      auto [dq, dk, dv] = detail::attention_backward<detail::gradient_of<XQ>, detail::gradient_of<XK>, detail::gradient_of<XV>>(
+          *dy, *kq, *kk, *kv, probs->data(), scale);
+      if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
+      if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
+      if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));
     });
   return y;
 }

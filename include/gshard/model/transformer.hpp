@@ -154,18 +154,19 @@ class transformer {
     return {x + relabel<"BLM">(std::move(r.y)), std::move(r.aux), std::move(r.z_loss), std::move(r.stats)};
   }
 
-  // Causal self-attention: q, k, v = BLM,MNK->BLNK; logits BLNK,BTNK->BNLT,
-  // scaled by 1/sqrt(K) and masked; softmax over T; BNLT,BTNK->BLNK;
-  // BLNK,NKM->BLM. Each rank computes its heads; the output projection sums
-  // over them, so with model axes it ends in one all_reduce over them.
+  // Causal self-attention: q, k, v = BLM,MNK->BLNK; then causal_attention
+  // (gshard/attention.hpp): the logits BLNK,BTNK->BNLT scaled by 1/sqrt(K)
+  // and masked, softmax over T, BNLT,BTNK->BLNK, in blocks of rows per
+  // sequence and head; BLNK,NKM->BLM. Each rank computes its heads; the
+  // output projection sums over them, so with model axes it ends in one
+  // all_reduce over them.
   template <class V>
   auto attention(const V& h, const attention_params& a) const {
     const double scale = 1.0 / std::sqrt(double(c_.head_dim));
     auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);                     // [B{data,expert},L,N{model},K]
     auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));    // the keys' positions are T
     auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
-    auto probs = causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k), scale);  // [B{data,expert},N{model},L,T]
-    auto o = einsum<"BNLT,BTNK->BLNK">(probs, v);
+    auto o = causal_attention(q, k, v, scale);  // [B{data,expert},L,N{model},K]
     return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
   }
 

@@ -1,0 +1,146 @@
+// gshard/attention.hpp — causal self-attention in one operation:
+//   o = causal_attention(q, k, v, scale)
+// is einsum<"BNLT,BTNK->BLNK">(causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k),
+// scale), v) — q [B, L, N, K], k and v [B, T, N, K] (batch, position, head,
+// head dim), row l attending to positions t <= l — computed per sequence and
+// head in blocks of rows (detail/attention.hpp): the [B, N, L, T] logits
+// never go through memory whole and the blocks above the diagonal are not
+// computed. No communication: q, k and v share one sharding, which may
+// split the batch and the heads but not the positions or the head dim.
+//
+// Model FLOPs (counters.hpp) count the two dense einsums it stands for, so
+// a step's model FLOPs and MFU do not depend on how attention is computed
+// (as PaLM's MFU counts attention); the trace span gives the FLOPs the
+// blocks run ("flops") and the dense count ("dense_flops").
+#pragma once
+
+#include <concepts>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "gshard/counters.hpp"
+#include "gshard/detail/attention.hpp"
+#include "gshard/error.hpp"
+#include "gshard/ops.hpp"
+#include "gshard/tensor.hpp"
+#include "gshard/trace.hpp"
+
+namespace gshard {
+
+namespace detail {
+
+// The compile-time checks on causal_attention's operands (one message, the
+// first that fails).
+template <class Q, class K, class V>
+constexpr bool check_attention() {
+  if constexpr (Q::rank != 4 || K::rank != 4 || V::rank != 4) {
+    static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4,
+                  "gshard::causal_attention: q, k and v are rank-4 tensors [B, L, N, K] (batch, position, head, head dim)");
+    return false;
+  } else if constexpr (!std::is_same_v<typename Q::value_type, typename K::value_type> ||
+                       !std::is_same_v<typename Q::value_type, typename V::value_type> ||
+                       !std::floating_point<typename Q::value_type>) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v hold one floating-point element type");
+    return false;
+  } else if constexpr (!std::is_same_v<typename Q::mesh_type, typename K::mesh_type> ||
+                       !std::is_same_v<typename Q::mesh_type, typename V::mesh_type> || !(Q::resolved == K::resolved) ||
+                       !(Q::resolved == V::resolved)) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v are sharded differently; reshard them to one sharding");
+    return false;
+  } else if constexpr (has_pending_sums<Q>()) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v have pending sums; all_reduce them first");
+    return false;
+  } else if constexpr (Q::resolved.dims[1].n != 0 || Q::resolved.dims[3].n != 0) {
+    static_assert(sizeof(Q) == 0,
+                  "gshard::causal_attention: the position or head dim (1 or 3) is split; attention needs them whole on each rank");
+    return false;
+  } else if constexpr (Q::labels.size() != 0 && K::labels.size() != 0 && V::labels.size() != 0 &&
+                       (K::labels != V::labels || Q::labels[0] != K::labels[0] || Q::labels[2] != K::labels[2] ||
+                        Q::labels[3] != K::labels[3])) {
+    static_assert(sizeof(Q) == 0,
+                  "gshard::causal_attention: the labels disagree; k and v carry the same ones, and q shares their batch, "
+                  "head and head dim (\"BLNK\", \"BTNK\", \"BTNK\")");
+    return false;
+  } else {
+    return true;
+  }
+}
+
+// "f32[4{data},8,2,16]", or with labels "f32[B{data},L,N,K] = [4,8,2,16]".
+template <class X>
+std::string shape_text(const X& x) {
+  return X::labels.empty() ? x.notation() : x.notation() + " = " + extents_string(x.extents());
+}
+
+// The operands' extents checked against each other (the same on every rank:
+// global extents), and this rank's.
+template <class Q, class K, class V>
+attention_extents attention_shape(const Q& q, const K& k, const V& v) {
+  if (&q.mesh() != &k.mesh() || &q.mesh() != &v.mesh())
+    throw shape_error("gshard::causal_attention: q, k and v are placed on different meshes");
+  if (k.extents() != v.extents() || q.extent(0) != k.extent(0) || q.extent(2) != k.extent(2) || q.extent(3) != k.extent(3))
+    throw shape_error("gshard::causal_attention: q " + shape_text(q) + ", k " + shape_text(k) + ", v " + shape_text(v) +
+                      ": k and v have equal extents [B, T, N, K], and q [B, L, N, K] the same B, N and K");
+  const auto lq = q.local_extents(), lk = k.local_extents();
+  return {lq[0], lq[1], lk[1], lq[2], lq[3]};
+}
+
+// The FLOPs of the dense einsums over the global extents, this rank's share
+// (the convention of model_flops()).
+template <class Q, class K>
+double attention_model_flops(const Q& q, const K& k) {
+  const attention_extents g{q.extent(0), q.extent(1), k.extent(1), q.extent(2), q.extent(3)};
+  return g.dense_flops() / double(q.mesh().nranks());
+}
+
+inline void trace_attention(const char* name, double t0, const attention_extents& e, double passes) {
+  if (trace::enabled())
+    trace::add(name, "einsum", t0, trace::now(),
+               "\"flops\":" + std::to_string(passes * e.block_flops()) +
+                   ",\"dense_flops\":" + std::to_string(passes * e.dense_flops()));
+}
+
+// o = causal attention of q, k, v (checked), the probabilities kept in
+// `probs` (attention_extents::probs_size() elements, aligned) unless null.
+template <class Q, class K, class V>
+Q attention_forward(const Q& q, const K& k, const V& v, double scale, typename Q::value_type* probs) {
+  using T = typename Q::value_type;
+  const attention_extents e = attention_shape(q, k, v);
+  typename Q::local_type o(q.local_extents());
+  const double t0 = trace::enabled() ? trace::now() : 0.0;
+  causal_attention_forward<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs);
+  add_model_flops(attention_model_flops(q, k));
+  trace_attention("causal_attention", t0, e, 1.0);
+  return Q(q.mesh(), q.extents(), std::move(o));
+}
+
+// {dq, dk, dv} (of the types given) from dy and the forward's operands and probabilities.
+template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
+std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
+                                          const typename Q::value_type* probs, double scale) {
+  using T = typename Q::value_type;
+  const attention_extents e = attention_shape(q, k, v);
+  typename DQ::local_type dq(q.local_extents());
+  typename DK::local_type dk(k.local_extents());
+  typename DV::local_type dv(v.local_extents());
+  const double t0 = trace::enabled() ? trace::now() : 0.0;
+  causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), probs, T(scale), dq.data(), dk.data(), dv.data());
+  add_model_flops(2 * attention_model_flops(q, k));  // the four einsums of the two's backward
+  trace_attention("causal_attention backward", t0, e, 2.0);
+  return {DQ(q.mesh(), q.extents(), std::move(dq)), DK(k.mesh(), k.extents(), std::move(dk)),
+          DV(v.mesh(), v.extents(), std::move(dv))};
+}
+
+}  // namespace detail
+
+// Causal self-attention: softmax(causal_mask(scale · q·kᵀ))·v per sequence
+// and head, q [B, L, N, K], k and v [B, T, N, K] (above). Returns q's type.
+template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
+std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, double scale) {
+  using XQ = std::remove_cvref_t<Q>;
+  static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>());
+  return detail::attention_forward(q, k, v, scale, nullptr);
+}
+
+}  // namespace gshard
