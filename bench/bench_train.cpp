@@ -19,6 +19,7 @@
 //   called directly in the same iterations: of_gemm_rate, the median ratio
 //   of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
 // moe_overlap: the same layer with its all_to_alls pipelined in 1, 2, 4, 8 chunks (below).
+// attention: causal_attention against the einsums it replaced and their dense GEMMs (below).
 // (docs/10_performance.md compares these with the hand-written backward
 // they replaced, measured before it was deleted.)
 #include <gshard/gshard.hpp>
@@ -361,6 +362,61 @@ void moe_layer(benchmark::State& state) {
   state.counters["page_faults/iter"] = faults;
 }
 
+// attention: the trainer's causal self-attention alone (8 sequences of 128
+// per rank, 4 heads of 32), forward plus backward on a tape, three forms
+// interleaved iteration by iteration: causal_attention (blocks of rows),
+// the einsums around causal_softmax it replaced, and the dense GEMMs of the
+// einsums called directly (per sequence and head, QKᵀ, PV and the four of
+// the backward; no softmax). Counters: each form's time, the ratios to
+// causal_attention's (einsums_ratio > 1: the einsums are slower;
+// of_gemm_rate > 1: causal_attention beats the dense GEMMs alone, by not
+// computing the blocks above the diagonal), and GFLOP/s of the dense
+// einsums' FLOPs (model FLOPs) over causal_attention's time.
+void attention(benchmark::State& state) {
+  const grid& m = gshard::bench::world_mesh<grid>();
+  const index_t P = m.nranks(), B = 8, L = 128, N = 4, K = 32;
+  using bt = sharding<split<0, "expert">>;
+  parameters ps(m, 1);
+  param<tensor<float, 4, grid, bt, "BLNK">> q(ps, "q", {B * P, L, N, K}, init::normal(1.0));
+  param<tensor<float, 4, grid, bt, "BTNK">> k(ps, "k", {B * P, L, N, K}, init::normal(1.0)), v(ps, "v", {B * P, L, N, K}, init::normal(1.0));
+  tensor<float, 4, grid, bt, "BLNK"> dy(m, {B * P, L, N, K});
+  fill_normal(dy, 1.0, 2, 3);
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto run = [&](bool fused) {
+    tape t(ps);
+    auto o = fused ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
+                   : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
+                         causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
+    t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(dy))));  // dy is the output's gradient
+  };
+  const index_t ld = N * K;
+  std::vector<float> bq(std::size_t(B * L * ld), 0.5f), bk(bq), bv(bq), bo(bq.size()), bdo(bq), bdq(bq.size()), bdk(bq.size()),
+      bdv(bq.size()), bp(std::size_t(B * N * L * L), 0.01f), bg(bp);
+  auto gemms = [&] {
+    using gshard::detail::gemm;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t n = 0; n < N; ++n) {
+        const index_t a = b * L * ld + n * K;
+        float *p = bp.data() + (b * N + n) * L * L, *g = bg.data() + (b * N + n) * L * L;
+        gemm<float>(false, true, L, L, K, 1.f, bq.data() + a, ld, bk.data() + a, ld, 0.f, p, L);
+        gemm<float>(false, false, L, K, L, 1.f, p, L, bv.data() + a, ld, 0.f, bo.data() + a, ld);
+        gemm<float>(false, true, L, L, K, 1.f, bdo.data() + a, ld, bv.data() + a, ld, 0.f, g, L);
+        gemm<float>(true, false, L, K, L, 1.f, p, L, bdo.data() + a, ld, 0.f, bdv.data() + a, ld);
+        gemm<float>(false, false, L, K, L, 1.f, g, L, bk.data() + a, ld, 0.f, bdq.data() + a, ld);
+        gemm<float>(true, false, L, K, L, 1.f, g, L, bq.data() + a, ld, 0.f, bdk.data() + a, ld);
+      }
+  };
+  const auto c = gshard::bench::compare(state, {[&] { run(true); }, [&] { run(false); }, gemms}, 0);
+  const double flop = 3.0 * 2.0 * 2.0 * double(B * N * L * L * K);  // the two einsums, forward and backward
+  state.counters["fused_ms"] = c.median_time[0] * 1e3;
+  state.counters["einsums_ms"] = c.median_time[1] * 1e3;
+  state.counters["gemms_ms"] = c.median_time[2] * 1e3;
+  state.counters["einsums_ratio"] = c.median_ratio[1];
+  state.counters["of_gemm_rate"] = c.median_ratio[2];
+  state.counters["gflops"] = flop / c.median_time[0] * 1e-9;
+  state.counters["peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
+}
+
 // moe_overlap: the MoE layer of moe_layer (4096 tokens per rank, M=512,
 // H=2048, E=8), forward plus backward, with its all_to_alls pipelined with
 // the experts in 1 (none), 2, 4 and 8 chunks of the capacity
@@ -418,6 +474,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attention", attention)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

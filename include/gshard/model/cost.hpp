@@ -332,18 +332,23 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   for (auto& b : open) run(b);
 
   // Element-wise work, an estimate: the stream passes (elements read or
-  // written by norms, residual adds, the scores' scale and mask, dispatch,
+  // written by norms, residual adds, attention's probabilities, dispatch,
   // combine and the all_to_alls' packing, activations; the backward twice
   // the forward's), the exponentials (softmaxes, SwiGLU's sigmoid) and
   // Adam's elements; and the activations the backward keeps (the einsums'
-  // inputs, the softmaxes' and activations' outputs, the norms' inputs).
+  // inputs, attention's probabilities, the activations' outputs, the norms'
+  // inputs).
   const double act = double(Tl * M), scores = double(Bl * Nl * L * L), qkv = double(Tl * Nl * K);
   double stream = 4 * act, exps = 2 * double(Tl * V), keep = 2 * double(Tl * V);  // embedding; cross-entropy, forward and backward
   stream += 2 * 3 * double(Tl * V);
   for (int l = 0; l < layers; ++l) {
-    stream += 2 * (6 * act + 6 * act + 8 * scores);  // two norms, two residual adds, scale, mask, softmax
-    exps += scores;
-    keep += 4 * act + 4 * qkv + 2 * scores;  // norms' inputs and outputs, q k v o, the logits and probabilities
+    // Two norms and two residual adds; causal attention's probabilities,
+    // written by the forward and read by the backward (its logits and their
+    // gradients live in cache-sized blocks), and the exps of the half at
+    // or below the diagonal.
+    stream += 2 * (6 * act + 6 * act) + 2 * scores;
+    exps += scores / 2;
+    keep += 4 * act + 4 * qkv + scores;  // norms' inputs and outputs, q k v o, the probabilities
     const double gated = ffn_inputs == 2 ? 1.0 : 0.0;
     if (c.is_moe(l)) {
       const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm), xe = double(E * Bl * C * M);
