@@ -363,14 +363,16 @@ void moe_layer(benchmark::State& state) {
 }
 
 // attention: the trainer's causal self-attention alone (8 sequences of 128
-// per rank, 4 heads of 32), forward plus backward on a tape, three forms
+// per rank, 4 heads of 32), forward plus backward on a tape, four forms
 // interleaved iteration by iteration: causal_attention (blocks of rows),
-// the einsums around causal_softmax it replaced, and the dense GEMMs of the
+// the einsums around causal_softmax it replaced, the dense GEMMs of the
 // einsums called directly (per sequence and head, QKᵀ, PV and the four of
-// the backward; no softmax). Counters: each form's time, the ratios to
-// causal_attention's (einsums_ratio > 1: the einsums are slower;
+// the backward; no softmax), and causal_attention computing its
+// probabilities again in the backward. Counters: each form's time, the
+// ratios to causal_attention's (einsums_ratio > 1: the einsums are slower;
 // of_gemm_rate > 1: causal_attention beats the dense GEMMs alone, by not
-// computing the blocks above the diagonal), and GFLOP/s of the dense
+// computing the blocks above the diagonal; recompute_ratio: the cost of
+// attention_memory::recompute_probabilities), and GFLOP/s of the dense
 // einsums' FLOPs (model FLOPs) over causal_attention's time.
 void attention(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
@@ -382,11 +384,13 @@ void attention(benchmark::State& state) {
   tensor<float, 4, grid, bt, "BLNK"> dy(m, {B * P, L, N, K});
   fill_normal(dy, 1.0, 2, 3);
   const double scale = 1.0 / std::sqrt(double(K));
-  auto run = [&](bool fused) {
+  enum form { fused, recomputing, composed };
+  auto run = [&](form f) {
     tape t(ps);
-    auto o = fused ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
-                   : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
-                         causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
+    auto o = f == fused         ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
+             : f == recomputing ? causal_attention(t.use(q), t.use(k), t.use(v), scale, attention_memory::recompute_probabilities)
+                                : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
+                                      causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
     t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(dy))));  // dy is the output's gradient
   };
   const index_t ld = N * K;
@@ -406,13 +410,14 @@ void attention(benchmark::State& state) {
         gemm<float>(true, false, L, K, L, 1.f, g, L, bq.data() + a, ld, 0.f, bdk.data() + a, ld);
       }
   };
-  const auto c = gshard::bench::compare(state, {[&] { run(true); }, [&] { run(false); }, gemms}, 0);
+  const auto c = gshard::bench::compare(state, {[&] { run(fused); }, [&] { run(composed); }, gemms, [&] { run(recomputing); }}, 0);
   const double flop = 3.0 * 2.0 * 2.0 * double(B * N * L * L * K);  // the two einsums, forward and backward
   state.counters["fused_ms"] = c.median_time[0] * 1e3;
   state.counters["einsums_ms"] = c.median_time[1] * 1e3;
   state.counters["gemms_ms"] = c.median_time[2] * 1e3;
   state.counters["einsums_ratio"] = c.median_ratio[1];
   state.counters["of_gemm_rate"] = c.median_ratio[2];
+  state.counters["recompute_ratio"] = c.median_ratio[3];
   state.counters["gflops"] = flop / c.median_time[0] * 1e-9;
   state.counters["peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
 }

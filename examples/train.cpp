@@ -10,6 +10,7 @@
 //        --capacity-factor F --eval-capacity-factor F --z-loss C
 //        --balance aux|bias --aux-coef C --ffn relu|swiglu]
 //       [--weight-update sharded|replicated --bucket-kib N --overlap-degree K]
+//       [--layers N --remat none|all|LIST --attention keep|recompute]
 // SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
 // the same step, saves when --save is given, and exits with 128 + the signal.
 // Prints a progress line every few steps (loss, tokens/s, model FLOPs
@@ -90,6 +91,8 @@ constexpr const char* usage =
     "  --layers N         Transformer blocks (4); blocks 1, 3, ... have the MoE layers\n"
     "  --remat none|all|LIST  blocks (LIST: 0,2,3) that keep only their input and recompute their forward in\n"
     "                     the backward: less memory for one more forward of each (none)\n"
+    "  --attention keep|recompute  attention's probabilities [B,N,L,T] kept for the backward, or two numbers\n"
+    "                     per row kept and the probabilities computed again: less memory at long --seq (keep)\n"
     "routing (docs/05_moe.md):\n"
     "  --top-k K          experts per token (2: GShard; 1: Switch)\n"
     "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
@@ -184,16 +187,22 @@ options parse(int argc, char** argv) {
     else if (a == "--z-loss") g.z_loss_coef = real();
     else if (a == "--bias-rate") g.bias_rate = real(), bias_rate_given = true;
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
-    else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update") {
+    else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? moe::ffn_kind::relu : moe::ffn_kind::swiglu;
+      else if (a == "--attention" && (v == "keep" || v == "recompute"))
+        o.model.attention = v == "keep" ? attention_memory::keep_probabilities : attention_memory::recompute_probabilities;
       else if (a == "--second" && (v == "all" || v == "random"))
         g.second = v == "all" ? moe::second_policy::all : moe::second_policy::random, o.second_given = true;
       else
         throw error("gshard train: " + a + " is " +
-                    (a == "--balance" ? "aux or bias" : a == "--ffn" ? "relu or swiglu" : a == "--second" ? "all or random" : "sharded or replicated") +
+                    (a == "--balance"     ? "aux or bias"
+                     : a == "--ffn"       ? "relu or swiglu"
+                     : a == "--second"    ? "all or random"
+                     : a == "--attention" ? "keep or recompute"
+                                          : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
@@ -311,9 +320,12 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
 // [N, L, T] terms), within 4% at (B, L) = (16, 128) ... (64, 256) on 1 rank.
 // Other FFN widths scale the per-token term by their widest FFN's hidden
 // units per token against the fitted model's (top-2 of H 256: 512); a rough
-// bound, not a fit.
-double step_bytes(double tokens_per_rank, double L, double ffn_scale = 1.0) {
-  return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + 78.0 * L);
+// bound, not a fit. With --attention recompute the attention's term is
+// gone and 7 KB per token stays (measured at 8192 tokens, L = 256, 512 and
+// 1024: 351-356 MB peak against 494, 625 and 876 MB kept; stop 29).
+double step_bytes(double tokens_per_rank, double L, double ffn_scale, attention_memory attention) {
+  const double per_l = attention == attention_memory::keep_probabilities ? 78.0 * L : 7e3;
+  return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + per_l);
 }
 
 // Everything about the options that can be checked before step 1, on rank 0
@@ -335,10 +347,10 @@ std::string preflight(const options& o, const std::string& text, std::size_t spl
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
   const double k = o.experts > 0 ? double(o.model.gating.top_k) : 1.0;  // dropless: loads near the mean, as top-k
   const double scale = std::max({double(o.hidden), k * double(o.hidden), double(o.slot_hidden)}) / 512.0;
-  const double need = step_bytes(double(o.batch) * L / batch_ranks, L, scale);
+  const double need = step_bytes(double(o.batch) * L / batch_ranks, L, scale, o.model.attention);
   if (need > 0.8 * memory) {
-    const double per_sequence = step_bytes(L / batch_ranks, L, scale) - step_bytes(0, L, scale);
-    const double fits = std::floor((0.8 * memory - step_bytes(0, L, scale)) / per_sequence);
+    const double per_sequence = step_bytes(L / batch_ranks, L, scale, o.model.attention) - step_bytes(0, L, scale, o.model.attention);
+    const double fits = std::floor((0.8 * memory - step_bytes(0, L, scale, o.model.attention)) / per_sequence);
     char most[80];
     if (fits >= 1) std::snprintf(most, sizeof most, "at this --seq, --batch %.0f at most", fits);
     else std::snprintf(most, sizeof most, "give a smaller --seq");
@@ -428,6 +440,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       for (int b : c.remat) list += (list.empty() ? "" : ", ") + std::to_string(b);
       std::printf("rematerialised blocks: %s (each keeps its input and runs its forward again in the backward)\n", list.c_str());
     }
+    if (c.attention == attention_memory::recompute_probabilities)
+      std::printf("attention: each block's probabilities computed again in the backward (two numbers per row kept)\n");
   }
   {  // Adam's moments on this rank, and what a replicated update would hold
     const double here = double(opt.moment1().local_bytes() + opt.moment2().local_bytes());

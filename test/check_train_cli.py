@@ -169,6 +169,7 @@ def main() -> int:
         (["--steps", "abc"], "--steps takes a whole number from 1 to 2147483647, not 'abc'"),
         (["--aux-coef", "inf"], "--aux-coef takes a finite number >= 0, not 'inf'"),
         (["--weight-update", "zero"], "--weight-update is sharded or replicated, not 'zero'"),
+        (["--attention", "flash"], "--attention is keep or recompute, not 'flash'"),
         (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
         (["--save-every", "5"], "--save-every needs --save FILE"),
         (["--stop-after", "3"], "--stop-after needs --save FILE"),
@@ -220,15 +221,17 @@ def main() -> int:
             "--top-k (and every routing option) has no effect with --experts 0" not in out or "step     2" not in out:
         problems.append(f"a dense model (--experts 0 --slot-hidden 64): exit {code}:\n{out[-1500:]}")
     # Rematerialised blocks: said in the header, the same losses as kept ones;
-    # so do gradients in buckets of 1 KiB, reduced while the backward computes.
+    # so do gradients in buckets of 1 KiB, reduced while the backward computes,
+    # and attention's probabilities computed again in the backward.
     losses = []
-    for remat in ([], ["--remat", "all"], ["--bucket-kib", "1"]):
+    for remat in ([], ["--remat", "all"], ["--bucket-kib", "1"], ["--attention", "recompute"]):
         code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0"] + remat + SMALL)
         losses.append(re.findall(r"step +2  loss (\S+)", out))
-        if code != 0 or ("--remat" in remat and "rematerialised blocks: 0, 1 (each keeps its input" not in out):
+        if code != 0 or ("--remat" in remat and "rematerialised blocks: 0, 1 (each keeps its input" not in out) or \
+                ("--attention" in remat and "attention: each block's probabilities computed again" not in out):
             problems.append(f"--layers 2 {' '.join(remat)}: exit {code}:\n{out[-1500:]}")
-    if not losses[0] or losses[0] != losses[1] or losses[0] != losses[2]:
-        problems.append(f"--remat all or --bucket-kib 1 changed the losses: {losses}")
+    if not losses[0] or any(l != losses[0] for l in losses[1:]):
+        problems.append(f"--remat all, --bucket-kib 1 or --attention recompute changed the losses: {losses}")
     # The all_to_alls pipelined with the experts in 3 chunks: the same model to rounding (the experts'
     # GEMMs run on fewer rows at a time, and each chunk adds its share of the weights' gradients).
     code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0",

@@ -180,11 +180,13 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
     param<tensor<double, 4, grid2, bn, "BTNK">> v(ps, "v" + at, {B, Tn, N, K}, init::normal(1.0));
     tensor<double, 4, grid2, bn, "BLNK"> r(m, {B, L, N, K});
     fill_normal(r, 1.0, 11, 3);
-    const auto run = [&](bool fused) {
+    enum form { fused, recomputing, composed };
+    const auto run = [&](form f) {
       tape t(ps);
-      auto o = fused ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
-                     : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
-                           causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
+      auto o = f == fused         ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
+               : f == recomputing ? causal_attention(t.use(q), t.use(k), t.use(v), scale, attention_memory::recompute_probabilities)
+                                  : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
+                                        causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
       auto value = gather(o.value());
       t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(r))));
       return std::array{value, gather(q.grad()), gather(k.grad()), gather(v.grad())};
@@ -195,14 +197,26 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
       (void)causal_attention(t.use(q), t.use(k), t.use(v), scale);
     }
     GSHARD_REQUIRE(rec.events().empty());
-    const auto fused = run(true), composed = run(false);
+    const double model0 = model_flops(), again0 = recomputed_flops();
+    const auto kept = run(fused);
+    const double model1 = model_flops(), again1 = recomputed_flops();
+    const auto recomputed = run(recomputing);
+    const double model2 = model_flops(), again2 = recomputed_flops();
+    const auto einsums = run(composed);
     const auto reference = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), scale);
     INFO("L " << L << ", T " << Tn << " on " << sizes[0] << " x " << sizes[1] << " ranks");
-    GSHARD_REQUIRE(attention_worst(fused[0], reference) < 1e-12);
-    for (std::size_t i = 0; i < fused.size(); ++i) {
+    GSHARD_REQUIRE(attention_worst(kept[0], reference) < 1e-12);
+    for (std::size_t i = 0; i < kept.size(); ++i) {
       INFO("output and gradients of q, k, v: " << i);
-      GSHARD_REQUIRE(attention_worst(fused[i], composed[i]) < 1e-12);
+      GSHARD_REQUIRE(attention_worst(kept[i], einsums[i]) < 1e-12);
+      GSHARD_REQUIRE(attention_worst(kept[i], recomputed[i]) == 0.0);  // the same probabilities, bit for bit
     }
+    // Model FLOPs: the dense einsums', forward and backward, whichever the
+    // form; the recomputed logits count as recomputed.
+    const double dense = 2.0 * 2.0 * double(B * N * L * Tn * K) / double(P);
+    GSHARD_REQUIRE(std::abs((model1 - model0) - (model2 - model1)) < 1e-9 * dense);
+    GSHARD_REQUIRE(std::abs((again2 - again1) - dense / 2) < 1e-9 * dense);
+    GSHARD_REQUIRE(again1 == again0);
   }
   // Finite differences, with positions beyond a row block of 32.
   param<tensor<double, 4, grid2, bn, "BLNK">> q(ps, "q_fd", {B, 36, N, K}, init::normal(1.0));

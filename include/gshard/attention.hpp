@@ -12,12 +12,19 @@
 // a step's model FLOPs and MFU do not depend on how attention is computed
 // (as PaLM's MFU counts attention); the trace span gives the FLOPs the
 // blocks run ("flops") and the dense count ("dense_flops").
+//
+// On a tape it keeps q, k, v and the probabilities [B, N, L, T] for its
+// backward, or with attention_memory::recompute_probabilities two numbers
+// per row, from which the backward computes each block's probabilities
+// again (FlashAttention's trade: one more QKᵀ GEMM and exp per block; the
+// gradients are the same bit for bit).
 #pragma once
 
 #include <concepts>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "gshard/counters.hpp"
 #include "gshard/detail/attention.hpp"
@@ -27,6 +34,12 @@
 #include "gshard/trace.hpp"
 
 namespace gshard {
+
+// What causal_attention keeps on a tape for its backward.
+enum class attention_memory {
+  keep_probabilities,       // [B, N, L, T]: the backward reads them
+  recompute_probabilities,  // two numbers per row, [B, N, L]: the backward computes each block's again
+};
 
 namespace detail {
 
@@ -101,33 +114,61 @@ inline void trace_attention(const char* name, double t0, const attention_extents
                    ",\"dense_flops\":" + std::to_string(passes * e.dense_flops()));
 }
 
-// o = causal attention of q, k, v (checked), the probabilities kept in
-// `probs` (attention_extents::probs_size() elements, aligned) unless null.
+// What the forward keeps for the backward: the probabilities
+// (attention_extents::probs_size() elements, aligned), or each row's
+// softmax_row_stats (batch · heads · L), or nothing.
+template <class T>
+struct attention_kept {
+  attention_memory memory = attention_memory::keep_probabilities;
+  aligned_buffer<T> probs;
+  std::vector<softmax_row_stats<T>> stats;
+};
+
+// o = causal attention of q, k, v (checked), keeping in `kept` (unless null)
+// what `memory` says.
 template <class Q, class K, class V>
-Q attention_forward(const Q& q, const K& k, const V& v, double scale, typename Q::value_type* probs) {
+Q attention_forward(const Q& q, const K& k, const V& v, double scale, attention_kept<typename Q::value_type>* kept,
+                    attention_memory memory = attention_memory::keep_probabilities) {
   using T = typename Q::value_type;
   const attention_extents e = attention_shape(q, k, v);
   typename Q::local_type o(q.local_extents());
+  T* probs = nullptr;
+  softmax_row_stats<T>* stats = nullptr;
+  if (kept) kept->memory = memory;
+  if (kept && memory == attention_memory::keep_probabilities) {
+    kept->probs.resize(e.probs_size());
+    probs = kept->probs.data();
+  } else if (kept) {
+    kept->stats.resize(std::size_t(e.batch * e.heads * e.L));
+    stats = kept->stats.data();
+  }
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  causal_attention_forward<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs);
+  causal_attention_forward<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats);
   add_model_flops(attention_model_flops(q, k));
   trace_attention("causal_attention", t0, e, 1.0);
   return Q(q.mesh(), q.extents(), std::move(o));
 }
 
-// {dq, dk, dv} (of the types given) from dy and the forward's operands and probabilities.
+// {dq, dk, dv} (of the types given) from dy and the forward's operands and
+// what it kept.
 template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
 std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
-                                          const typename Q::value_type* probs, double scale) {
+                                          const attention_kept<typename Q::value_type>& kept, double scale) {
   using T = typename Q::value_type;
   const attention_extents e = attention_shape(q, k, v);
   typename DQ::local_type dq(q.local_extents());
   typename DK::local_type dk(k.local_extents());
   typename DV::local_type dv(v.local_extents());
+  const bool again = kept.memory == attention_memory::recompute_probabilities;
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), probs, T(scale), dq.data(), dk.data(), dv.data());
+  causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
+                               dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr);
   add_model_flops(2 * attention_model_flops(q, k));  // the four einsums of the two's backward
-  trace_attention("causal_attention backward", t0, e, 2.0);
+  if (again) {  // the logits computed again: work the hardware repeats, not the model's
+    recomputing_flops r;
+    add_model_flops(attention_model_flops(q, k) / 2);
+  }
+  trace_attention("causal_attention backward", t0, e, again ? 2.5 : 2.0);
   return {DQ(q.mesh(), q.extents(), std::move(dq)), DK(k.mesh(), k.extents(), std::move(dk)),
           DV(v.mesh(), v.extents(), std::move(dv))};
 }
@@ -140,7 +181,7 @@ template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
 std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, double scale) {
   using XQ = std::remove_cvref_t<Q>;
   static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>());
-  return detail::attention_forward(q, k, v, scale, nullptr);
+  return detail::attention_forward<XQ>(q, k, v, scale, nullptr);
 }
 
 }  // namespace gshard

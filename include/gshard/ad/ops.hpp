@@ -672,10 +672,12 @@ auto causal_softmax(V&& x, double scale = 1.0) {
 // Causal self-attention (gshard/attention.hpp): q [B, L, N, K], k and v
 // [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
 // in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
-// the einsums and softmax it stands for keep them), not the logits.
+// the einsums and softmax it stands for keep them; not the logits), or with
+// attention_memory::recompute_probabilities two numbers per row instead.
 template <class Q, class K, class V>
   requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
-auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale) {
+auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale,
+                      attention_memory memory = attention_memory::keep_probabilities) {
   tape& t = detail::tape_of(q_in, k_in, v_in);
   const auto q = detail::as_var(t, q_in);
   const auto k = detail::as_var(t, k_in);
@@ -686,17 +688,15 @@ auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale)
   static_assert(detail::check_attention<XQ, XK, XV>());
   using T = typename XQ::value_type;
   const bool track = q.tracked() || k.tracked() || v.tracked();
-  std::shared_ptr<detail::aligned_buffer<T>> probs;
-  if (track && t.recording())
-    probs = std::make_shared<detail::aligned_buffer<T>>(detail::attention_shape(q.value(), k.value(), v.value()).probs_size());
-  auto y = t.output(detail::attention_forward(q.value(), k.value(), v.value(), scale, probs ? probs->data() : nullptr), track);
+  auto kept = track && t.recording() ? std::make_shared<detail::attention_kept<T>>() : nullptr;
+  auto y = t.output(detail::attention_forward<XQ>(q.value(), k.value(), v.value(), scale, kept.get(), memory), track);
   if (y.tracked())
     t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
-              kv = v.shared(), probs, scale] {
+              kv = v.shared(), kept, scale] {
       auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
       if (!dy) return;
       auto [dq, dk, dv] = detail::attention_backward<detail::gradient_of<XQ>, detail::gradient_of<XK>, detail::gradient_of<XV>>(
-          *dy, *kq, *kk, *kv, probs->data(), scale);
+          *dy, *kq, *kk, *kv, *kept, scale);
       if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
       if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
       if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));

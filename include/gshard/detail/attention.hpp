@@ -17,6 +17,12 @@
 // Collectives in flight are tested after each sequence and head
 // (nonblocking.hpp), as between an einsum's GEMMs.
 //
+// The backward reads the forward's probabilities, kept ([B, N, L, T]) or
+// computed again block by block from two numbers per row (the row's
+// largest logit and sum of exps: softmax_row_stats), as FlashAttention's
+// backward does: memory of [B, N, L] pairs instead of [B, N, L, T], for one
+// more GEMM and exp per block.
+//
 // Replicas stay bit-identical: the GEMMs and the softmax rows compute the
 // same sums in the same order wherever the rows sit (softmax_row works in
 // its own aligned buffer; the kept P and the backward's scratch are
@@ -62,9 +68,12 @@ using aligned_buffer = Eigen::Array<T, Eigen::Dynamic, 1>;
 
 // o = causal attention of q, k, v; the probabilities go to `probs`
 // ([batch, heads, L, T], aligned; entries above a block's last column left
-// unwritten) or, when it is null, to a scratch block.
+// unwritten) or, when it is null, to a scratch block. `stats` (null, or
+// [batch, heads, L]) receives each row's softmax_row_stats, from which the
+// backward can compute the probabilities again instead of keeping them.
 template <class T>
-void causal_attention_forward(const attention_extents& e, const T* q, const T* k, const T* v, T scale, T* o, T* probs) {
+void causal_attention_forward(const attention_extents& e, const T* q, const T* k, const T* v, T scale, T* o, T* probs,
+                              softmax_row_stats<T>* stats = nullptr) {
   const index_t ld = e.heads * e.dim, R = attention_extents::block;
   if (e.batch * e.heads * e.L * e.dim == 0) return;  // no output
   if (e.T == 0) {  // a sum over no positions
@@ -86,7 +95,7 @@ void causal_attention_forward(const attention_extents& e, const T* q, const T* k
         for (index_t i = 0; i < rows; ++i) {
           T* row = p + i * e.T;
           const index_t kept = std::min(l0 + i + 1, e.T);
-          softmax_row(row, kept, row, scale);
+          softmax_row(row, kept, row, scale, stats ? stats + (b * e.heads + n) * e.L + l0 + i : nullptr);
           std::fill(row + kept, row + c, T(0));
         }
         gemm<T>(false, false, rows, e.dim, c, T(1), p, e.T, vb, ld, T(0), ob + l0 * ld, ld);
@@ -95,10 +104,13 @@ void causal_attention_forward(const attention_extents& e, const T* q, const T* k
     }
 }
 
-// dq, dk, dv (overwritten) from dout and the forward's q, k, v and probs.
+// dq, dk, dv (overwritten) from dout and the forward's q, k, v and probs —
+// or, with probs null, the forward's row stats: each block's probabilities
+// computed again (one more GEMM and exp per block), bit for bit the
+// forward's.
 template <class T>
 void causal_attention_backward(const attention_extents& e, const T* dout, const T* q, const T* k, const T* v,
-                               const T* probs, T scale, T* dq, T* dk, T* dv) {
+                               const T* probs, T scale, T* dq, T* dk, T* dv, const softmax_row_stats<T>* stats = nullptr) {
   const index_t ld = e.heads * e.dim, R = attention_extents::block;
   std::fill(dk, dk + e.batch * e.T * ld, T(0));  // accumulated over the row blocks; rows t >= L get nothing
   std::fill(dv, dv + e.batch * e.T * ld, T(0));
@@ -107,15 +119,26 @@ void causal_attention_backward(const attention_extents& e, const T* dout, const 
     return;
   }
   if (e.batch * e.heads * e.dim == 0) return;
-  thread_local aligned_buffer<T> scratch;  // dP, then dS, of one block: [rows, c]
+  thread_local aligned_buffer<T> scratch, again;  // dP, then dS, of one block: [rows, c]; its probabilities: [rows, T]
   if (scratch.size() < R * e.T) scratch.resize(R * e.T);
+  if (!probs && again.size() < R * e.T) again.resize(R * e.T);
   T* g = scratch.data();
   for (index_t b = 0; b < e.batch; ++b)
     for (index_t n = 0; n < e.heads; ++n) {
       const index_t at = b * e.L * ld + n * e.dim, kt = b * e.T * ld + n * e.dim;
       for (index_t l0 = 0; l0 < e.L; l0 += R) {
         const index_t rows = std::min(R, e.L - l0), c = std::min(l0 + rows, e.T);
-        const T* p = probs + ((b * e.heads + n) * e.L + l0) * e.T;
+        const T* p = probs ? probs + ((b * e.heads + n) * e.L + l0) * e.T : again.data();
+        if (!probs) {  // the forward's block again: logits, then each row from its stats
+          T* a = again.data();
+          gemm<T>(false, true, rows, c, e.dim, T(1), q + at + l0 * ld, ld, k + kt, ld, T(0), a, e.T);
+          for (index_t i = 0; i < rows; ++i) {
+            T* row = a + i * e.T;
+            const index_t kept = std::min(l0 + i + 1, e.T);
+            softmax_row_again(row, kept, row, scale, stats[(b * e.heads + n) * e.L + l0 + i]);
+            std::fill(row + kept, row + c, T(0));
+          }
+        }
         const T* dob = dout + at + l0 * ld;
         gemm<T>(true, false, c, e.dim, rows, T(1), p, e.T, dob, ld, T(1), dv + kt, ld);
         gemm<T>(false, true, rows, c, e.dim, T(1), dob, ld, v + kt, ld, T(0), g, c);

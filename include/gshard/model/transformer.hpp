@@ -48,6 +48,10 @@ struct config {
   moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
   int overlap_degree = 1;       // the MoE layers' all_to_alls pipelined with the experts in this many chunks (moe::layer_options)
+  // What causal attention keeps for the backward: the probabilities
+  // [B, N, L, T], or two numbers per row from which the backward computes
+  // them again (less memory at long L, one more QKᵀ GEMM per block).
+  attention_memory attention = attention_memory::keep_probabilities;
   // Blocks that keep only their input and recompute their forward in the
   // backward (rematerialisation): less memory, one more forward of each.
   std::vector<int> remat;
@@ -166,7 +170,7 @@ class transformer {
     auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);                     // [B{data,expert},L,N{model},K]
     auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));    // the keys' positions are T
     auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
-    auto o = causal_attention(q, k, v, scale);  // [B{data,expert},L,N{model},K]
+    auto o = causal_attention(q, k, v, scale, c_.attention);  // [B{data,expert},L,N{model},K]
     return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
   }
 
