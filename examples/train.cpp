@@ -324,7 +324,7 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
 // gone and 7 KB per token stays (measured at 8192 tokens, L = 256, 512 and
 // 1024: 351-356 MB peak against 494, 625 and 876 MB kept; stop 29).
 double step_bytes(double tokens_per_rank, double L, double ffn_scale, attention_memory attention) {
-  const double per_l = attention == attention_memory::keep_probabilities ? 78.0 * L : 7e3;
+  const double per_l = attention == attention_memory::keep_probabilities ? 78.0 * L : std::min(78.0 * L, 7e3);
   return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + per_l);
 }
 

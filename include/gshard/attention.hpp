@@ -43,6 +43,16 @@ enum class attention_memory {
 
 namespace detail {
 
+// Two operands' labels agree where both have them: at the batch, head and
+// head dim, and at the position too when `position` (k and v).
+template <class A, class B>
+constexpr bool attention_labels_agree(bool position) {
+  if constexpr (A::labels.size() == 0 || B::labels.size() == 0) return true;
+  else
+    return A::labels[0] == B::labels[0] && A::labels[2] == B::labels[2] && A::labels[3] == B::labels[3] &&
+           (!position || A::labels[1] == B::labels[1]);
+}
+
 // The compile-time checks on causal_attention's operands (one message, the
 // first that fails).
 template <class Q, class K, class V>
@@ -68,9 +78,8 @@ constexpr bool check_attention() {
     static_assert(sizeof(Q) == 0,
                   "gshard::causal_attention: the position or head dim (1 or 3) is split; attention needs them whole on each rank");
     return false;
-  } else if constexpr (Q::labels.size() != 0 && K::labels.size() != 0 && V::labels.size() != 0 &&
-                       (K::labels != V::labels || Q::labels[0] != K::labels[0] || Q::labels[2] != K::labels[2] ||
-                        Q::labels[3] != K::labels[3])) {
+  } else if constexpr (!attention_labels_agree<Q, K>(false) || !attention_labels_agree<Q, V>(false) ||
+                       !attention_labels_agree<K, V>(true)) {
     static_assert(sizeof(Q) == 0,
                   "gshard::causal_attention: the labels disagree; k and v carry the same ones, and q shares their batch, "
                   "head and head dim (\"BLNK\", \"BTNK\", \"BTNK\")");
@@ -159,7 +168,7 @@ std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, 
   typename DQ::local_type dq(q.local_extents());
   typename DK::local_type dk(k.local_extents());
   typename DV::local_type dv(v.local_extents());
-  const bool again = kept.memory == attention_memory::recompute_probabilities;
+  const bool again = kept.memory != attention_memory::keep_probabilities;  // as the forward kept
   const double t0 = trace::enabled() ? trace::now() : 0.0;
   causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
                                dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr);

@@ -45,10 +45,16 @@ void f(const var<t<4, rows>>& q, const var<t<4, rep>>& k) { (void)causal_attenti
 void f(const var<t<4, pend>>& q) { (void)causal_attention(q, q, q, 1.0); }
 #elif defined(GSHARD_CASE_attention_split)
 void f(const t<4, sharding<split<3, "data">>>& q) { (void)causal_attention(q, q, q, 1.0); }
-#elif defined(GSHARD_CASE_attention_labels)
+#elif defined(GSHARD_CASE_attention_labels)  // k and v differ
 void f(const var<t<4, rows, "BLNK">>& q, const var<t<4, rows, "BTNK">>& k, const var<t<4, rows, "BSNK">>& v) {
   (void)causal_attention(q, k, v, 1.0);
 }
+#elif defined(GSHARD_CASE_attention_labels_partial)  // q and k differ, v unlabelled
+void f(const var<t<4, rows, "BLNK">>& q, const var<t<4, rows, "XTNK">>& k, const var<t<4, rows>>& v) {
+  (void)causal_attention(q, k, v, 1.0);
+}
+#elif defined(GSHARD_CASE_attention_plain_tensor)
+void f(const var<t<4, rows>>& q, const t<4, rows>& k) { (void)causal_attention(q, k, k, 1.0); }
 #elif defined(GSHARD_CASE_norm_scale)
 void f(const var<t<2, rows>>& x, const var<t<1, sharding<split<0, "expert">>>>& s) { (void)rms_norm(x, s); }
 #elif defined(GSHARD_CASE_param_other_mesh)

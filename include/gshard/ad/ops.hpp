@@ -704,6 +704,17 @@ auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale,
   return y;
 }
 
+// Vars mixed with plain tensors: a tensor nobody declared would silently
+// receive no gradient, so it does not compile (as einsum's).
+template <class Q, class K, class V>
+  requires((detail::ad_operand<Q> || detail::ad_operand<K> || detail::ad_operand<V>) &&
+           (sharded_tensor<Q> || sharded_tensor<K> || sharded_tensor<V>))
+auto causal_attention(const Q&, const K&, const V&, double, attention_memory = attention_memory::keep_probabilities) {
+  static_assert(sizeof(Q) == 0,
+                "gshard::causal_attention: some operands are vars or parameters, others plain tensors; declare the "
+                "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
+}
+
 // GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
 // The scale's gradient is a sum over x's rows: pending over the axes that
 // split them, reduced once with the scale's other contributions.

@@ -57,7 +57,10 @@ struct attention_extents {
   // FLOPs the blocks compute, forward (the backward computes twice these).
   double block_flops() const {
     double cols = 0;
-    for (index_t l0 = 0; l0 < L; l0 += block) cols += double(std::min(l0 + block, L) - l0) * double(std::min(l0 + block, T));
+    for (index_t l0 = 0; l0 < L; l0 += block) {
+      const index_t rows = std::min(block, L - l0);
+      cols += double(rows) * double(std::min(l0 + rows, T));
+    }
     return 2.0 * 2.0 * double(batch * heads) * cols * double(dim);
   }
 };

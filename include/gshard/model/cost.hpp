@@ -346,9 +346,13 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     // written by the forward and read by the backward (its logits and their
     // gradients live in cache-sized blocks), and the exps of the half at
     // or below the diagonal.
-    stream += 2 * (6 * act + 6 * act) + 2 * scores;
-    exps += scores / 2;
-    keep += 4 * act + 4 * qkv + scores;  // norms' inputs and outputs, q k v o, the probabilities
+    // With attention_memory::recompute_probabilities it keeps two numbers
+    // per row, and its backward computes the exps again (the extra QKᵀ
+    // GEMM, a sixth of attention's, is not counted).
+    const bool kept = c.attention == attention_memory::keep_probabilities;
+    stream += 2 * (6 * act + 6 * act) + (kept ? 2 * scores : 0.0);
+    exps += (kept ? 1.0 : 2.0) * scores / 2;
+    keep += 4 * act + 4 * qkv + (kept ? scores : 2.0 * double(Bl * Nl * L));  // norms' inputs and outputs, q k v o, the probabilities
     const double gated = ffn_inputs == 2 ? 1.0 : 0.0;
     if (c.is_moe(l)) {
       const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm), xe = double(E * Bl * C * M);
