@@ -69,6 +69,22 @@ struct attention_extents {
 template <class T>
 using aligned_buffer = Eigen::Array<T, Eigen::Dynamic, 1>;
 
+// One block's probabilities — rows l0 .. l0 + rows of one sequence and head
+// (qb, kb: its first row of q and of k) — into p (row stride T): the logits
+// against the keys up to c = min(l0 + rows, T), then row(i, p_i, kept)
+// normalises row i's kept entries and the rest up to c get 0. The forward
+// makes them and the recomputing backward makes them again, the same way.
+template <class T, class Row>
+void block_probabilities(const attention_extents& e, const T* qb, const T* kb, index_t l0, index_t rows, T* p, Row&& row) {
+  const index_t ld = e.heads * e.dim, c = std::min(l0 + rows, e.T);
+  gemm<T>(false, true, rows, c, e.dim, T(1), qb + l0 * ld, ld, kb, ld, T(0), p, e.T);
+  for (index_t i = 0; i < rows; ++i) {
+    const index_t kept = std::min(l0 + i + 1, e.T);
+    row(i, p + i * e.T, kept);
+    std::fill(p + i * e.T + kept, p + i * e.T + c, T(0));
+  }
+}
+
 // o = causal attention of q, k, v; the probabilities go to `probs`
 // ([batch, heads, L, T], aligned; entries above a block's last column left
 // unwritten) or, when it is null, to a scratch block. `stats` (null, or
@@ -94,13 +110,10 @@ void causal_attention_forward(const attention_extents& e, const T* q, const T* k
       for (index_t l0 = 0; l0 < e.L; l0 += R) {
         const index_t rows = std::min(R, e.L - l0), c = std::min(l0 + rows, e.T);
         T* p = probs ? probs + ((b * e.heads + n) * e.L + l0) * e.T : scratch.data();
-        gemm<T>(false, true, rows, c, e.dim, T(1), qb + l0 * ld, ld, kb, ld, T(0), p, e.T);
-        for (index_t i = 0; i < rows; ++i) {
-          T* row = p + i * e.T;
-          const index_t kept = std::min(l0 + i + 1, e.T);
-          softmax_row(row, kept, row, scale, stats ? stats + (b * e.heads + n) * e.L + l0 + i : nullptr);
-          std::fill(row + kept, row + c, T(0));
-        }
+        softmax_row_stats<T>* st = stats ? stats + (b * e.heads + n) * e.L + l0 : nullptr;
+        block_probabilities(e, qb, kb, l0, rows, p, [&](index_t i, T* row, index_t kept) {
+          softmax_row(row, kept, row, scale, st ? st + i : nullptr);
+        });
         gemm<T>(false, false, rows, e.dim, c, T(1), p, e.T, vb, ld, T(0), ob + l0 * ld, ld);
       }
       progress_in_flight();
@@ -132,15 +145,11 @@ void causal_attention_backward(const attention_extents& e, const T* dout, const 
       for (index_t l0 = 0; l0 < e.L; l0 += R) {
         const index_t rows = std::min(R, e.L - l0), c = std::min(l0 + rows, e.T);
         const T* p = probs ? probs + ((b * e.heads + n) * e.L + l0) * e.T : again.data();
-        if (!probs) {  // the forward's block again: logits, then each row from its stats
-          T* a = again.data();
-          gemm<T>(false, true, rows, c, e.dim, T(1), q + at + l0 * ld, ld, k + kt, ld, T(0), a, e.T);
-          for (index_t i = 0; i < rows; ++i) {
-            T* row = a + i * e.T;
-            const index_t kept = std::min(l0 + i + 1, e.T);
-            softmax_row_again(row, kept, row, scale, stats[(b * e.heads + n) * e.L + l0 + i]);
-            std::fill(row + kept, row + c, T(0));
-          }
+        if (!probs) {  // the forward's block again, each row from its stats
+          const softmax_row_stats<T>* st = stats + (b * e.heads + n) * e.L + l0;
+          block_probabilities(e, q + at, k + kt, l0, rows, again.data(), [&](index_t i, T* row, index_t kept) {
+            softmax_row_again(row, kept, row, scale, st[i]);
+          });
         }
         const T* dob = dout + at + l0 * ld;
         gemm<T>(true, false, c, e.dim, rows, T(1), p, e.T, dob, ld, T(1), dv + kt, ld);

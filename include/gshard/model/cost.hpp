@@ -188,10 +188,14 @@ inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, cons
 // What one training step (forward, backward, Adam) does on each rank, in
 // the steps marked below: the einsums, the collectives, the weights'
 // gradients and updates (through buckets), the element-wise work and the
-// memory. One function for now because every step reads the same dozen
-// derived extents (B, L, the local batch, heads and experts) and adds to the
-// same step_work; split it, passing those as one struct, when it next grows
-// (rematerialisation's recomputed forward is not counted yet).
+// memory. One function (180 lines) because every step reads the same dozen
+// derived extents (B, L, the local batch, heads, experts, capacity) and adds
+// to the same step_work; apart, each step would take them all as
+// arguments. The split that keeps it readable is those extents as one
+// struct and a function per marked step (einsums; the activations'
+// collectives; the weights through buckets; element-wise work) — due the
+// next time a step grows (rematerialisation's recomputed forward and
+// attention's recomputed logits are not counted yet).
 inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
   const index_t d = m.data, e = m.expert, mm = m.model;
   const index_t B = o.batch, L = o.seq, M = c.model, N = c.heads, K = c.head_dim, V = c.vocab, E = c.experts;
