@@ -7,6 +7,7 @@
 //   into all_to_all, all_reduce and the rest (compute), from the
 //   collectives' own timers (slowest rank), page faults per step, and the
 //   step's model FLOPs and MFU against the FMA peak measured in the run.
+// step_gemms: the step against its own GEMMs replayed alone (below).
 // step_memory: peak resident memory per rank of a process that ran steps
 //   (run it alone with --benchmark_filter: the peak is the process's), and
 //   page faults per step after three warm-up steps.
@@ -26,11 +27,13 @@
 #include <gshard/model/machine.hpp>
 #include <gshard/model/train.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 
 #include <sys/resource.h>
 
@@ -116,6 +119,53 @@ void step(benchmark::State& state) {
   const double P = double(b.m.nranks()), step_flops = (model_flops() - flops0) * P / n;
   state.counters["model_GFLOP/step"] = step_flops * 1e-9;
   state.counters["mfu"] = step_flops / (total / n) / (P * gshard::bench::fma_peak_gflops() * 1e9);
+}
+
+// step_gemms: the step (sharded update) against its own GEMMs replayed
+// alone, interleaved: every local GEMM one step ran (gemm_recorder,
+// counters.hpp), called again in the same order with the same shapes,
+// transposes and leading dimensions on one set of buffers (warm: the best
+// rate those shapes get), each rank its own. gemms/step is the share of
+// the step the BLAS itself needs; gemm_bound_mfu the MFU of a step that
+// did nothing but its GEMMs — the ceiling this GEMM library sets on these
+// shapes; the rest of the step (1 - gemms/step) is what fusing can win.
+void step_gemms(benchmark::State& state) {
+  trainer b(true);
+  b.step();
+  b.step();
+  std::vector<gemm_call> calls;
+  const double flops0 = model_flops();
+  {
+    gemm_recorder rec;
+    b.step();
+    calls = rec.calls();
+  }
+  const double P = double(b.m.nranks()), step_flops = (model_flops() - flops0) * P;
+  std::size_t a_size = 0, b_size = 0, c_size = 0;
+  double gemm_flops = 0;
+  for (const auto& c : calls) {
+    if (c.element_bytes != int(sizeof(float))) throw std::logic_error("step_gemms: the trainer runs float GEMMs only");
+    a_size = std::max(a_size, std::size_t((c.trans_a ? c.k : c.m) * c.lda));
+    b_size = std::max(b_size, std::size_t((c.trans_b ? c.n : c.k) * c.ldb));
+    c_size = std::max(c_size, std::size_t(c.m * c.ldc));
+    gemm_flops += c.flops();
+  }
+  std::vector<float> ab(a_size, 1e-3f), bb(b_size, 1e-3f), cb(c_size, 0.f);
+  auto replay = [&] {
+    for (const auto& c : calls)
+      gshard::detail::gemm<float>(c.trans_a, c.trans_b, c.m, c.n, c.k, 1.f, ab.data(), c.lda, bb.data(), c.ldb,
+                                  c.accumulate ? 1.f : 0.f, cb.data(), c.ldc);
+  };
+  const auto r = gshard::bench::compare(state, {[&] { b.step(); }, replay}, 0);
+  const double peak = gshard::bench::fma_peak_gflops() * 1e9;
+  state.counters["step_ms"] = 1e3 * r.median_time[0];
+  state.counters["gemms_ms"] = 1e3 * r.median_time[1];
+  state.counters["gemms/step"] = r.median_ratio[1];
+  state.counters["gemm_calls"] = double(calls.size());
+  state.counters["gemm_GFLOP/s"] = gshard::bench::max_over_ranks(gemm_flops) / r.median_time[1] * 1e-9;
+  state.counters["gemm_peak_share"] = gshard::bench::max_over_ranks(gemm_flops) / r.median_time[1] / peak;
+  state.counters["mfu"] = step_flops / r.median_time[0] / (P * peak);
+  state.counters["gemm_bound_mfu"] = step_flops / r.median_time[1] / (P * peak);
 }
 
 void step_memory(benchmark::State& state) {
@@ -472,6 +522,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step_gemms", step_gemms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
       ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -325,6 +325,36 @@ TEST_CASE("model FLOPs: each einsum's global FLOPs once, however it is split or 
   GSHARD_REQUIRE(std::abs(sum - double(B * K)) < 1e-6 * double(B * K));
 }
 
+TEST_CASE("gemm_recorder: the local GEMMs an einsum runs, in order, with their shapes", "[einsum]") {
+  using grid = mesh<axis<"x">>;
+  const grid m(MPI_COMM_WORLD);
+  const index_t P = m.nranks(), B = 4 * P, K = 12, N = 10, E = 3;
+  const auto a = distribute<sharding<split<0, "x">>>(m, random_tensor<2, double>({B, K}, 1));
+  const auto w = distribute<replicate>(m, random_tensor<2, double>({K, N}, 2));
+  const auto xe = distribute<sharding<split<1, "x">>>(m, random_tensor<3, double>({E, B, K}, 3));
+  const auto we = distribute<replicate>(m, random_tensor<3, double>({E, N, K}, 4));
+  (void)einsum<"BK,KN->BN">(a, w);  // before the recorder: not listed
+  gemm_recorder rec;
+  (void)einsum<"BK,KN->BN">(a, w);
+  {
+    const auto calls = rec.calls();
+    GSHARD_REQUIRE(calls.size() == 1);
+    const gemm_call& c = calls[0];
+    GSHARD_REQUIRE(c.element_bytes == 8 && !c.trans_a && !c.trans_b && !c.accumulate);
+    GSHARD_REQUIRE(c.m == B / P && c.n == N && c.k == K && c.lda == K && c.ldb == N && c.ldc == N);
+    GSHARD_REQUIRE(rec.flops() == 2.0 * double(B / P * N * K));
+  }
+  // One GEMM per expert, the weight transposed (EKN stored as E,N,K).
+  (void)einsum<"EBK,ENK->EBN">(xe, we);
+  const auto calls = rec.calls();
+  GSHARD_REQUIRE(calls.size() == std::size_t(1 + E));
+  for (std::size_t i = 1; i < calls.size(); ++i)
+    GSHARD_REQUIRE(!calls[i].trans_a && calls[i].trans_b && calls[i].m == B / P && calls[i].n == N && calls[i].k == K &&
+                   calls[i].ldb == K);
+  gemm_recorder inner;  // a second recorder sees only what runs in its lifetime
+  GSHARD_REQUIRE(inner.calls().empty() && rec.calls().size() == calls.size());
+}
+
 TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {
   using grid = mesh<axis<"x">>;
   grid m(MPI_COMM_WORLD);

@@ -1,7 +1,8 @@
 // gshard/counters.hpp — every collective gshard runs is counted here, by kind,
 // by mesh axes and by bytes, so tests, benchmarks and traces can see exactly
-// what ran; and the einsums' model FLOPs. Totals are always kept; an ordered log is kept while a
-// collective_recorder is alive. Knows nothing of MPI.
+// what ran; and the einsums' model FLOPs. Totals are always kept; an ordered
+// log is kept while a collective_recorder is alive, and one of the local
+// GEMMs while a gemm_recorder is. Knows nothing of MPI.
 #pragma once
 
 #include <cstddef>
@@ -198,6 +199,57 @@ class collective_recorder {
     return t;
   }
   void reset() { start_ = detail::counters().log.size(); }
+
+ private:
+  std::size_t start_;
+};
+
+// One local GEMM as gshard ran it (detail/gemm.hpp): row-major
+// C (m×n) = op(A) (m×k) · op(B) (k×n) + β·C with leading dimensions lda,
+// ldb, ldc; accumulate: β ≠ 0 (gshard's callers pass 1). Every einsum's
+// GEMMs and causal_attention's blocks go through that one function.
+struct gemm_call {
+  int element_bytes;  // 4: float, 8: double
+  bool trans_a, trans_b, accumulate;
+  std::int64_t m, n, k, lda, ldb, ldc;
+  double flops() const { return 2.0 * double(m) * double(n) * double(k); }
+};
+
+namespace detail {
+struct gemm_log_state {
+  std::vector<gemm_call> log;
+  int recorders = 0;
+};
+inline gemm_log_state& gemm_log() {
+  static gemm_log_state s;
+  return s;
+}
+}  // namespace detail
+
+// Records the local GEMMs run during its lifetime, in order: what a step
+// asks of the BLAS, to replay them alone (bench_train step_gemms: the
+// step's time against its GEMMs' own).
+//   gshard::gemm_recorder rec;
+//   auto y = einsum<"BLM,MH->BLH">(x, w);
+//   assert(rec.calls().size() == 1 && rec.calls()[0].k == M);
+class gemm_recorder {
+ public:
+  gemm_recorder() : start_(detail::gemm_log().log.size()) { ++detail::gemm_log().recorders; }
+  gemm_recorder(const gemm_recorder&) = delete;
+  gemm_recorder& operator=(const gemm_recorder&) = delete;
+  ~gemm_recorder() {
+    auto& s = detail::gemm_log();
+    if (--s.recorders == 0) s.log.clear();
+  }
+  std::vector<gemm_call> calls() const {
+    const auto& log = detail::gemm_log().log;
+    return {log.begin() + std::ptrdiff_t(start_), log.end()};
+  }
+  double flops() const {
+    double f = 0;
+    for (const auto& c : calls()) f += c.flops();
+    return f;
+  }
 
  private:
   std::size_t start_;

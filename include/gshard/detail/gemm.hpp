@@ -3,7 +3,8 @@
 // (when built with GSHARD_USE_OPENBLAS, Meson option blas=openblas) or by
 // Eigen's own product; with both available the faster runs (default_gemm in
 // detail/options.hpp; GSHARD_GEMM overrides). Other element types (integers)
-// take a plain loop: correct, not fast.
+// take a plain loop: correct, not fast. A gemm_recorder (counters.hpp)
+// lists the calls.
 #pragma once
 
 #include <Eigen/Core>
@@ -13,6 +14,7 @@
 
 #include "gshard/detail/options.hpp"
 
+#include "gshard/counters.hpp"
 #include "gshard/types.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
@@ -59,6 +61,8 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
           index_t ldb, T beta, T* c, index_t ldc) {
   if (m == 0 || n == 0) return;
+  if (auto& log = gemm_log(); log.recorders > 0)
+    log.log.push_back({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
   if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
     gemm_loop(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
