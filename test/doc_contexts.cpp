@@ -13,6 +13,7 @@
 // context: prelude
 #include <cassert>
 #include <cstdint>
+#include <cstdio>
 #include <iostream>
 #include <utility>
 
@@ -83,6 +84,14 @@ using by_group = sharding<split<1, "data", "expert">>;
 using by_expert = sharding<split<0, "expert">, split<1, "data">>;
 inline void fragment(const grid& g) {
   const auto x = distribute<by_group>(g, local_tensor<float, 4>(8, 8, 4, 16));
+//@fragment
+}
+
+// context: gemm_recorder
+using grid = mesh<axis<"expert">>;
+inline void fragment(const grid& g) {
+  const auto x = distribute<sharding<split<0, "expert">>>(g, local_tensor<float, 3>(4, 8, 16));  // [E,B,K]
+  const auto w = distribute<sharding<split<0, "expert">>>(g, local_tensor<float, 3>(4, 32, 16)); // [E,N,K]
 //@fragment
 }
 
