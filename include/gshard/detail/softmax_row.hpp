@@ -22,7 +22,8 @@ template <class T>
 using packet = typename ei::packet_traits<T>::type;
 template <class T>
 constexpr index_t width = ei::packet_traits<T>::size;
-// Float and double rows run on Eigen's packets (with its vectorised exp).
+// Float and double rows run on Eigen's packets (with its vectorised exp);
+// other types, or a build without it, take the same steps on scalars.
 template <class T>
 constexpr bool on_packets = (std::is_same_v<T, float> || std::is_same_v<T, double>) && ei::packet_traits<T>::HasExp;
 
@@ -66,30 +67,43 @@ void store_partial(T* p, const packet<T>& v, index_t rest) {
 // the largest of them into *mx (unless null). Returns where the scaled row is.
 template <class T>
 const T* scale_and_max(const T* in, index_t n, T* out, T scale, T* mx) {
-  constexpr index_t w = width<T>;
-  const T inf = std::numeric_limits<T>::infinity();
-  packet<T> m = ei::pset1<packet<T>>(-inf);
-  const index_t whole = n / w * w;
-  if (scale == T(1)) {
-    if (!mx) return in;
-    for (index_t i = 0; i < whole; i += w) m = ei::pmax(m, ei::ploadu<packet<T>>(in + i));
-    if (whole < n) m = ei::pmax(m, load_partial(in + whole, n - whole, -inf));
-    *mx = ei::predux_max(m);
-    return in;
+  if constexpr (!on_packets<T>) {  // the same steps on scalars
+    const T* x = in;
+    if (scale != T(1)) {
+      for (index_t i = 0; i < n; ++i) out[i] = in[i] * scale;
+      x = out;
+    }
+    if (mx) {
+      *mx = -std::numeric_limits<T>::infinity();
+      for (index_t i = 0; i < n; ++i) *mx = x[i] > *mx ? x[i] : *mx;
+    }
+    return x;
+  } else {
+    constexpr index_t w = width<T>;
+    const T inf = std::numeric_limits<T>::infinity();
+    packet<T> m = ei::pset1<packet<T>>(-inf);
+    const index_t whole = n / w * w;
+    if (scale == T(1)) {
+      if (!mx) return in;
+      for (index_t i = 0; i < whole; i += w) m = ei::pmax(m, ei::ploadu<packet<T>>(in + i));
+      if (whole < n) m = ei::pmax(m, load_partial(in + whole, n - whole, -inf));
+      *mx = ei::predux_max(m);
+      return in;
+    }
+    const packet<T> s = ei::pset1<packet<T>>(scale);
+    for (index_t i = 0; i < whole; i += w) {
+      const packet<T> x = ei::pmul(ei::ploadu<packet<T>>(in + i), s);
+      ei::pstoreu(out + i, x);
+      m = ei::pmax(m, x);
+    }
+    if (whole < n) {
+      const packet<T> x = ei::pmul(load_partial(in + whole, n - whole, -inf), s);
+      store_partial(out + whole, x, n - whole);
+      m = ei::pmax(m, load_partial(out + whole, n - whole, -inf));  // the pad is -inf whatever the scale's sign
+    }
+    if (mx) *mx = ei::predux_max(m);
+    return out;
   }
-  const packet<T> s = ei::pset1<packet<T>>(scale);
-  for (index_t i = 0; i < whole; i += w) {
-    const packet<T> x = ei::pmul(ei::ploadu<packet<T>>(in + i), s);
-    ei::pstoreu(out + i, x);
-    m = ei::pmax(m, x);
-  }
-  if (whole < n) {
-    const packet<T> x = ei::pmul(load_partial(in + whole, n - whole, -inf), s);
-    store_partial(out + whole, x, n - whole);
-    m = ei::pmax(m, load_partial(out + whole, n - whole, -inf));  // the pad is -inf whatever the scale's sign
-  }
-  if (mx) *mx = ei::predux_max(m);
-  return out;
 }
 
 // Pass 2: out = exp(x − mx) for the scaled row x, clamped at `lowest`, the
@@ -97,37 +111,51 @@ const T* scale_and_max(const T* in, index_t n, T* out, T scale, T* mx) {
 // last ones too (in a padded packet), takes the same instructions.
 template <class T>
 T exp_shifted(const T* x, index_t n, T* out, T mx) {
-  constexpr index_t w = width<T>;
-  const packet<T> shift = ei::pset1<packet<T>>(mx), low = ei::pset1<packet<T>>(lowest<T>);
-  const packet<T> cut = ei::pset1<packet<T>>(std::exp(lowest<T> + 1));  // with a margin for exp's last bits
-  auto one = [&](const packet<T>& v) {
-    // pmax(a, b) keeps a NaN a (std::max's order), so a NaN entry stays NaN.
-    const packet<T> e = ei::pexp(ei::pmax(ei::psub(v, shift), low));
-    return ei::pandnot(e, ei::pcmp_le(e, cut));
-  };
-  packet<T> sum = ei::pzero(shift);
-  const index_t whole = n / w * w;
-  for (index_t i = 0; i < whole; i += w) {
-    const packet<T> e = one(ei::ploadu<packet<T>>(x + i));
-    ei::pstoreu(out + i, e);
-    sum = ei::padd(sum, e);
+  if constexpr (!on_packets<T>) {
+    const T cut = std::exp(lowest<T> + 1);
+    T sum = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const T d = x[i] - mx, e = std::exp(d < lowest<T> ? lowest<T> : d);  // a NaN d stays NaN
+      sum += (out[i] = e <= cut ? T(0) : e);
+    }
+    return sum;
+  } else {
+    constexpr index_t w = width<T>;
+    const packet<T> shift = ei::pset1<packet<T>>(mx), low = ei::pset1<packet<T>>(lowest<T>);
+    const packet<T> cut = ei::pset1<packet<T>>(std::exp(lowest<T> + 1));  // with a margin for exp's last bits
+    auto one = [&](const packet<T>& v) {
+      // pmax(a, b) keeps a NaN a (std::max's order), so a NaN entry stays NaN.
+      const packet<T> e = ei::pexp(ei::pmax(ei::psub(v, shift), low));
+      return ei::pandnot(e, ei::pcmp_le(e, cut));
+    };
+    packet<T> sum = ei::pzero(shift);
+    const index_t whole = n / w * w;
+    for (index_t i = 0; i < whole; i += w) {
+      const packet<T> e = one(ei::ploadu<packet<T>>(x + i));
+      ei::pstoreu(out + i, e);
+      sum = ei::padd(sum, e);
+    }
+    if (whole < n) {
+      const packet<T> e = one(load_partial(x + whole, n - whole, -std::numeric_limits<T>::infinity()));  // the pad's exp: 0
+      store_partial(out + whole, e, n - whole);
+      sum = ei::padd(sum, e);
+    }
+    return ei::predux(sum);
   }
-  if (whole < n) {
-    const packet<T> e = one(load_partial(x + whole, n - whole, -std::numeric_limits<T>::infinity()));  // the pad's exp: 0
-    store_partial(out + whole, e, n - whole);
-    sum = ei::padd(sum, e);
-  }
-  return ei::predux(sum);
 }
 
 // Pass 3: out /= sum.
 template <class T>
 void divide(T* out, index_t n, T sum) {
-  constexpr index_t w = width<T>;
-  const packet<T> s = ei::pset1<packet<T>>(sum);
-  const index_t whole = n / w * w;
-  for (index_t i = 0; i < whole; i += w) ei::pstoreu(out + i, ei::pdiv(ei::ploadu<packet<T>>(out + i), s));
-  if (whole < n) store_partial(out + whole, ei::pdiv(load_partial(out + whole, n - whole, T(1)), s), n - whole);
+  if constexpr (!on_packets<T>) {
+    for (index_t i = 0; i < n; ++i) out[i] /= sum;
+  } else {
+    constexpr index_t w = width<T>;
+    const packet<T> s = ei::pset1<packet<T>>(sum);
+    const index_t whole = n / w * w;
+    for (index_t i = 0; i < whole; i += w) ei::pstoreu(out + i, ei::pdiv(ei::ploadu<packet<T>>(out + i), s));
+    if (whole < n) store_partial(out + whole, ei::pdiv(load_partial(out + whole, n - whole, T(1)), s), n - whole);
+  }
 }
 }  // namespace softmax_detail
 
@@ -143,7 +171,7 @@ struct softmax_row_stats {
 // partition function, log Σ exp(in), in double. The caller decides what NaN,
 // +inf or a row of only -inf mean.
 //
-// Float and double run three passes on Eigen's packets: the scaled row and
+// Three passes, on Eigen's packets for float and double: the scaled row and
 // its largest entry; the exps of the shifted entries clamped at -80
 // (float) or -700 (double) and their sum; the division. An entry 79 (699)
 // or more below the row's largest gets 0 (its share is under 5e-35, or
@@ -164,22 +192,12 @@ struct softmax_row_stats {
 template <class T>
 double softmax_row(const T* in, index_t n, T* out, T scale = T(1), softmax_row_stats<T>* stats = nullptr) {
   if (n == 0) return -std::numeric_limits<double>::infinity();  // log Σ over nothing
-  if constexpr (softmax_detail::on_packets<T>) {
-    T mx;
-    const T* x = softmax_detail::scale_and_max(in, n, out, scale, &mx);
-    const T sum = softmax_detail::exp_shifted(x, n, out, mx);
-    softmax_detail::divide(out, n, sum);
-    if (stats) *stats = {mx, sum};
-    return double(mx) + std::log(double(sum));
-  } else {
-    T mx = -std::numeric_limits<T>::infinity();
-    for (index_t i = 0; i < n; ++i) mx = scale * in[i] > mx ? scale * in[i] : mx;
-    T sum = 0;
-    for (index_t i = 0; i < n; ++i) sum += (out[i] = std::exp(scale * in[i] - mx));
-    for (index_t i = 0; i < n; ++i) out[i] /= sum;
-    if (stats) *stats = {mx, sum};
-    return double(mx) + std::log(double(sum));
-  }
+  T mx;
+  const T* x = softmax_detail::scale_and_max(in, n, out, scale, &mx);
+  const T sum = softmax_detail::exp_shifted(x, n, out, mx);
+  softmax_detail::divide(out, n, sum);
+  if (stats) *stats = {mx, sum};
+  return double(mx) + std::log(double(sum));
 }
 
 // The row softmax_row(in, n, out, scale, &stats) gave, computed again from
@@ -187,13 +205,9 @@ double softmax_row(const T* in, index_t n, T* out, T scale = T(1), softmax_row_s
 template <class T>
 void softmax_row_again(const T* in, index_t n, T* out, T scale, const softmax_row_stats<T>& stats) {
   if (n == 0) return;
-  if constexpr (softmax_detail::on_packets<T>) {
-    const T* x = softmax_detail::scale_and_max(in, n, out, scale, static_cast<T*>(nullptr));
-    (void)softmax_detail::exp_shifted(x, n, out, stats.max);
-    softmax_detail::divide(out, n, stats.sum);
-  } else {
-    for (index_t i = 0; i < n; ++i) out[i] = std::exp(scale * in[i] - stats.max) / stats.sum;
-  }
+  const T* x = softmax_detail::scale_and_max(in, n, out, scale, static_cast<T*>(nullptr));
+  (void)softmax_detail::exp_shifted(x, n, out, stats.max);
+  softmax_detail::divide(out, n, stats.sum);
 }
 
 // The gradient through y = softmax(scale · x) of one row of n entries, in
