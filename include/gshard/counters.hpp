@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace gshard {
@@ -63,15 +64,49 @@ struct collective_total {
 };
 
 namespace detail {
+// An ordered log of events, kept while at least one recorder of it lives
+// (collective_recorder, gemm_recorder).
+template <class Event>
+struct event_log {
+  std::vector<Event> log;
+  int recorders = 0;
+  void add(Event e) {
+    if (recorders > 0) log.push_back(std::move(e));
+  }
+};
+
+// A recorder's window onto the log Log() returns: the events added from
+// its construction (or reset()) on; the log is emptied when the last
+// recorder of it ends.
+template <class Event, event_log<Event>& (*Log)()>
+class log_window {
+ public:
+  log_window() : start_(Log().log.size()) { ++Log().recorders; }
+  log_window(const log_window&) = delete;
+  log_window& operator=(const log_window&) = delete;
+  ~log_window() {
+    auto& l = Log();
+    if (--l.recorders == 0) l.log.clear();
+  }
+  std::vector<Event> recorded() const {
+    const auto& log = Log().log;
+    return {log.begin() + std::ptrdiff_t(start_), log.end()};
+  }
+  void reset() { start_ = Log().log.size(); }
+
+ private:
+  std::size_t start_;
+};
+
 struct counter_state {
   std::vector<collective_total> totals;
-  std::vector<collective_event> log;
-  int recorders = 0;
+  event_log<collective_event> events;
 };
 inline counter_state& counters() {
   static counter_state s;
   return s;
 }
+inline event_log<collective_event>& collective_log() { return counters().events; }
 // How many counted collectives are running on this thread (0 or 1; more
 // while the checked mode compares one). Every MPI communication call gshard
 // makes is made while this is positive: test_train proves it by
@@ -105,7 +140,7 @@ inline void count_collective(collective kind, std::string_view axes, std::size_t
       break;
     }
   if (!found) s.totals.push_back({kind, std::string(axes), 1, bytes, seconds});
-  if (s.recorders > 0) s.log.push_back({kind, std::string(axes), bytes, seconds});
+  s.events.add({kind, std::string(axes), bytes, seconds});
 }
 
 // Wall time of a collective's later MPI calls — a non-blocking one's tests
@@ -166,20 +201,9 @@ inline const std::vector<collective_total>& collective_totals() { return detail:
 //   gshard::collective_recorder rec;
 //   auto y = reshard<target>(x);
 //   assert(rec.events().size() == 1 && rec.events()[0].kind == collective::all_gather);
-class collective_recorder {
+class collective_recorder : public detail::log_window<collective_event, &detail::collective_log> {
  public:
-  collective_recorder() : start_(detail::counters().log.size()) { ++detail::counters().recorders; }
-  collective_recorder(const collective_recorder&) = delete;
-  collective_recorder& operator=(const collective_recorder&) = delete;
-  ~collective_recorder() {
-    auto& s = detail::counters();
-    if (--s.recorders == 0) s.log.clear();
-  }
-
-  std::vector<collective_event> events() const {
-    const auto& log = detail::counters().log;
-    return {log.begin() + std::ptrdiff_t(start_), log.end()};
-  }
+  std::vector<collective_event> events() const { return recorded(); }
   std::size_t calls(collective kind, std::string_view axes = {}) const {
     std::size_t n = 0;
     for (const auto& e : events())
@@ -198,10 +222,6 @@ class collective_recorder {
     for (const auto& e : events()) ++t[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
     return t;
   }
-  void reset() { start_ = detail::counters().log.size(); }
-
- private:
-  std::size_t start_;
 };
 
 // One local GEMM as gshard ran it (detail/gemm.hpp): row-major
@@ -216,12 +236,8 @@ struct gemm_call {
 };
 
 namespace detail {
-struct gemm_log_state {
-  std::vector<gemm_call> log;
-  int recorders = 0;
-};
-inline gemm_log_state& gemm_log() {
-  static gemm_log_state s;
+inline event_log<gemm_call>& gemm_log() {
+  static event_log<gemm_call> s;
   return s;
 }
 }  // namespace detail
@@ -232,27 +248,14 @@ inline gemm_log_state& gemm_log() {
 //   gshard::gemm_recorder rec;
 //   auto y = einsum<"BLM,MH->BLH">(x, w);
 //   assert(rec.calls().size() == 1 && rec.calls()[0].k == M);
-class gemm_recorder {
+class gemm_recorder : public detail::log_window<gemm_call, &detail::gemm_log> {
  public:
-  gemm_recorder() : start_(detail::gemm_log().log.size()) { ++detail::gemm_log().recorders; }
-  gemm_recorder(const gemm_recorder&) = delete;
-  gemm_recorder& operator=(const gemm_recorder&) = delete;
-  ~gemm_recorder() {
-    auto& s = detail::gemm_log();
-    if (--s.recorders == 0) s.log.clear();
-  }
-  std::vector<gemm_call> calls() const {
-    const auto& log = detail::gemm_log().log;
-    return {log.begin() + std::ptrdiff_t(start_), log.end()};
-  }
+  std::vector<gemm_call> calls() const { return recorded(); }
   double flops() const {
     double f = 0;
     for (const auto& c : calls()) f += c.flops();
     return f;
   }
-
- private:
-  std::size_t start_;
 };
 
 }  // namespace gshard

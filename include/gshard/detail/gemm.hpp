@@ -61,8 +61,8 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
           index_t ldb, T beta, T* c, index_t ldc) {
   if (m == 0 || n == 0) return;
-  if (auto& log = gemm_log(); log.recorders > 0)
-    log.log.push_back({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
+  if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
+    log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
   if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
     gemm_loop(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
