@@ -1,14 +1,12 @@
-// gshard/grad.hpp — the gradient rules of the operations, each tested by
-// finite differences; the tape (gshard/ad/) composes them. The gradient of an
+// gshard/grad.hpp — the gradient of an einsum, tested by finite
+// differences; the tape (gshard/ad/) composes it. The gradient of an
 // einsum is an einsum: for Z = einsum<"A,B->O">(a, b), dA = einsum<"O,B->A">(dz, b)
 // and dB = einsum<"O,A->B">(dz, a), the specs derived at compile time (a
 // label summed in one operand alone is broadcast back). Each comes out in its
 // natural sharding — a weight replicated over the ranks that split the batch
 // gets a pending sum, whose reduction is the data-parallel all_reduce — and
 // einsum_backward reshards it to the operand's sharding unless asked
-// otherwise. The gradient of a reshard is a reshard to gradient_sharding<From>
-// (the sharding without its pending sums), the forward's collectives
-// transposed. Also: relu, softmax and the RMS norm, element-wise and local.
+// otherwise.
 #pragma once
 
 #include <Eigen/Core>
@@ -16,57 +14,11 @@
 #include <cmath>
 
 #include "gshard/einsum.hpp"
-#include "gshard/ops.hpp"
 #include "gshard/reshard.hpp"
 
 namespace gshard {
 
 namespace detail {
-template <class S>
-struct gradient_spec {  // S without its pending sums
-  static constexpr sharding_spec value = [] {
-    sharding_spec g = S::spec;
-    g.npartial = 0;
-    for (name_t& a : g.partial) a = name_t{};
-    return g;
-  }();
-};
-}  // namespace detail
-
-// The sharding of the gradient of a tensor sharded S: S without its pending
-// sums. A summand's gradient is the gradient of the sum, the same on every
-// rank along those axes — so there it is replicated.
-template <class S>
-using gradient_sharding =
-    GSHARD_SHARDING_OF(detail::gradient_spec<S>::value);
-
-// The gradient of x for y = reshard<To>(x), given y's gradient dy — reduced
-// (in To's gradient sharding) or still pending (partial over axes where y is
-// replicated, e.g. straight from an einsum's backward). It comes back in
-// gradient_sharding<From> with the forward's collectives transposed:
-// all_to_all <-> the reverse all_to_all, all_reduce <-> nothing (or an
-// all_reduce of a pending dy), a local slice <-> all_gather, and all_gather
-// <-> a local slice when dy is reduced or one reduce_scatter when it is
-// pending (the cheaper way: keep dy partial).
-template <class From, class DY>
-  requires sharded_tensor<DY>
-auto reshard_backward(DY&& dy) {
-  return reshard<gradient_sharding<From>>(std::forward<DY>(dy));
-}
-
-namespace detail {
-
-template <class X>
-using gradient_of = tensor<typename X::value_type, X::rank, typename X::mesh_type, gradient_sharding<typename X::sharding_type>>;
-
-// A gradient and its primal: the same global shape and the same split dims
-// (the gradient holds no pending sums; labels may differ).
-template <class DY, class X>
-constexpr bool same_shards() {
-  rlayout a = DY::resolved, b = X::resolved;
-  a.partial = b.partial = 0;
-  return DY::rank == X::rank && a == b && std::is_same_v<typename DY::value_type, typename X::value_type>;
-}
 
 // Einsum gradients. For operand K with term A, the output term O and the
 // other operand's term B: dA = einsum<"O,B->A">(dz, b) when every label of A
@@ -215,69 +167,6 @@ auto einsum_backward(const DZ& dz, const A& a, const B& b) {
   };
   return std::pair{finish(std::type_identity<DA>{}, std::type_identity<A>{}, detail::einsum_operand_grad<Spec, 0, A>(dz, &b, a.extents())),
                    finish(std::type_identity<DB>{}, std::type_identity<B>{}, detail::einsum_operand_grad<Spec, 1, B>(dz, &a, b.extents()))};
-}
-
-// dy where x > 0, else 0 (a NaN x passes dy, as relu keeps the NaN), where
-// the forward was y = relu(x): the tape's relu mask (detail/blockwise.hpp).
-template <sharded_tensor DY, sharded_tensor X>
-DY relu_backward(DY dy, const X& x) {
-  static_assert(detail::same_shards<DY, X>(), "gshard::relu_backward: dy and x are sharded differently");
-  detail::zero_where_at_most(dy.data(), x.data(), typename X::value_type(0), dy.local().size());
-  return dy;
-}
-
-// dx = y · (dy − Σ_last dy·y), where the forward was y = softmax(x) over the last dim.
-template <sharded_tensor DY, sharded_tensor Y>
-DY softmax_backward(DY dy, const Y& y) {
-  static_assert(detail::same_shards<DY, Y>(), "gshard::softmax_backward: dy and y are sharded differently");
-  const index_t n = DY::rank ? dy.local().dimension(DY::rank - 1) : 1;
-  if (n == 0) return dy;
-  auto* g = dy.data();
-  const auto* p = y.data();
-  for (index_t row = 0, rows = dy.local().size() / n; row < rows; ++row, g += n, p += n) detail::softmax_row_backward(g, p, n);
-  return dy;
-}
-
-// dx = scale · y · (dy − Σ_t dy·y) over each row's unmasked entries (t <= l)
-// and 0 above the diagonal, where the forward was y = causal_softmax(x, scale).
-template <sharded_tensor DY, sharded_tensor Y>
-DY causal_softmax_backward(DY dy, const Y& y, double scale) {
-  static_assert(detail::same_shards<DY, Y>(), "gshard::causal_softmax_backward: dy and y are sharded differently");
-  using T = typename DY::value_type;
-  T* g = dy.data();
-  const T* p = y.data();
-  detail::causal_rows(dy.local_extents(), [&](index_t at, index_t kept, index_t n) {
-    detail::softmax_row_backward(g + at, p + at, kept, T(scale));
-    std::fill(g + at + kept, g + at + n, T(0));
-  });
-  return dy;
-}
-
-// The RMS norm y = x · r · s, r = (mean(x²) + eps)^-1/2, over the last dim:
-// dx = s·r·dy − x·r³·mean(dy·s·x), and the scale's gradient Σ_rows dy·x·r,
-// which is a pending sum over the ranks that split the rows; `ds` receives
-// this rank's summand (the caller reduces it). Rows of float and double take
-// Eigen's packets, as the forward's.
-template <sharded_tensor DY, sharded_tensor X, class Scale>
-DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
-  static_assert(detail::same_shards<DY, X>(), "gshard::rms_norm_backward: dy and x are sharded differently");
-  using T = typename X::value_type;
-  const index_t n = x.local().dimension(X::rank - 1);
-  if (n == 0) return dy;
-  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
-  const Eigen::Map<const row> s(scale.data(), n);
-  Eigen::Map<row> dsum(ds, n);
-  T* g = dy.data();
-  const T* v = x.data();
-  for (index_t r = 0, rows = x.local().size() / n; r < rows; ++r, g += n, v += n) {
-    Eigen::Map<row> gv(g, n);
-    const Eigen::Map<const row> xv(v, n);
-    const double inv = 1.0 / std::sqrt(double(xv.matrix().squaredNorm()) / double(n) + eps);
-    const double c = inv * inv * inv * double((gv * s * xv).sum()) / double(n);
-    dsum += gv * xv * T(inv);
-    gv = s * T(inv) * gv - xv * T(c);
-  }
-  return dy;
 }
 
 }  // namespace gshard

@@ -1,29 +1,11 @@
 // gshard/nonblocking.hpp — collectives started now and finished later, so a
 // rank computes while its data moves: start_all_reduce, start_all_gather,
-// start_reduce_scatter, start_all_to_all return a `collective_request` (MPI's
-// word for the handle of a non-blocking operation); its test() moves the collective on
-// without blocking, its wait() finishes it. The gradient buckets start their
-// reductions this way the moment a bucket is full, and the backward tests them
-// between its rules (gshard/buckets.hpp, gshard/ad/tape.hpp): PyTorch DDP's
-// overlap, on MPI's non-blocking collectives.
-//
-// Progress: MPI moves a non-blocking collective on only inside MPI calls
-// (OpenMPI's and MPICH's default; no progress thread here: MPI runs
-// FUNNELED), so the caller tests between pieces of work — each test is a few
-// microseconds when nothing has arrived; detail::progress_in_flight() tests
-// what this rank has in flight.
-//
-// Each one is the blocking form's twin: counted when it starts (in the order
-// every rank starts it, the order the checked mode compares), checked against
-// the other ranks then in the checked mode, its MPI calls' wall time (start,
-// tests, wait) added to its kind's total — so the counters keep measuring the
-// time a rank is held by communication — watched by the watchdog while a rank
-// waits for it, and traced twice: on the rank's track while it waits, and on
-// the rank's "in flight" track from its start to the test or wait that saw
-// it end (progress_in_flight tests the oldest request only: a later one's
-// span may run on to its own test or wait).
-// The reduce-scatter is gshard's ring, as the blocking form's (the same sums
-// in the same order), unless GSHARD_REDUCE_SCATTER=mpi.
+// start_reduce_scatter, start_all_to_all return a `collective_request`; its
+// test() moves the collective on without blocking, its wait() finishes it.
+// MPI moves one on only inside MPI calls, so the caller tests between pieces
+// of work (a few microseconds a test when nothing has arrived);
+// detail::progress_in_flight() tests what this rank has in flight.
+//   auto r = start_all_reduce(g, std::span(buf));  compute();  r.wait();
 #pragma once
 
 #include <algorithm>
@@ -38,14 +20,27 @@
 #include <vector>
 
 #include "gshard/collectives.hpp"
+#include "gshard/progress.hpp"
 
 namespace gshard {
 
 namespace detail {
 
+inline void progress_in_flight();
+
 // One collective in flight. Subclasses post its MPI calls (inside a
 // counted_scope: test/pmpi.cpp checks that every MPI call gshard makes is a
-// counted collective's) and move it on.
+// counted collective's) and move it on. Each is its blocking form's twin:
+// counted when it starts (in the order every rank starts it, the order the
+// checked mode compares), checked against the other ranks then in the
+// checked mode, its MPI calls' wall time (start, tests, wait) added to its
+// kind's total — so the counters keep measuring the time a rank is held by
+// communication — watched by the watchdog while a rank waits for it, and
+// traced twice: on the rank's track while it waits, and on the "in flight"
+// track from its start to the test or wait that saw it end
+// (progress_in_flight tests the oldest request only: a later one's span may
+// run on to its own test or wait).
+
 class in_flight {
  public:
   in_flight(collective kind, const axis_group& g, std::size_t bytes, int type, std::int64_t count)
@@ -66,6 +61,7 @@ class in_flight {
     done_ = false;
     add_collective_seconds(kind_, axes_, MPI_Wtime() - started_);
     running().push_back(this);
+    progress_hook() = &progress_in_flight;  // the kernels' calls between their pieces of work
   }
 
   // The collectives this rank has in flight, oldest first (progress_in_flight).
@@ -260,7 +256,9 @@ class ring_in_flight final : public in_flight {
 // Moves every collective this rank has in flight on, without blocking: one
 // MPI_Test of the oldest request (any MPI call moves all of MPI's
 // non-blocking operations on) and a test of each ring (which posts its next
-// exchange only when tested). Nothing when none is in flight. The tape calls
+// exchange only when tested). Nothing when none is in flight. MPI moves a
+// non-blocking collective on only inside MPI calls (OpenMPI's and MPICH's
+// default; there is no progress thread: MPI runs FUNNELED), so the tape calls
 // it as each operation of the forward ends and between the backward's rules,
 // the batched GEMMs between their GEMMs: the points where a rank that
 // computes can let its data move.
@@ -289,6 +287,8 @@ inline void progress_in_flight() {
 // untouched, until it has finished. Destroying one that has not finished
 // waits for it; while an exception unwinds, only as long as the other ranks
 // could take to unwind past it too (in_flight::finish_while_unwinding).
+// The gradient buckets (gshard/buckets.hpp) start their reductions this way
+// as soon as a bucket is full, and the backward tests them between its rules.
 class collective_request {
  public:
   collective_request() = default;
@@ -377,7 +377,9 @@ collective_request start_all_to_all(const detail::axis_group& g, std::span<const
                                });
 }
 
-// recv = block `g.rank` of the sum over group ranks of send, started.
+// recv = block `g.rank` of the sum over group ranks of send, started. It is
+// gshard's ring, as the blocking form's (the same sums in the same order),
+// unless GSHARD_REDUCE_SCATTER=mpi.
 template <class T>
 collective_request start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());

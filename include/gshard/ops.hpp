@@ -1,6 +1,6 @@
-// gshard/ops.hpp — element-wise and last-dim operations on sharded tensors.
-// They act on each rank's shard and keep the sharding, so they never
-// communicate; they refuse tensors with pending sums (relu of a summand is
+// gshard/ops.hpp — element-wise and last-dim operations on sharded tensors,
+// each with its gradient rule (relu_backward, softmax_backward, ...). They
+// act on each rank's shard and keep the sharding, so they never communicate; they refuse tensors with pending sums (relu of a summand is
 // not a summand of the relu), and last-dim operations refuse a split last dim.
 #pragma once
 
@@ -26,6 +26,14 @@ constexpr bool has_pending_sums() {
 template <class X>
 constexpr bool last_dim_split() {
   return X::rank > 0 && X::resolved.dims[X::rank - 1].n > 0;
+}
+// A gradient and its primal: the same global shape and the same split dims
+// (the gradient holds no pending sums; labels may differ).
+template <class DY, class X>
+constexpr bool same_shards() {
+  rlayout a = DY::resolved, b = X::resolved;
+  a.partial = b.partial = 0;
+  return DY::rank == X::rank && a == b && std::is_same_v<typename DY::value_type, typename X::value_type>;
 }
 
 // Element-wise functions: y = f(x), and their derivatives f'(x, y) for
@@ -169,6 +177,15 @@ std::remove_cvref_t<X> apply_elementwise(X&& x) {
 GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)
 #undef GSHARD_UNARY_
 
+// dy where x > 0, else 0 (a NaN x passes dy, as relu keeps the NaN), where
+// the forward was y = relu(x): the tape's relu mask (detail/blockwise.hpp).
+template <sharded_tensor DY, sharded_tensor X>
+DY relu_backward(DY dy, const X& x) {
+  static_assert(detail::same_shards<DY, X>(), "gshard::relu_backward: dy and x are sharded differently");
+  detail::zero_where_at_most(dy.data(), x.data(), typename X::value_type(0), dy.local().size());
+  return dy;
+}
+
 namespace detail {
 template <class X>
 void same_extents(const X& a, const X& b, const char* op) {
@@ -249,6 +266,18 @@ std::remove_cvref_t<X> softmax(X&& x) {
   return out;
 }
 
+// dx = y · (dy − Σ_last dy·y), where the forward was y = softmax(x) over the last dim.
+template <sharded_tensor DY, sharded_tensor Y>
+DY softmax_backward(DY dy, const Y& y) {
+  static_assert(detail::same_shards<DY, Y>(), "gshard::softmax_backward: dy and y are sharded differently");
+  const index_t n = DY::rank ? dy.local().dimension(DY::rank - 1) : 1;
+  if (n == 0) return dy;
+  auto* g = dy.data();
+  const auto* p = y.data();
+  for (index_t row = 0, rows = dy.local().size() / n; row < rows; ++row, g += n, p += n) detail::softmax_row_backward(g, p, n);
+  return dy;
+}
+
 namespace detail {
 // f(at, kept, n) for each row [.., l, :] of a [.., L, T] shard (row-major):
 // the row starts at element `at`, has n = T entries, of which the first
@@ -287,6 +316,21 @@ std::remove_cvref_t<X> causal_softmax(X&& x, double scale = 1.0) {
   return out;
 }
 
+// dx = scale · y · (dy − Σ_t dy·y) over each row's unmasked entries (t <= l)
+// and 0 above the diagonal, where the forward was y = causal_softmax(x, scale).
+template <sharded_tensor DY, sharded_tensor Y>
+DY causal_softmax_backward(DY dy, const Y& y, double scale) {
+  static_assert(detail::same_shards<DY, Y>(), "gshard::causal_softmax_backward: dy and y are sharded differently");
+  using T = typename DY::value_type;
+  T* g = dy.data();
+  const T* p = y.data();
+  detail::causal_rows(dy.local_extents(), [&](index_t at, index_t kept, index_t n) {
+    detail::softmax_row_backward(g + at, p + at, kept, T(scale));
+    std::fill(g + at + kept, g + at + n, T(0));
+  });
+  return dy;
+}
+
 // GShard's RMS-style norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
 // `scale` holds the last dim's extent of values, on every rank. Float and
 // double rows take Eigen's packets (the sum of squares in T, in several
@@ -313,6 +357,33 @@ std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
     v = v * inv * s;
   }
   return out;
+}
+
+// The RMS norm y = x · r · s, r = (mean(x²) + eps)^-1/2, over the last dim:
+// dx = s·r·dy − x·r³·mean(dy·s·x), and the scale's gradient Σ_rows dy·x·r,
+// which is a pending sum over the ranks that split the rows; `ds` receives
+// this rank's summand (the caller reduces it). Rows of float and double take
+// Eigen's packets, as the forward's.
+template <sharded_tensor DY, sharded_tensor X, class Scale>
+DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
+  static_assert(detail::same_shards<DY, X>(), "gshard::rms_norm_backward: dy and x are sharded differently");
+  using T = typename X::value_type;
+  const index_t n = x.local().dimension(X::rank - 1);
+  if (n == 0) return dy;
+  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const row> s(scale.data(), n);
+  Eigen::Map<row> dsum(ds, n);
+  T* g = dy.data();
+  const T* v = x.data();
+  for (index_t r = 0, rows = x.local().size() / n; r < rows; ++r, g += n, v += n) {
+    Eigen::Map<row> gv(g, n);
+    const Eigen::Map<const row> xv(v, n);
+    const double inv = 1.0 / std::sqrt(double(xv.matrix().squaredNorm()) / double(n) + eps);
+    const double c = inv * inv * inv * double((gv * s * xv).sum()) / double(n);
+    dsum += gv * xv * T(inv);
+    gv = s * T(inv) * gv - xv * T(c);
+  }
+  return dy;
 }
 
 }  // namespace gshard

@@ -3,7 +3,7 @@
 // collectives its plan (reshard_plan.hpp, computed at compile time) names,
 // run by detail/execute_reshard.hpp; start_reshard<Target>(t), the same
 // started now and finished later. The one-collective forms and
-// gather/scatter are in tensor_collectives.hpp, reshard's gradient in grad.hpp.
+// gather/scatter are in tensor_collectives.hpp. reshard_backward: its gradient.
 #pragma once
 
 #include <memory>
@@ -163,6 +163,45 @@ template <class ToOrRules, class X>
     return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()));
   else
     return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, x.local());
+}
+
+namespace detail {
+template <class S>
+struct gradient_spec {  // S without its pending sums
+  static constexpr sharding_spec value = [] {
+    sharding_spec g = S::spec;
+    g.npartial = 0;
+    for (name_t& a : g.partial) a = name_t{};
+    return g;
+  }();
+};
+}  // namespace detail
+
+// The sharding of the gradient of a tensor sharded S: S without its pending
+// sums. A summand's gradient is the gradient of the sum, the same on every
+// rank along those axes — so there it is replicated.
+template <class S>
+using gradient_sharding =
+    GSHARD_SHARDING_OF(detail::gradient_spec<S>::value);
+
+namespace detail {
+template <class X>
+using gradient_of = tensor<typename X::value_type, X::rank, typename X::mesh_type, gradient_sharding<typename X::sharding_type>>;
+
+}  // namespace detail
+
+// The gradient of x for y = reshard<To>(x), given y's gradient dy — reduced
+// (in To's gradient sharding) or still pending (partial over axes where y is
+// replicated, e.g. straight from an einsum's backward). It comes back in
+// gradient_sharding<From> with the forward's collectives transposed:
+// all_to_all <-> the reverse all_to_all, all_reduce <-> nothing (or an
+// all_reduce of a pending dy), a local slice <-> all_gather, and all_gather
+// <-> a local slice when dy is reduced or one reduce_scatter when it is
+// pending (the cheaper way: keep dy partial).
+template <class From, class DY>
+  requires sharded_tensor<DY>
+auto reshard_backward(DY&& dy) {
+  return reshard<gradient_sharding<From>>(std::forward<DY>(dy));
 }
 
 }  // namespace gshard

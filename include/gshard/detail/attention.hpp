@@ -1,33 +1,10 @@
 // gshard/detail/attention.hpp — causal attention on one rank's shard, per
 // sequence and head, in blocks of rows: the kernels behind
 // causal_attention() (gshard/attention.hpp and its rule on the tape).
-//
-// For each sequence b and head n, with q [L, D], k and v [T, D] (rows of the
-// [B, L, N, D] shards, strided by N·D), rows l0..l1 of the output take
-//   S = q[l0:l1] · k[0:c]ᵀ   c = min(l1, T): the columns any of the rows sees
-//   P = softmax(scale · S) over t <= l in each row (the causal mask), 0 after
-//   o[l0:l1] = P · v[0:c]
-// so the [L, T] logits never exist whole: a block of `attention_rows` rows
-// is made, normalised and used while it is in cache, and the blocks above
-// the diagonal are never computed — with L = T, 5/8 of the dense product's
-// FLOPs at 32-row blocks of 128 rows. The backward, from the kept P:
-//   dv[0:c] += Pᵀ · do[l0:l1]     dP = do[l0:l1] · v[0:c]ᵀ
-//   dS = scale · P ⊙ (dP − Σ_t dP ⊙ P)   (softmax_row_backward, kept entries)
-//   dq[l0:l1] = dS · k[0:c]       dk[0:c] += dSᵀ · q[l0:l1]
-// Collectives in flight are tested after each sequence and head
-// (nonblocking.hpp), as between an einsum's GEMMs.
-//
-// The backward reads the forward's probabilities, kept ([B, N, L, T]) or
-// computed again block by block from two numbers per row (the row's
-// largest logit and sum of exps: softmax_row_stats), as FlashAttention's
-// backward does: memory of [B, N, L] pairs instead of [B, N, L, T], for one
-// more GEMM and exp per block.
-//
-// Replicas stay bit-identical: the GEMMs and the softmax rows compute the
-// same sums in the same order wherever the rows sit (softmax_row works in
-// its own aligned buffer; the kept P and the backward's scratch are
-// allocated aligned to Eigen's largest packet, so softmax_row_backward's
-// dot takes the same head on every rank).
+// The [L, T] logits never exist whole: a block of attention_extents::block
+// rows is made, normalised and used while it is in cache, and the blocks
+// above the diagonal are never computed (with L = T = 128 and 32-row blocks,
+// 5/8 of the dense product's FLOPs).
 #pragma once
 
 #include <Eigen/Core>
@@ -36,8 +13,8 @@
 
 #include "gshard/detail/gemm.hpp"
 #include "gshard/detail/softmax_row.hpp"
-#include "gshard/nonblocking.hpp"
 #include "gshard/types.hpp"
+#include "gshard/progress.hpp"
 
 namespace gshard::detail {
 
@@ -66,6 +43,10 @@ struct attention_extents {
 };
 
 // An aligned buffer of T (Eigen's heap arrays are aligned to its largest packet).
+// Replicas stay bit-identical: the GEMMs and the softmax rows compute the
+// same sums in the same order wherever the rows sit (softmax_row works in its
+// own aligned buffer; the kept P and the backward's scratch are aligned, so
+// softmax_row_backward's dot takes the same head on every rank).
 template <class T>
 using aligned_buffer = Eigen::Array<T, Eigen::Dynamic, 1>;
 
@@ -85,6 +66,15 @@ void block_probabilities(const attention_extents& e, const T* qb, const T* kb, i
   }
 }
 
+// For each sequence b and head n, with q [L, D], k and v [T, D] (rows of the
+// [B, L, N, D] shards, strided by N·D), rows l0..l1 of the output take
+//   S = q[l0:l1] · k[0:c]ᵀ   c = min(l1, T): the columns any of the rows sees
+//   P = softmax(scale · S) over t <= l in each row (the causal mask), 0 after
+//   o[l0:l1] = P · v[0:c]
+// Collectives in flight are tested after each sequence and head (progress(),
+// the hook nonblocking.hpp sets), as between an einsum's GEMMs; the backward
+// does the same.
+//
 // o = causal attention of q, k, v; the probabilities go to `probs`
 // ([batch, heads, L, T], aligned; entries above a block's last column left
 // unwritten) or, when it is null, to a scratch block. `stats` (null, or
@@ -116,14 +106,18 @@ void causal_attention_forward(const attention_extents& e, const T* q, const T* k
         });
         gemm<T>(false, false, rows, e.dim, c, T(1), p, e.T, vb, ld, T(0), ob + l0 * ld, ld);
       }
-      progress_in_flight();
+      progress();
     }
 }
 
 // dq, dk, dv (overwritten) from dout and the forward's q, k, v and probs —
 // or, with probs null, the forward's row stats: each block's probabilities
 // computed again (one more GEMM and exp per block), bit for bit the
-// forward's.
+// forward's; as FlashAttention's backward does, that keeps [B, N, L] pairs
+// (each row's largest logit and sum of exps) instead of [B, N, L, T]. Per block:
+//   dv[0:c] += Pᵀ · do[l0:l1]     dP = do[l0:l1] · v[0:c]ᵀ
+//   dS = scale · P ⊙ (dP − Σ_t dP ⊙ P)   (softmax_row_backward, kept entries)
+//   dq[l0:l1] = dS · k[0:c]       dk[0:c] += dSᵀ · q[l0:l1]
 template <class T>
 void causal_attention_backward(const attention_extents& e, const T* dout, const T* q, const T* k, const T* v,
                                const T* probs, T scale, T* dq, T* dk, T* dv, const softmax_row_stats<T>* stats = nullptr) {
@@ -162,7 +156,7 @@ void causal_attention_backward(const attention_extents& e, const T* dout, const 
         gemm<T>(false, false, rows, e.dim, c, T(1), g, c, k + kt, ld, T(0), dq + at + l0 * ld, ld);
         gemm<T>(true, false, c, e.dim, rows, T(1), g, c, q + at + l0 * ld, ld, T(1), dk + kt, ld);
       }
-      progress_in_flight();
+      progress();
     }
 }
 

@@ -19,7 +19,7 @@
 #include "gshard/detail/gemm.hpp"
 #include "gshard/einsum_spec.hpp"
 #include "gshard/error.hpp"
-#include "gshard/nonblocking.hpp"
+#include "gshard/progress.hpp"
 
 namespace gshard::detail {
 
@@ -272,7 +272,7 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
     const bool ok = strided_gemm<T>(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0), c + oc, c_m, c_n);
     if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
                          std::string(s.term(1)) + "->" + std::string(s.out_term()));
-    progress_in_flight();
+    progress();
     int i = g.L.n - 1;
     while (i >= 0 && ++pos[i] == loop_ext[i]) pos[i--] = 0;
     if (i < 0) break;
