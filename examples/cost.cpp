@@ -75,7 +75,7 @@ options parse(int argc, char** argv) {
     else if (a == "--min-capacity") o.c.gating.min_capacity = whole(1);
     else if (a == "--shared-experts") o.c.shared_experts = int(whole(0));
     else if (a == "--overlap-degree") o.c.overlap_degree = int(std::min<index_t>(whole(1), 1 << 16));
-    else if (a == "--swiglu") o.c.ffn = moe::ffn_kind::swiglu;
+    else if (a == "--swiglu") o.c.ffn = ffn_kind::swiglu;
     else if (a == "--seq") o.seq = whole(1), o.seq_given = true;
     else if (a == "--sequences-per-rank") o.per_rank = whole(1), o.per_rank_given = true;
     else if (a == "--data") o.mesh.data = whole(1);

@@ -89,7 +89,7 @@ int run(const Mesh& m, const std::string& text, int forwards) {
       const auto& s = out.moe[i];
       std::printf("  MoE layer %zu: expert load [", 2 * i + 1);
       for (std::size_t e = 0; e < s.expert_load.size(); ++e) std::printf("%s%lld", e ? " " : "", (long long)s.expert_load[e]);
-      std::printf("]  overload %.2f  dropped %lld first + %lld second (%.1f%%)  skipped seconds %lld\n", s.overload(),
+      std::printf("]  overload %.2f  dropped %lld first + %lld second (%.1f%%)  skipped seconds %lld\n", s.max_over_mean(),
                   (long long)s.dropped_at(0), (long long)s.dropped_at(1), 100.0 * s.dropped_share(),
                   (long long)s.skipped_at(1));
     }

@@ -2,22 +2,12 @@
 // across ranks. With no arguments: the GCIDE dictionary (40 MB of English,
 // Debian's dict-gcide; examples/corpus.hpp), a small model, 1500 steps;
 // a tenth of its headwords is held out for evaluation.
-//   scripts/mpirun -np 2 build/examples/train [text file or directory] [--steps N] [--seed S]
-//       [--save FILE] [--save-every N] [--resume FILE] [--stop-after N]
-//       [--log-every N] [--eval-every N] [--batch B] [--seq L] [--trace FILE [--trace-step N]]
-//       [--metrics FILE] [--sample-bytes N] [--sample-temperature T]
-//       [routing: --top-k K --shared-experts N --dropless
-//        --capacity-factor F --eval-capacity-factor F --z-loss C
-//        --balance aux|bias --aux-coef C --ffn relu|swiglu]
-//       [--weight-update sharded|replicated --bucket-kib N --overlap-degree K]
-//       [--layers N --remat none|all|LIST --attention keep|recompute]
+//   scripts/mpirun -np 2 build/examples/train [text file or directory] [options; --help lists them]
 // SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
 // the same step, saves when --save is given, and exits with 128 + the signal.
-// Prints a progress line every few steps (loss, tokens/s, model FLOPs
-// utilisation against the FMA peak measured at start, the time left), the
-// held-out loss every --eval-every steps and at the end, and a sampled
-// continuation of a held-out prompt. --metrics writes one JSON line per
-// step: the losses, MFU, gradient norm and each MoE layer's routing.
+// Prints a progress line every --log-every steps (loss, tokens/s, MFU against
+// the FMA peak measured at start, the time left), the held-out loss every
+// --eval-every steps and at the end, and a sampled continuation of a held-out prompt.
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
@@ -191,7 +181,7 @@ options parse(int argc, char** argv) {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
-      else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? moe::ffn_kind::relu : moe::ffn_kind::swiglu;
+      else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
         o.model.attention = v == "keep" ? attention_memory::keep_probabilities : attention_memory::recompute_probabilities;
       else if (a == "--second" && (v == "all" || v == "random"))
@@ -240,12 +230,12 @@ std::string routing_summary(const std::vector<moe::gating_stats>& layers) {
     const double routed = double(s.tokens - s.invalid);  // one first choice each
     first += routed > 0 ? double(s.dropped_at(0)) / routed : 0.0;
     all += s.dropped_share();
-    spread = std::max(spread, s.overload());
+    spread = std::max(spread, s.max_over_mean());
     dead += s.dead_experts();
   }
   const double n = double(std::max<std::size_t>(layers.size(), 1));
   char b[160];
-  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  demand max/mean %.2f  dead experts %d", 100.0 * all / n,
+  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  max/mean demand %.2f  dead experts %d", 100.0 * all / n,
                 100.0 * first / n, spread, dead);
   return b;
 }
@@ -263,7 +253,7 @@ std::map<std::string, double> routing_meta(const model::config& c) {
           {"balance_bias", c.gating.balance == moe::balance_mode::bias},
           {"bias_rate", c.gating.bias_rate},
           {"shared_experts", c.shared_experts},
-          {"swiglu", c.ffn == moe::ffn_kind::swiglu}};
+          {"swiglu", c.ffn == ffn_kind::swiglu}};
 }
 
 // A prompt from the held-out text: the start of the first paragraph that
@@ -322,7 +312,7 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
 // units per token against the fitted model's (top-2 of H 256: 512); a rough
 // bound, not a fit. With --attention recompute the attention's term is
 // gone and 7 KB per token stays (measured at 8192 tokens, L = 256, 512 and
-// 1024: 351-356 MB peak against 494, 625 and 876 MB kept; stop 29).
+// 1024: 351-356 MB peak against 494, 625 and 876 MB kept).
 double step_bytes(double tokens_per_rank, double L, double ffn_scale, attention_memory attention) {
   const double per_l = attention == attention_memory::keep_probabilities ? 78.0 * L : std::min(78.0 * L, 7e3);
   return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + per_l);
@@ -461,7 +451,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
                   c.gating.balance == moe::balance_mode::aux ? c.aux_coef : c.gating.bias_rate);
     std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s\n",
                 c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux, c.gating.z_loss_coef, c.shared_experts,
-                c.ffn == moe::ffn_kind::relu ? "relu" : "swiglu",
+                c.ffn == ffn_kind::relu ? "relu" : "swiglu",
                 c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;

@@ -26,7 +26,7 @@ using grid1 = mesh<axis<"expert">>;
 using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and dense FFNs split over "model"
 using grid2r = mesh<axis<"expert">, axis<"data">>;  // axis order must not change the communication
 
-// Checks the design's invariants on one routing; returns "" or what broke:
+// Checks GShard's invariants on one routing (docs/05_moe.md); returns "" or what broke:
 // each slot holds at most one token; a token reaches at most k distinct
 // experts; its combine weights sum to at most 1; the slots used in each
 // expert of a group are 0..count-1, the j-th choices after every (j-1)-th.
@@ -123,7 +123,7 @@ TEST_CASE("gating: capacity, invariants, balanced aux loss, determinism", "[moe]
     moe::routing<double> r;
     const auto st = moe::route_tokens<double>(logits.data(), 1, S, E, 0, 0, all, r);
     GSHARD_REQUIRE(std::abs(st.aux_sum - 1.0) < 1e-12);
-    GSHARD_REQUIRE(st.overload() == 1.0);
+    GSHARD_REQUIRE(st.max_over_mean() == 1.0);
   }
 }
 
@@ -144,7 +144,7 @@ TEST_CASE("gating: bad router logits — one expert, no tokens, NaN and Inf, tin
   const index_t C = moe::capacity(S, E, cfg);
   GSHARD_REQUIRE(st.expert_load[2] == 2 * C && st.dropped_at(0) == 2 * (S - C));
   GSHARD_REQUIRE(st.expert_load[0] == 0 && st.expert_load[3] == 0);  // experts with no tokens
-  GSHARD_REQUIRE(st.overload() > 1.0);
+  GSHARD_REQUIRE(st.max_over_mean() > 1.0);
   GSHARD_REQUIRE(check_invariants(r).empty());
 
   // NaN and +Inf: those tokens are routed nowhere and counted; ids stay in
@@ -385,7 +385,7 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
         const auto whole = gather(p.grad());
         g.insert(g.end(), whole.data(), whole.data() + whole.size());
       };
-      add(x), add(layer.gate), add(layer.wi), add(layer.wo);
+      add(x), add(layer.router), add(layer.expert_ffn.w1), add(layer.expert_ffn.w2);
       return g;
     };
     const auto g1 = grads(1), g3 = grads(3);
@@ -422,17 +422,17 @@ TEST_CASE("routing variants: top-k, dropless, shared experts and bias balancing 
   for (int k : {1, 2, 4}) variants.push_back({"top-" + std::to_string(k), cfg_k(k, false), {}});
   variants.push_back({"dropless top-2", cfg_k(2, true), {}});
   variants.push_back({"dropless top-4", cfg_k(4, true), {}});
-  variants.push_back({"top-2 + 2 shared experts", cfg_k(2, false), {moe::ffn_kind::relu, 2, moe::balance_mode::aux}});
-  variants.push_back({"top-1 + 1 shared SwiGLU expert", cfg_k(1, false), {moe::ffn_kind::swiglu, 1, moe::balance_mode::aux}});
+  variants.push_back({"top-2 + 2 shared experts", cfg_k(2, false), {ffn_kind::relu, 2, moe::balance_mode::aux}});
+  variants.push_back({"top-1 + 1 shared SwiGLU expert", cfg_k(1, false), {ffn_kind::swiglu, 1, moe::balance_mode::aux}});
   auto biased = cfg_k(2, false);
   biased.balance = moe::balance_mode::bias;
-  variants.push_back({"top-2, bias balancing", biased, {moe::ffn_kind::relu, 0, moe::balance_mode::bias}});
+  variants.push_back({"top-2, bias balancing", biased, {ffn_kind::relu, 0, moe::balance_mode::bias}});
 
   grid2 self(MPI_COMM_SELF, {1, 1});
   {  // shared experts add relu(x·w1)·w2 to the routed output, computed here by hand
     parameters ps(self, 42);
     parameters ps_plain(self, 42);  // the same seed and names: the same routed weights
-    const moe::layer<double, grid2> with(ps, "moe.", M, H, E, moe::layer_options{moe::ffn_kind::relu, 2, moe::balance_mode::aux});
+    const moe::layer<double, grid2> with(ps, "moe.", M, H, E, moe::layer_options{ffn_kind::relu, 2, moe::balance_mode::aux});
     const moe::layer<double, grid2> without(ps_plain, "moe.", M, H, E);
     named<double, "GSM", grid2, moe::layer<double, grid2>::at_tokens> x(self, {G, S, M});
     fill_normal(x, 1.0, 7, 99);
@@ -516,7 +516,7 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
   cfg.balance = moe::balance_mode::bias;
   cfg.bias_rate = 0.01;
   parameters ps(m, 3);
-  const layer_t layer(ps, "moe.", M, 12, E, moe::layer_options{moe::ffn_kind::relu, 0, moe::balance_mode::bias});
+  const layer_t layer(ps, "moe.", M, 12, E, moe::layer_options{ffn_kind::relu, 0, moe::balance_mode::bias});
   std::vector<double> expect(std::size_t(E), 0.0);
   for (int step = 0; step < 3; ++step) {
     tape t(ps);  // recording: training
@@ -544,7 +544,7 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
   {
     grid2 self(MPI_COMM_SELF, {1, 1});
     parameters fresh(self, 99);
-    const moe::layer<double, grid2> again(fresh, "moe.", M, 12, E, moe::layer_options{moe::ffn_kind::relu, 0, moe::balance_mode::bias});
+    const moe::layer<double, grid2> again(fresh, "moe.", M, 12, E, moe::layer_options{ffn_kind::relu, 0, moe::balance_mode::bias});
     load_checkpoint(path, self, {{"param.", &fresh.values()}, {"buffer.", &fresh.buffers()}});
     for (index_t e = 0; e < E; ++e) GSHARD_REQUIRE(again.bias->value().data()[e] == expect[std::size_t(e)]);
   }
@@ -555,8 +555,8 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
   {
     parameters ps2(m, 8);
     const index_t Es = P == 3 ? 6 : 8;  // more experts than choices: the skew shows in the demand
-    layer_t skewed(ps2, "moe.", M, 12, Es, moe::layer_options{moe::ffn_kind::relu, 0, moe::balance_mode::bias});
-    skewed.gate.value().data()[0] = 0.5;  // wg[0, expert 0]
+    layer_t skewed(ps2, "moe.", M, 12, Es, moe::layer_options{ffn_kind::relu, 0, moe::balance_mode::bias});
+    skewed.router.value().data()[0] = 0.5;  // wg[0, expert 0]
     auto xs = x;
     for (index_t i = 0; i < xs.local().size(); i += M) xs.data()[i] = 3.0;  // feature 0 of every token
     moe::gating_config c = cfg;
@@ -564,7 +564,7 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
     double first = 0, last = 0;
     for (int step = 0; step < 60; ++step) {
       tape t(ps2);
-      const double o = skewed(t.constant(xs), c, std::uint64_t(step)).stats.overload();
+      const double o = skewed(t.constant(xs), c, std::uint64_t(step)).stats.max_over_mean();
       if (step == 0) first = o;
       if (step >= 50) last += o / 10;
     }
@@ -586,7 +586,7 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
     tape t(ps2, tape::no_grad);
     const auto out = plain(t.constant(x), moe::gating_config{}, 0);
     const auto xg = gather(x);
-    const auto wg = gather(plain.gate.value());
+    const auto wg = gather(plain.router.value());
     double z = 0;
     for (index_t g = 0; g < G; ++g)
       for (index_t s = 0; s < S; ++s) {

@@ -114,15 +114,15 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
   // under the probes).
   // And the all_to_alls pipelined with the experts (overlap_degree 3).
   struct variant {
-    moe::ffn_kind ffn;
+    ffn_kind ffn;
     int k, shared;
     bool binding = false;
     int overlap = 1;
   };
-  for (const variant v : {variant{moe::ffn_kind::relu, 2, 0}, variant{moe::ffn_kind::swiglu, 2, 0}, variant{moe::ffn_kind::relu, 1, 1},
-                          variant{moe::ffn_kind::swiglu, 4, 2}, variant{moe::ffn_kind::relu, 2, 0, true},
-                          variant{moe::ffn_kind::swiglu, 2, 0, false, 3}}) {
-    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == moe::ffn_kind::relu ? "relu" : "swiglu")
+  for (const variant v : {variant{ffn_kind::relu, 2, 0}, variant{ffn_kind::swiglu, 2, 0}, variant{ffn_kind::relu, 1, 1},
+                          variant{ffn_kind::swiglu, 4, 2}, variant{ffn_kind::relu, 2, 0, true},
+                          variant{ffn_kind::swiglu, 2, 0, false, 3}}) {
+    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == ffn_kind::relu ? "relu" : "swiglu")
                 << (v.binding ? ", binding capacity, random routing" : "") << ", overlap_degree " << v.overlap);
     const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
     parameters ps(m, 11);
@@ -140,8 +140,8 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
       return reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(r))) + 0.5 * out.aux + 0.03 * out.z_loss;
     };
     auto loss = [&](tape& t) { return loss_in(t, moe::dispatch_mode::index); };
-    double w = fd_check_params(ps, loss, x, layer.gate, layer.wi, layer.wo);
-    if (layer.wi_up) w = std::max(w, fd_check_params(ps, loss, *layer.wi_up));
+    double w = fd_check_params(ps, loss, x, layer.router, layer.expert_ffn.w1, layer.expert_ffn.w2);
+    if (layer.expert_ffn.w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.expert_ffn.w1_up));
     if (layer.shared) {
       w = std::max(w, fd_check_params(ps, loss, layer.shared->w1, layer.shared->w2));
       if (layer.shared->w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.shared->w1_up));
@@ -157,7 +157,7 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
         for (index_t i = 0; i < t.local().size(); ++i) n += double(t.data()[i]) * double(t.data()[i]);
         return gshard::testing::sum_all(n);
       };
-      for (double n : {norm(layer.gate.grad()), norm(layer.wi.grad()), norm(layer.wo.grad())}) least = std::min(least, n);
+      for (double n : {norm(layer.router.grad()), norm(layer.expert_ffn.w1.grad()), norm(layer.expert_ffn.w2.grad())}) least = std::min(least, n);
       if (layer.shared) least = std::min({least, norm(layer.shared->w1.grad()), norm(layer.shared->w2.grad())});
       GSHARD_REQUIRE(least > 0);
       if (v.binding) {
@@ -170,14 +170,14 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
     tape ti(ps), te(ps);
     auto li = loss(ti);
     ti.backward(li);
-    const auto gwi = layer.wi.grad();
-    const auto ggate = layer.gate.grad();
+    const auto gwi = layer.expert_ffn.w1.grad();
+    const auto ggate = layer.router.grad();
     auto le = loss_in(te, moe::dispatch_mode::einsum);
     te.backward(le);
     double d = 0;
-    for (index_t i = 0; i < gwi.local().size(); ++i) d = std::max(d, std::abs(gwi.data()[i] - layer.wi.grad().data()[i]));
+    for (index_t i = 0; i < gwi.local().size(); ++i) d = std::max(d, std::abs(gwi.data()[i] - layer.expert_ffn.w1.grad().data()[i]));
     for (index_t i = 0; i < ggate.local().size(); ++i)
-      d = std::max(d, std::abs(ggate.data()[i] - layer.gate.grad().data()[i]));
+      d = std::max(d, std::abs(ggate.data()[i] - layer.router.grad().data()[i]));
     GSHARD_REQUIRE(std::abs(scalar(li) - scalar(le)) < 1e-12 && d < 1e-12);
   }
   INFO("worst relative error " << worst);
@@ -185,7 +185,7 @@ TEST_CASE("derived gradients of attention and of the MoE layer match finite diff
 }
 
 namespace {
-model::config tiny(int P, moe::ffn_kind ffn = moe::ffn_kind::relu) {
+model::config tiny(int P, ffn_kind ffn = ffn_kind::relu) {
   model::config c;
   c.model = 8, c.heads = 2, c.head_dim = 4, c.hidden = 12, c.experts = P == 3 ? 6 : 8, c.layers = 2;
   c.gating.capacity_factor = 4.0;
@@ -249,7 +249,7 @@ struct trainer {
 
 TEST_CASE("the whole model's derived gradient matches finite differences and the 1-rank gradient", "[train][grad][model]") {
   const int P = world_size();
-  for (auto ffn : {moe::ffn_kind::relu, moe::ffn_kind::swiglu}) {
+  for (auto ffn : {ffn_kind::relu, ffn_kind::swiglu}) {
     const auto c = tiny(P, ffn);
     const auto tok = some_tokens(2 * P, 6);
     // The 1-rank gradients, computed on each rank alone.
@@ -319,20 +319,20 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
           }
         }
         if (b->moe) {
-          auto gate = b->moe->gate, wi = b->moe->wi, wo2 = b->moe->wo;
+          auto gate = b->moe->router, wi = b->moe->expert_ffn.w1, wo2 = b->moe->expert_ffn.w2;
           worst = std::max({worst, fd_check(gate.value(), gate.grad(), f, 2), fd_check(wi.value(), wi.grad(), f, 2),
                             fd_check(wo2.value(), wo2.grad(), f, 2)});
-          if (b->moe->wi_up) {
-            auto w = *b->moe->wi_up;
+          if (b->moe->expert_ffn.w1_up) {
+            auto w = *b->moe->expert_ffn.w1_up;
             worst = std::max(worst, fd_check(w.value(), w.grad(), f, 2));
           }
         }
       }
-      INFO((ffn == moe::ffn_kind::relu ? "ReLU" : "SwiGLU") << " on " << m.describe() << ": worst relative error " << worst
+      INFO((ffn == ffn_kind::relu ? "ReLU" : "SwiGLU") << " on " << m.describe() << ": worst relative error " << worst
                                                               << ", worst difference from 1 rank " << vs_one << " over "
                                                               << tensors << " tensors");
       GSHARD_REQUIRE(worst < 1e-6 && vs_one < 1e-9);
-      GSHARD_REQUIRE(run.ps.size() == (ffn == moe::ffn_kind::relu ? 20u : 22u));
+      GSHARD_REQUIRE(run.ps.size() == (ffn == ffn_kind::relu ? 20u : 22u));
     };
     check(grid2(MPI_COMM_WORLD, {1, P}));
     if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
@@ -404,7 +404,7 @@ TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, m
   check(grid2(MPI_COMM_WORLD, {1, P}), c);
   c.gating.balance = moe::balance_mode::bias, c.gating.bias_rate = 0.01, c.gating.second = moe::second_policy::random;
   check(grid2(MPI_COMM_WORLD, {1, P}), c);
-  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P, moe::ffn_kind::swiglu));
+  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P, ffn_kind::swiglu));
   auto piped = tiny(P);  // the all_to_alls in flight, recomputed in the backward with their pipeline
   piped.overlap_degree = 2;
   check(grid2(MPI_COMM_WORLD, {1, P}), piped);
@@ -496,7 +496,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
     GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.adam_bytes);
   };
-  auto shared_top1 = tiny(P, moe::ffn_kind::swiglu);
+  auto shared_top1 = tiny(P, ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
   auto dense = tiny(P);
   dense.experts = 0, dense.slot_hidden = 16;

@@ -258,3 +258,10 @@ class buckets {
 };
 
 }  // namespace gshard::detail
+
+namespace gshard {
+
+// The default size of a gradient bucket (parameters::bucket_bytes).
+inline constexpr std::size_t default_bucket_bytes = std::size_t(4) << 20;
+
+}  // namespace gshard

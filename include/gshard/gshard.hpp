@@ -1,15 +1,6 @@
 // gshard/gshard.hpp — the whole public library. Each header also compiles on
-// its own; include the narrow ones to compile less:
-//   the core        mesh, sharding, labels (rules), roles, tensor, collectives,
-//                   reshard, einsum, counters, trace, error, types, random
-//   the run         environment (MPI start-up), preemption (SIGTERM/SIGINT),
-//                   peak (the measured FMA peak of a core),
-//                   trace_file (writing a trace), io (files, with reasons)
-//   training        ad/parameters, ad/tape, ad/ops, ad/nn (the tape and its
-//                   operations), grad (the per-op gradient rules), ops, optim,
-//                   checkpoint
-//   the MoE layer   moe/gating, moe/dispatch, moe/layer
-//   the model       model/transformer, model/train
+// its own; include the narrow ones to compile less (include/gshard/README.md
+// lists them by layer, with what each owns).
 #pragma once
 
 #include "gshard/attention.hpp"
@@ -41,7 +32,9 @@
 #include "gshard/trace_file.hpp"
 #include "gshard/types.hpp"
 
+#include "gshard/ad/communication.hpp"
 #include "gshard/ad/nn.hpp"
+#include "gshard/ad/operands.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
 #include "gshard/ad/remat.hpp"
@@ -53,9 +46,10 @@
 #include "gshard/optim.hpp"
 
 #include "gshard/moe/dispatch.hpp"
+#include "gshard/moe/gate.hpp"
 #include "gshard/moe/gating.hpp"
 #include "gshard/moe/layer.hpp"
-#include "gshard/moe/metrics.hpp"
+#include "gshard/moe/stats.hpp"
 
 #include "gshard/model/cost.hpp"
 #include "gshard/model/machine.hpp"

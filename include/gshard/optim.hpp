@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gshard/ad/parameters.hpp"
+#include "gshard/ad/weight_update.hpp"
 #include "gshard/buckets.hpp"
 #include "gshard/collectives.hpp"
 #include "gshard/detail/blockwise.hpp"
@@ -134,22 +135,7 @@ class adam {
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
       if (!block) continue;
-      if (ps.bucket_bytes() == 0 || !detail::stackable(block->gather_plan())) {
-        block->gather_into(ps.values()[i]);
-        continue;
-      }
-      auto gather = [&](auto& into, auto from, auto to) {
-        using T = typename std::remove_cvref_t<decltype(to)>::value_type;
-        into.add(block->gather_plan(), std::span<const T>(from.data(), from.size()),
-                 [to, &ps, i](std::span<const T> whole) {
-                   if (whole.size() != to.size())
-                     throw error("gshard::adam: the gathered '" + ps.name(i) + "' has " + std::to_string(whole.size()) +
-                                 " elements on this rank but the weight " + std::to_string(to.size()));
-                   std::copy(whole.begin(), whole.end(), to.begin());
-                 });
-      };
-      if (!w.f32().empty()) gather(f32, w.f32(), ps.values()[i].f32());
-      if (!w.f64().empty()) gather(f64, w.f64(), ps.values()[i].f64());
+      detail::gather_block(*block, ps.values()[i], f32, f64, ps.bucket_bytes() > 0);
       detail::progress_in_flight();  // a started gather travels while the next weights update
     }
     f32.flush();

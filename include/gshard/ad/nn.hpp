@@ -1,16 +1,24 @@
-// gshard/ad/nn.hpp — the two operations at a language model's ends: the
-// embedding lookup (rows of a replicated table by token) and the mean
-// cross-entropy of next-token predictions. Both are differentiable ops on a
-// tape like those of ad/ops.hpp.
+// gshard/ad/nn.hpp — the layers a Transformer is built of, on the tape: the
+// embedding lookup, the RMS norm, causal attention, the feed-forward network
+// (relu or SwiGLU; the dense blocks', each expert's and the shared experts')
+// and the mean cross-entropy of next-token predictions.
+//   auto h = rms_norm(x, scale);
+//   auto y = x + ffn<at_tokens>(h, w);   // w: ffn_weights, declared once
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "gshard/ad/communication.hpp"
+#include "gshard/ad/operands.hpp"
 #include "gshard/ad/ops.hpp"
+#include "gshard/ad/parameters.hpp"
+#include "gshard/attention.hpp"
 #include "gshard/detail/softmax_row.hpp"
 
 namespace gshard {
@@ -138,6 +146,160 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
       tp->slot<X>(xs).add(std::move(dx));
     });
   return y;
+}
+
+// Causal self-attention (gshard/attention.hpp): q [B, L, N, K], k and v
+// [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
+// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
+// the einsums and softmax it stands for keep them; not the logits), or with
+// attention_memory::recompute_probabilities two numbers per row instead.
+template <class Q, class K, class V>
+  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
+auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale,
+                      attention_memory memory = attention_memory::keep_probabilities) {
+  tape& t = detail::tape_of(q_in, k_in, v_in);
+  const auto q = detail::as_var(t, q_in);
+  const auto k = detail::as_var(t, k_in);
+  const auto v = detail::as_var(t, v_in);
+  using XQ = detail::tensor_of<decltype(q)>;
+  using XK = detail::tensor_of<decltype(k)>;
+  using XV = detail::tensor_of<decltype(v)>;
+  static_assert(detail::check_attention<XQ, XK, XV>());
+  using T = typename XQ::value_type;
+  const bool track = q.tracked() || k.tracked() || v.tracked();
+  auto kept = track && t.recording() ? std::make_shared<detail::attention_kept<T>>() : nullptr;
+  auto y = t.output(detail::attention_forward<XQ>(q.value(), k.value(), v.value(), scale, kept.get(), memory), track);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
+              kv = v.shared(), kept, scale] {
+      auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
+      if (!dy) return;
+      auto [dq, dk, dv] = detail::attention_backward<detail::gradient_of<XQ>, detail::gradient_of<XK>, detail::gradient_of<XV>>(
+          *dy, *kq, *kk, *kv, *kept, scale);
+      if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
+      if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
+      if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));
+    });
+  return y;
+}
+
+// Vars mixed with plain tensors: a tensor nobody declared would silently
+// receive no gradient, so it does not compile (as einsum's).
+template <class Q, class K, class V>
+  requires((detail::ad_operand<Q> || detail::ad_operand<K> || detail::ad_operand<V>) &&
+           (sharded_tensor<Q> || sharded_tensor<K> || sharded_tensor<V>))
+auto causal_attention(const Q&, const K&, const V&, double, attention_memory = attention_memory::keep_probabilities) {
+  static_assert(sizeof(Q) == 0,
+                "gshard::causal_attention: some operands are vars or parameters, others plain tensors; declare the "
+                "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
+}
+
+// GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
+// The scale's gradient is a sum over x's rows: pending over the axes that
+// split them, reduced once with the scale's other contributions.
+template <class V, class S>
+  requires(var_type<V> && detail::ad_operand<S>)
+auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
+  using X = detail::tensor_of<V>;
+  tape& t = x.on_tape();
+  const auto sc = detail::as_var(t, scale_in);
+  using XS = detail::tensor_of<decltype(sc)>;
+  static_assert(XS::rank == 1 && XS::resolved == detail::rlayout{},
+                "gshard::rms_norm: the scale is a replicated vector of the last dim's extent");
+  const int xs = x.slot(), ss = sc.slot();
+  std::shared_ptr<const X> keep_x = x.tracked() || sc.tracked() ? x.shared() : nullptr;
+  auto y = t.output(rms_norm(detail::value_of(std::forward<V>(x)), sc.value().local(), eps), xs >= 0 || ss >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, ss, keep_x, keep_s = sc.shared(), eps] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      using DS = typename detail::sum_over_shards<X, 1>::type;
+      DS ds(keep_x->mesh(), {keep_x->extent(X::rank - 1)});
+      auto dx = rms_norm_backward(std::move(*dy), *keep_x, keep_s->local(), ds.data(), eps);
+      if (xs >= 0) tp->slot<X>(xs).add(std::move(dx));
+      if (ss >= 0) tp->slot<XS>(ss).add(std::move(ds));
+    });
+  return y;
+}
+
+// The feed-forward network: GShard's relu(x·w1)·w2, or the gated SwiGLU
+// (silu(x·w1) ⊙ (x·w1_up))·w2 of PaLM and Llama.
+enum class ffn_kind : std::uint8_t { relu, swiglu };
+
+// An FFN's weights: w1 and (SwiGLU) w1_up [.., M, H], w2 [.., H, M] — W1 and
+// W2 name the tensor types, e.g. [M,H{model}] and [H{model},M] for a dense
+// block, [E{expert},M,H] and [E{expert},H,M] for the experts. They are
+// declared in the order ffn() uses them (w1, w1_up, w2), so their gradients
+// complete in the reverse of that order, which the gradient buckets and the
+// cost model's list of weights follow.
+template <class W1, class W2>
+struct ffn_weights {
+  param<W1> w1;
+  std::optional<param<W1>> w1_up;  // SwiGLU
+  param<W2> w2;
+
+  // Declares names[0], names[1] (SwiGLU only) and names[2]: w1 and w1_up of
+  // extents `in` ([.., M, H]), w2 of `out` ([.., H, M]), each drawn from
+  // normal(1/√fan-in).
+  template <class Mesh>
+  ffn_weights(parameters<Mesh>& ps, ffn_kind kind, const std::array<std::string, 3>& names, const typename W1::extents_type& in,
+              const typename W2::extents_type& out)
+      : w1(ps, names[0], in, init::normal(1.0 / std::sqrt(double(in[W1::rank - 2])))),
+        w1_up(kind == ffn_kind::swiglu
+                  ? std::optional<param<W1>>(std::in_place, ps, names[1], in, init::normal(1.0 / std::sqrt(double(in[W1::rank - 2]))))
+                  : std::nullopt),
+        w2(ps, names[2], out, init::normal(1.0 / std::sqrt(double(out[W2::rank - 2])))) {}
+
+  ffn_kind kind() const { return w1_up ? ffn_kind::swiglu : ffn_kind::relu; }
+};
+
+namespace detail {
+// The FFN's two einsums for an input labelled X ("BLM", "EGCM", ...), its
+// last label the model dim: X,W1->Xh (Xh: X with W1's last label, the
+// hidden dim, in place of its last) and Xh,W2->X.
+template <fixed_string X, fixed_string W1, fixed_string W2>
+struct ffn_specs {
+  static constexpr std::size_t nx = X.size(), n1 = W1.size(), n2 = W2.size();
+  static constexpr auto up = [] {
+    fixed_string<2 * nx + n1 + 4> s;
+    std::size_t i = 0;
+    for (std::size_t j = 0; j < nx; ++j) s.data[i++] = X[j];
+    s.data[i++] = ',';
+    for (std::size_t j = 0; j < n1; ++j) s.data[i++] = W1[j];
+    s.data[i++] = '-', s.data[i++] = '>';
+    for (std::size_t j = 0; j + 1 < nx; ++j) s.data[i++] = X[j];
+    s.data[i++] = W1[n1 - 1];
+    return s;
+  }();
+  static constexpr auto down = [] {
+    fixed_string<2 * nx + n2 + 4> s;
+    std::size_t i = 0;
+    for (std::size_t j = 0; j + 1 < nx; ++j) s.data[i++] = X[j];
+    s.data[i++] = W1[n1 - 1];
+    s.data[i++] = ',';
+    for (std::size_t j = 0; j < n2; ++j) s.data[i++] = W2[j];
+    s.data[i++] = '-', s.data[i++] = '>';
+    for (std::size_t j = 0; j < nx; ++j) s.data[i++] = X[j];
+    return s;
+  }();
+};
+}  // namespace detail
+
+// The FFN on x [.., M] (a labelled var): relu(x·w1)·w2 or SwiGLU, the output
+// resharded by `Out` (rules or a sharding: e.g. at_tokens, whose model axes
+// turn w2's contraction over a split H into one all_reduce).
+//   auto y = ffn<at_tokens>(h, block.ffn);                  // [B,L,M]: "BLM,MH->BLH", "BLH,HM->BLM"
+//   auto ye = ffn<at_experts>(xe, experts);                  // [E,G,C,M]: "EGCM,EMH->EGCH", "EGCH,EHM->EGCM"
+template <class Out, class V, class W1, class W2>
+  requires var_type<V>
+auto ffn(const V& x, const ffn_weights<W1, W2>& w) {
+  using S = detail::ffn_specs<detail::tensor_of<V>::label_string, W1::label_string, W2::label_string>;
+  auto h = [&] {
+    if (!w.w1_up) return relu(einsum<S::up>(x, w.w1));
+    auto gated = silu(einsum<S::up>(x, w.w1));  // w1 before w1_up: their declaration order
+    return std::move(gated) * einsum<S::up>(x, *w.w1_up);
+  }();
+  return einsum<S::down, Out>(h, w.w2);
 }
 
 }  // namespace gshard

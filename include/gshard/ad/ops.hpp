@@ -1,104 +1,30 @@
-// gshard/ad/ops.hpp — the operations a model is written in, on vars (values
-// on a tape) and declared parameters: einsum, reshard and the one-collective
-// forms, start_reshard (a reshard in flight while the model computes), chunk
-// and concat, relabel, element-wise + − ⊙, scalar × and ÷, relu, gelu, silu,
-// sigmoid, exp, log, tanh, sqrt, softmax, causal masking, causal attention and
-// the RMS norm.
-// Each computes like its tensor form and, while the tape records, notes its
-// gradient rule (the ones with arithmetic of their own are in
-// gshard/grad.hpp, each tested by finite differences). A rule keeps what it
-// reads — an einsum its operands, relu its output, + nothing — and an rvalue
-// var that nothing else holds is updated in place.
-//
-// What the rules run:
-//   einsum      the transposed einsums ("O,B->A", "A,O->B"), planned at
-//               compile time; each gradient comes out in its natural
-//               sharding, so a replicated weight's is pending over the batch
-//               axes until its slot is reduced (one all_reduce per weight,
-//               in a bucket with others': gshard/buckets.hpp)
-//   reshard     the transposed collectives, planned from the gradient's
-//               pending layout: all_gather <-> reduce_scatter (or a local
-//               slice), all_to_all <-> all_to_all, all_reduce <-> nothing
-//   start_reshard  the same plan, started by wait()'s rule and finished by
-//               start_reshard's: a final all_to_all in flight while the
-//               rules between run
-//   the rest    local
+// gshard/ad/ops.hpp — the local operations on the tape: element-wise + − ⊙,
+// scalar × and ÷, relu, gelu, silu, sigmoid, exp, log, tanh, sqrt; the
+// maximum and minimum over a dim; softmax, causal masking; chunk, concat and
+// relabel. Each computes like its tensor form (gshard/ops.hpp, whose
+// gradient rules it records) and keeps only what its rule reads — relu its
+// output, + nothing; an rvalue var nothing else holds is updated in place.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "gshard/ad/operands.hpp"
 #include "gshard/ad/tape.hpp"
-#include "gshard/attention.hpp"
 #include "gshard/detail/copy_box.hpp"
-#include "gshard/einsum.hpp"
-#include "gshard/grad.hpp"
 #include "gshard/ops.hpp"
 #include "gshard/reduce.hpp"
-#include "gshard/tensor_collectives.hpp"
 
 namespace gshard {
 
 namespace detail {
 
-template <class A>
-concept ad_operand = is_var<std::remove_cvref_t<A>>::value || is_param<std::remove_cvref_t<A>>::value;
-
-// The tape of the first var among the operands.
-template <class A, class... Rest>
-tape& tape_of(const A& a, const Rest&... rest) {
-  if constexpr (is_var<A>::value) return a.on_tape();
-  else if constexpr (sizeof...(Rest) > 0) return tape_of(rest...);
-  else {
-    static_assert(sizeof...(Rest) > 0,
-                  "gshard::tape: an operation on parameters alone has no tape to record on; pass tape.use(p) for one of them");
-    return *static_cast<tape*>(nullptr);
-  }
-}
-
-template <class A>
-auto as_var(tape& t, const A& a) {
-  if constexpr (is_param<A>::value) return t.use(a);
-  else return a;
-}
-
-// The tensor of a var to compute on: moved out of an rvalue var nothing else
-// holds, copied otherwise.
-template <class V>
-tensor_of<V> value_of(V&& v) {
-  if constexpr (std::is_rvalue_reference_v<V&&> && !std::is_const_v<std::remove_reference_t<V>>)
-    return std::move(v).take_value();
-  else return v.value();
-}
-
-// The layout with every axis that splits X pending instead: the sharding of
-// a sum over X's shards (a norm scale's or an embedding table's gradient).
-template <class X, int R, class T = typename X::value_type>
-struct sum_over_shards {
-  static constexpr rlayout value = [] {
-    rlayout l{};
-    l.partial = X::resolved.split_mask();
-    return l;
-  }();
-  static constexpr sharding_spec spec = unresolve(value, X::mesh_type::names);
-  using type = tensor<T, R, typename X::mesh_type, GSHARD_SHARDING_OF(spec)>;
-};
-
-template <fixed_string Spec, class Out, class ZA, class ZB>
-using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sharding_type,
-                                   typename ZB::sharding_type, Out>;
-
-// ---------------------------------------------------------------------------
-// Element-wise rules: y = f(x), dx = dy · f'(x, y).
-
-// The rules themselves (f and f') are ops.hpp's, shared with the plain tensors' forms.
-
+// Element-wise rules: y = f(x), dx = dy · f'(x, y), with f and f' from ops.hpp.
 template <class Op, class V>
 auto unary(V&& x) {
   using X = tensor_of<V>;
@@ -173,156 +99,6 @@ var<X> add(var<X> a, const var<X>& b, int sign) {
 }
 
 }  // namespace detail
-
-// ---------------------------------------------------------------------------
-// einsum on vars and parameters: einsum<"BLM,MNK->BLNK">(h, w.wq).
-
-template <fixed_string Spec, class Out = natural_sharding, class A, class B>
-  requires(detail::ad_operand<A> && detail::ad_operand<B>)
-auto einsum(const A& a_in, const B& b_in) {
-  tape& t = detail::tape_of(a_in, b_in);
-  const auto a = detail::as_var(t, a_in);
-  const auto b = detail::as_var(t, b_in);
-  using XA = detail::tensor_of<decltype(a)>;
-  using XB = detail::tensor_of<decltype(b)>;
-  auto z = einsum<Spec, Out>(a.value(), b.value());
-  using Z = decltype(z);
-  auto out = t.output(std::move(z), a.tracked() || b.tracked());
-  if (out.tracked()) {
-    using natural = typename detail::einsum_plan_of<Spec, Out, XA, XB>::natural;
-    // dA needs b, dB needs a: keep only what a rule will read.
-    std::shared_ptr<const XA> keep_a = b.tracked() ? a.shared() : nullptr;
-    std::shared_ptr<const XB> keep_b = a.tracked() ? b.shared() : nullptr;
-    t.record([tp = &t, zs = out.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), keep_a, keep_b] {
-      // One plan from the pending layout: the reduction, and Out's reshard transposed.
-      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
-      if (!dz) return;
-      if (as >= 0) tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, keep_b.get(), ea));
-      if (bs >= 0) tp->slot<XB>(bs).add(detail::einsum_operand_grad<Spec, 1, XB>(*dz, keep_a.get(), eb));
-    });
-  }
-  return out;
-}
-
-template <fixed_string Spec, class Out = natural_sharding, class A>
-  requires detail::ad_operand<A>
-auto einsum(const A& a_in) {
-  tape& t = detail::tape_of(a_in);
-  const auto a = detail::as_var(t, a_in);
-  using XA = detail::tensor_of<decltype(a)>;
-  auto z = einsum<Spec, Out>(a.value());
-  using Z = decltype(z);
-  auto out = t.output(std::move(z), a.tracked());
-  if (out.tracked()) {
-    using natural = typename einsum_plan<Spec, typename XA::mesh_type, typename XA::sharding_type, void, Out>::natural;
-    t.record([tp = &t, zs = out.slot(), as = a.slot(), ea = a.extents()] {
-      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
-      if (!dz) return;
-      tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, static_cast<const XA*>(nullptr), ea));
-    });
-  }
-  return out;
-}
-
-// A var or parameter with a plain tensor: a weight nobody declared would
-// silently receive no gradient, so it does not compile.
-template <fixed_string Spec, class Out = natural_sharding, class A, class B>
-  requires((detail::ad_operand<A> && sharded_tensor<B>) || (sharded_tensor<A> && detail::ad_operand<B>))
-auto einsum(const A&, const B&) {
-  static_assert(sizeof(A) == 0,
-                "gshard::einsum: one operand is a var or parameter, the other a plain tensor; declare the tensor as a "
-                "gshard::param (to train it) or pass tape.constant(t) (to hold it fixed)");
-}
-
-// ---------------------------------------------------------------------------
-// Resharding a var: reshard<To or rules>(v) and the one-collective forms.
-
-template <class ToOrRules, class V>
-  requires var_type<V>
-auto reshard(V&& v) {
-  using X = detail::tensor_of<V>;
-  tape& t = v.on_tape();
-  const int xs = v.slot();
-  auto y = reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
-  using Y = decltype(y);
-  auto out = t.output(std::move(y), xs >= 0);
-  if (out.tracked())
-    t.record([tp = &t, ys = out.slot(), xs] {
-      // The forward's collectives transposed, planned from dy's pending
-      // layout: a pending dy of an all_gather becomes one reduce_scatter.
-      auto dx = tp->slot<Y>(ys).template take<gradient_sharding<typename X::sharding_type>>();
-      if (dx) tp->slot<X>(xs).add(std::move(*dx));
-    });
-  return out;
-}
-
-// A reshard of a var started now and finished later: start_reshard<To>(v)
-// posts its collective (gshard/reshard.hpp's start_reshard), wait() gives
-// the var in To. On a recording tape it is two operations, so the backward
-// runs them transposed and reversed too: wait()'s rule starts the
-// gradient's collective (the forward's, transposed) and start_reshard's
-// rule finishes it — what the forward computes between the two, the
-// backward computes (transposed) while the gradient travels. The MoE
-// layer's all_to_alls pipelined with its experts are built of these.
-template <class Y, class X>
-class [[nodiscard]] var_in_flight {
- public:
-  var_in_flight(tape& t, int xs, reshard_request<Y>&& r) : t_(&t), xs_(xs), f_(std::make_shared<flight>()) {
-    f_->forward.emplace(std::move(r));
-    if (xs >= 0)
-      t.record([tp = &t, xs, f = f_] {
-        if (!f->backward) return;  // the result received no gradient
-        auto dx = f->backward->wait();
-        f->backward.reset();
-        tp->slot<X>(xs).add(std::move(dx));
-      });
-  }
-
-  // The resharded var; once.
-  var<Y> wait() {
-    if (!f_->forward)
-      throw error("gshard::var_in_flight: wait() was called before on this reshard of " +
-                  to_string<typename X::sharding_type>(X::rank, X::labels) + " to " +
-                  to_string<typename Y::sharding_type>(Y::rank, Y::labels) + "; it hands the var out once");
-    auto y = f_->forward->wait();
-    f_->forward.reset();
-    auto out = t_->output(std::move(y), xs_ >= 0);
-    if (out.tracked())
-      t_->record([tp = t_, ys = out.slot(), f = f_, mesh = &out.mesh(), extents = out.extents()] {
-        // Planned from dy's pending layout, as reshard's rule: a pending dy
-        // of an all_gather becomes one reduce_scatter; a plan that ends in
-        // an all_to_all leaves it in flight.
-        auto dy = tp->slot<Y>(ys).take_pending();
-        if (!dy) return;  // the result received no gradient (on every rank: the program is the same)
-        using mesh_t = typename X::mesh_type;
-        constexpr detail::rlayout to = detail::bind_layout<mesh_t, X::rank, gradient_sharding<typename X::sharding_type>>::value;
-        const auto plan = detail::plan_reshard(dy->second, to, mesh->naxes(), mesh->sizes());
-        f->backward.emplace(*mesh, extents, plan, std::move(dy->first));
-      });
-    return out;
-  }
-
- private:
-  using dx_type = detail::gradient_of<X>;
-  struct flight {
-    std::optional<reshard_request<Y>> forward;
-    std::optional<reshard_request<dx_type>> backward;
-  };
-  tape* t_;
-  int xs_;
-  std::shared_ptr<flight> f_;  // shared with the two rules
-};
-
-template <class ToOrRules, class V>
-  requires var_type<V>
-[[nodiscard]] auto start_reshard(V&& v) {
-  using X = detail::tensor_of<V>;
-  tape& t = v.on_tape();
-  const int xs = v.slot();
-  auto r = start_reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
-  using Y = decltype(r.wait());
-  return var_in_flight<Y, X>(t, xs, std::move(r));
-}
 
 // Pieces along a dim and back: chunk<Dim>(v, k) cuts v into k pieces along
 // Dim (in order; n/k each, the first n % k one longer), concat<Dim>(pieces)
@@ -434,30 +210,6 @@ var<X> concat(const std::vector<var<X>>& pieces) {
     });
   }
   return y;
-}
-
-// The one-collective forms on the tape: the same targets (and checks) as
-// the tensor forms of tensor_collectives.hpp, which cannot see var (the tape is a
-// layer above); reshard of a var records the transposed collective.
-template <fixed_string Axis, class V>
-  requires var_type<V>
-auto all_reduce(V&& v) {
-  return reshard<typename detail::all_reduce_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
-}
-template <fixed_string Axis, class V>
-  requires var_type<V>
-auto all_gather(V&& v) {
-  return reshard<typename detail::all_gather_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
-}
-template <fixed_string Axis, int Dim, class V>
-  requires var_type<V>
-auto reduce_scatter(V&& v) {
-  return reshard<typename detail::reduce_scatter_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
-}
-template <fixed_string Axis, int Dim, class V>
-  requires var_type<V>
-auto all_to_all(V&& v) {
-  return reshard<typename detail::all_to_all_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
 }
 
 // The same value with its dims renamed: free for an rvalue var nothing else
@@ -665,80 +417,6 @@ auto causal_softmax(V&& x, double scale = 1.0) {
       auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
       if (!dy) return;
       tp->slot<X>(xs).add(causal_softmax_backward(std::move(*dy), *keep_y, scale));
-    });
-  return y;
-}
-
-// Causal self-attention (gshard/attention.hpp): q [B, L, N, K], k and v
-// [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
-// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
-// the einsums and softmax it stands for keep them; not the logits), or with
-// attention_memory::recompute_probabilities two numbers per row instead.
-template <class Q, class K, class V>
-  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
-auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale,
-                      attention_memory memory = attention_memory::keep_probabilities) {
-  tape& t = detail::tape_of(q_in, k_in, v_in);
-  const auto q = detail::as_var(t, q_in);
-  const auto k = detail::as_var(t, k_in);
-  const auto v = detail::as_var(t, v_in);
-  using XQ = detail::tensor_of<decltype(q)>;
-  using XK = detail::tensor_of<decltype(k)>;
-  using XV = detail::tensor_of<decltype(v)>;
-  static_assert(detail::check_attention<XQ, XK, XV>());
-  using T = typename XQ::value_type;
-  const bool track = q.tracked() || k.tracked() || v.tracked();
-  auto kept = track && t.recording() ? std::make_shared<detail::attention_kept<T>>() : nullptr;
-  auto y = t.output(detail::attention_forward<XQ>(q.value(), k.value(), v.value(), scale, kept.get(), memory), track);
-  if (y.tracked())
-    t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
-              kv = v.shared(), kept, scale] {
-      auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
-      if (!dy) return;
-      auto [dq, dk, dv] = detail::attention_backward<detail::gradient_of<XQ>, detail::gradient_of<XK>, detail::gradient_of<XV>>(
-          *dy, *kq, *kk, *kv, *kept, scale);
-      if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
-      if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
-      if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));
-    });
-  return y;
-}
-
-// Vars mixed with plain tensors: a tensor nobody declared would silently
-// receive no gradient, so it does not compile (as einsum's).
-template <class Q, class K, class V>
-  requires((detail::ad_operand<Q> || detail::ad_operand<K> || detail::ad_operand<V>) &&
-           (sharded_tensor<Q> || sharded_tensor<K> || sharded_tensor<V>))
-auto causal_attention(const Q&, const K&, const V&, double, attention_memory = attention_memory::keep_probabilities) {
-  static_assert(sizeof(Q) == 0,
-                "gshard::causal_attention: some operands are vars or parameters, others plain tensors; declare the "
-                "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
-}
-
-// GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
-// The scale's gradient is a sum over x's rows: pending over the axes that
-// split them, reduced once with the scale's other contributions.
-template <class V, class S>
-  requires(var_type<V> && detail::ad_operand<S>)
-auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
-  using X = detail::tensor_of<V>;
-  tape& t = x.on_tape();
-  const auto sc = detail::as_var(t, scale_in);
-  using XS = detail::tensor_of<decltype(sc)>;
-  static_assert(XS::rank == 1 && XS::resolved == detail::rlayout{},
-                "gshard::rms_norm: the scale is a replicated vector of the last dim's extent");
-  const int xs = x.slot(), ss = sc.slot();
-  std::shared_ptr<const X> keep_x = x.tracked() || sc.tracked() ? x.shared() : nullptr;
-  auto y = t.output(rms_norm(detail::value_of(std::forward<V>(x)), sc.value().local(), eps), xs >= 0 || ss >= 0);
-  if (y.tracked())
-    t.record([tp = &t, ys = y.slot(), xs, ss, keep_x, keep_s = sc.shared(), eps] {
-      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
-      if (!dy) return;
-      using DS = typename detail::sum_over_shards<X, 1>::type;
-      DS ds(keep_x->mesh(), {keep_x->extent(X::rank - 1)});
-      auto dx = rms_norm_backward(std::move(*dy), *keep_x, keep_s->local(), ds.data(), eps);
-      if (xs >= 0) tp->slot<X>(xs).add(std::move(dx));
-      if (ss >= 0) tp->slot<XS>(ss).add(std::move(ds));
     });
   return y;
 }

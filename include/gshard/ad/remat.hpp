@@ -1,24 +1,10 @@
 // gshard/ad/remat.hpp — rematerialisation: remat(f, x...) runs f's forward
 // keeping nothing but its inputs, and runs it again in the backward to take
-// its gradient (gradient checkpointing, Chen et al. 2016; GShard §5.1 paid
-// 28% of its cycles for it on the 36-layer model). The model code in f is
-// unchanged: the same ops, the same collectives, recorded only the second
-// time.
+// its gradient (gradient checkpointing). The model code in f is unchanged:
+// the same ops, the same collectives, recorded only the second time.
 //
 //   auto y = remat([&blk](const auto& x) { return blk(x); }, x);
 //   auto [y, aux, stats] = remat(moe_block, x);   // a tuple: its vars tracked
-//
-// f takes vars and returns a var, or a std::tuple whose elements are vars,
-// std::optional vars or anything else (passed through, from the first
-// forward). f must be deterministic (the same outputs from the same inputs
-// and state: random routing is keyed by its stream, state moves through
-// tape::after_step) and read every tracked value it uses through its
-// arguments or as a declared parameter: a tracked value captured from
-// outside throws (its gradient would arrive twice). f is kept by value
-// until the backward. Cost: the forward of f once more, in the backward —
-// its collectives too (counted and traced as such); its FLOPs go to
-// recomputed_flops(), not model_flops(). On a tape that does not record, or
-// inside a forward that is itself being recomputed, remat(f, x...) is f(x...).
 #pragma once
 
 #include <array>
@@ -75,6 +61,17 @@ constexpr void check_remat_output() {
 
 }  // namespace detail
 
+// f takes vars and returns a var, or a std::tuple whose elements are vars,
+// std::optional vars or anything else (passed through, from the first
+// forward). f must be deterministic (the same outputs from the same inputs
+// and state: random routing is keyed by its stream, state moves through
+// tape::after_step) and read every tracked value it uses through its
+// arguments or as a declared parameter: a tracked value captured from
+// outside throws (its gradient would arrive twice). f is kept by value
+// until the backward. Cost: the forward of f once more, in the backward —
+// its collectives too (counted and traced as such); its FLOPs go to
+// recomputed_flops(), not model_flops(). On a tape that does not record, or
+// inside a forward that is itself being recomputed, remat(f, x...) is f(x...).
 template <class F, class... X>
 auto remat(F f, const var<X>&... inputs) {
   static_assert(sizeof...(X) > 0, "gshard::remat: give f at least one var input (it names the tape)");

@@ -2,34 +2,10 @@
 // A forward run on a tape records, per operation, a closure holding what its
 // gradient rule reads; backward(loss) runs them in reverse and leaves every
 // parameter's gradient in the parameter's own sharding (or its update
-// layout, under shard_weight_update).
-//
-// Why a tape of typed closures: the shardings are types, so each closure is
-// compiled with its operands' types and its gradient einsums are planned at
-// compile time like the forward's; the tape itself only orders them. A
-// value's gradient lives in a slot typed by the value's gradient sharding
-// (its sharding without pending sums). Contributions arrive as the rules
-// produce them — often still pending: the gradient of a replicated weight
-// used with batch-split activations is partial over the batch axes — and are
-// added while pending; the slot is reduced once, by the planner's collective
-// for its layout, when the gradient is taken: into the parameter's sharding
-// (an all_reduce over the batch axes), or — when the parameters shard the
-// weight update — into its update layout (reduce_scatters). So a weight used
-// three times costs one reduction, and no collective is inserted by the tape
-// itself. A parameter's slot is reduced as soon as its gradient is complete
-// (every rule recorded after its first use has run), so it holds the whole
-// contribution only from its last use in the forward to its first one; the
-// weights whose reductions take the same steps go through one bucket
-// (gshard/buckets.hpp: one collective per step for up to
-// parameters::bucket_bytes() of them), started non-blocking as soon as it is
-// full and moved on between the backward's rules, so it travels while the
-// backward computes; the last buckets start at the backward's end, and all
-// are finished before it returns.
-//
-// Rematerialisation (gshard/ad/remat.hpp) runs a function's forward once
-// with nothing recorded (suspended) and again in the backward (recomputing);
-// a model's state updates (the router bias) go through after_step(), so the
-// recomputed forward sees the state the first one saw and moves it once.
+// layout, under shard_weight_update). The shardings are types, so each
+// closure's gradient einsums are planned at compile time like the forward's;
+// the tape only orders the closures: every collective it runs is a planner's.
+//   tape t(ps);  auto l = model.loss(t, x, y);  t.backward(l);
 #pragma once
 
 #include <cstdint>
@@ -72,7 +48,14 @@ struct pending_layout {
   using type = GSHARD_SHARDING_OF(spec);
 };
 
-// The gradient of one value of type tensor<T, R, Mesh, S>, G = gradient_sharding<S>.
+// The gradient of one value of type tensor<T, R, Mesh, S>, G = gradient_sharding<S>
+// (S without pending sums). Contributions arrive as the rules produce them,
+// often still pending (the gradient of a replicated weight used with
+// batch-split activations is partial over the batch axes), and are added
+// while pending; the slot is reduced once, by the planner's collective for
+// its layout, when the gradient is taken: into the parameter's sharding (an
+// all_reduce over the batch axes) or its update layout (reduce_scatters).
+// So a weight used three times costs one reduction.
 template <class T, int R, class Mesh, class G>
 class grad_slot final : public grad_slot_base {
  public:
@@ -156,7 +139,9 @@ using slot_of = grad_slot<typename X::value_type, X::rank, typename X::mesh_type
 
 // The recording of one forward. tape(ps) records; tape(ps, tape::no_grad)
 // runs the same model code without recording anything (evaluation,
-// sampling). One backward per tape.
+// sampling). One backward per tape. Rematerialisation (gshard/ad/remat.hpp)
+// runs a function's forward once with nothing recorded (suspended) and again
+// in the backward (recomputing); state updates go through after_step().
 class tape {
  public:
   struct no_grad_t {};
@@ -295,8 +280,14 @@ class tape {
     reset_grads_(false);
     // Each parameter's gradient is reduced as soon as it is complete — when
     // every rule recorded after its first use has run — not at the end: its
-    // slot's memory goes then, and its collective runs between the
-    // backward's others (in the same order on every rank).
+    // slot holds the whole contribution only from its last use in the forward
+    // to its first, and its collective runs between the backward's others (in
+    // the same order on every rank). Weights whose reductions take the same
+    // steps share a bucket (gshard/buckets.hpp: one collective per step for
+    // up to parameters::bucket_bytes() of them), started non-blocking when
+    // full and moved on between rules, so it travels while the backward
+    // computes; the last buckets start at the end, and all finish before
+    // backward returns.
     for (std::size_t i = rules_.size(); i-- > 0;) {
       finish_complete(i + 1);
       running_rule_ = i;

@@ -6,10 +6,6 @@
 // memory bandwidth and each collective's α–β, the step's predicted time.
 // So a job can be sized before it runs (examples/cost.cpp), and the count is
 // checked against the counters of real steps (test_train.cpp).
-//
-// The mesh is the roles' (data, expert[, model]): the batch over data ×
-// expert, the experts over expert, heads and hidden units over model — the
-// trainer's meshes, and GShard's own (D ranks on one axis: data 1, expert D).
 #pragma once
 
 #include <algorithm>
@@ -23,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "gshard/ad/parameters.hpp"
+#include "gshard/ad/weight_update.hpp"
 #include "gshard/buckets.hpp"
 #include "gshard/detail/shard_geometry.hpp"
 #include "gshard/einsum_spec.hpp"
@@ -32,7 +28,10 @@
 
 namespace gshard::model::cost {
 
-// Axis indices of the cost model's mesh, and their masks.
+// Axis indices of the cost model's mesh, and their masks. The mesh is the
+// roles' (data, expert[, model]): the batch over data × expert, the experts
+// over expert, heads and hidden units over model — the trainer's meshes, and
+// GShard's own (D ranks on one axis: data 1, expert D).
 inline constexpr int data_axis = 0, expert_axis = 1, model_axis = 2;
 inline constexpr std::uint32_t data_bit = 1u << data_axis, expert_bit = 1u << expert_axis, model_bit = 1u << model_axis;
 
@@ -59,7 +58,9 @@ struct weight {
 };
 
 // Every weight the transformer declares for `c`, in its order, on a mesh
-// with or without a model axis.
+// with or without a model axis: transformer::declare_blocks, moe::layer's
+// constructor and ffn_weights declare them; test_train's "[cost]" case
+// compares this list with their declarations (names, extents, shards).
 inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = true) {
   std::vector<weight> w;
   auto add = [&](std::string name, std::vector<index_t> extents, std::vector<std::vector<int>> split, bool expert = false) {
@@ -81,17 +82,17 @@ inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = tr
     if (c.is_moe(l)) {
       add(b + "gate", {M, E}, {});
       add(b + "wi", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
-      if (c.ffn == moe::ffn_kind::swiglu) add(b + "wi_up", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
+      if (c.ffn == ffn_kind::swiglu) add(b + "wi_up", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
       add(b + "wo_experts", {E, H, M}, {{expert_axis}, {model_axis}}, true);
-      if (c.shared_experts > 0) {  // (moe::layer declares the SwiGLU input first)
+      if (c.shared_experts > 0) {
         const index_t Hs = H * c.shared_experts;
-        if (c.ffn == moe::ffn_kind::swiglu) add(b + "shared_w1_up", {M, Hs}, {{}, {model_axis}});
         add(b + "shared_w1", {M, Hs}, {{}, {model_axis}});
+        if (c.ffn == ffn_kind::swiglu) add(b + "shared_w1_up", {M, Hs}, {{}, {model_axis}});
         add(b + "shared_w2", {Hs, M}, {{model_axis}});
       }
     } else {
       add(b + "w1", {M, H}, {{}, {model_axis}});
-      if (c.ffn == moe::ffn_kind::swiglu) add(b + "w1_up", {M, H}, {{}, {model_axis}});
+      if (c.ffn == ffn_kind::swiglu) add(b + "w1_up", {M, H}, {{}, {model_axis}});
       add(b + "w2", {H, M}, {{model_axis}});
     }
   }
@@ -188,14 +189,9 @@ inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, cons
 // What one training step (forward, backward, Adam) does on each rank, in
 // the steps marked below: the einsums, the collectives, the weights'
 // gradients and updates (through buckets), the element-wise work and the
-// memory. One function (180 lines) because every step reads the same dozen
-// derived extents (B, L, the local batch, heads, experts, capacity) and adds
-// to the same step_work; apart, each step would take them all as
-// arguments. The split that keeps it readable is those extents as one
-// struct and a function per marked step (einsums; the activations'
-// collectives; the weights through buckets; element-wise work) — due the
-// next time a step grows (rematerialisation's recomputed forward and
-// attention's recomputed logits are not counted yet).
+// memory. Every step reads the same derived extents (B, L, the local
+// batch, heads, experts, capacity) and adds to one step_work. Not counted:
+// rematerialisation's recomputed forward and attention's recomputed logits.
 inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
   const index_t d = m.data, e = m.expert, mm = m.model;
   const index_t B = o.batch, L = o.seq, M = c.model, N = c.heads, K = c.head_dim, V = c.vocab, E = c.experts;
@@ -219,7 +215,7 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     w.model_flops += x.flops;
     w.einsums.push_back(std::move(x));
   };
-  const int ffn_inputs = c.ffn == moe::ffn_kind::swiglu ? 2 : 1;
+  const int ffn_inputs = c.ffn == ffn_kind::swiglu ? 2 : 1;
   int moe_layers = 0, dense_layers = 0;
   for (int l = 0; l < c.layers; ++l) (c.is_moe(l) ? moe_layers : dense_layers)++;
   const int layers = c.layers;
@@ -428,7 +424,8 @@ struct prediction {
   double communication_share() const { return total_s() > 0 ? communication_s / total_s() : 0.0; }
 };
 
-// The step's time on `mc`, nothing overlapped (as gshard runs it today).
+// The step's time on `mc` with nothing overlapped: an upper bound where the
+// gradient buckets and pipelined all_to_alls hide communication.
 // `einsum_seconds(e)`, when given, is one einsum's seconds per step
 // (measured on its shapes); otherwise its local FLOPs at mc.gemm_flops.
 template <class EinsumSeconds = std::nullptr_t>

@@ -3,17 +3,12 @@
 // an MoE layer in every other block (blocks 1, 3, ...). Written forward-only:
 // its parameters are declared once (gshard::parameters) and its backward is
 // derived on a tape. Every tensor's sharding comes from the mesh's axis roles
-// (gshard/roles.hpp): the batch over the batch axes; experts over the expert
-// axes; with model axes, attention heads and the hidden units of the dense
-// FFNs and of each expert over them (Megatron-style: q, k, v and w1 split
-// their output, wo and w2 their input), every other weight replicated. The
-// communication follows: in the forward the MoE layers' all_to_alls and, with
-// model axes, one all_reduce over them after each attention, dense FFN and
-// expert FFN; in the backward their transposes and one reduction per weight
-// over the batch axes (several weights' in one collective: gshard/buckets.hpp).
+// (gshard/roles.hpp).
+//   model::transformer<float, grid> tr(ps, c);  auto out = tr.forward(t, tokens, step);
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -22,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "gshard/ad/communication.hpp"
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
@@ -45,7 +41,7 @@ struct config {
   index_t slot_hidden = 0;
   double aux_coef = 0.01;     // the loss adds aux_coef · Σ aux and gating.z_loss_coef · Σ z-loss over MoE layers
   moe::gating_config gating{};  // top-k, capacity, dropless, z-loss, balancing (moe/gating.hpp)
-  moe::ffn_kind ffn = moe::ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
+  ffn_kind ffn = ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
   int overlap_degree = 1;       // the MoE layers' all_to_alls pipelined with the experts in this many chunks (moe::layer_options)
   // What causal attention keeps for the backward: the probabilities
@@ -60,6 +56,14 @@ struct config {
   index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
 };
 
+// The shardings: the batch over the batch axes; experts over the expert
+// axes; with model axes, attention heads and the hidden units of the dense
+// FFNs and of each expert over them (Megatron-style: q, k, v and w1 split
+// their output, wo and w2 their input), every other weight replicated. The
+// communication follows: in the forward the MoE layers' all_to_alls and, with
+// model axes, one all_reduce over them after each attention, dense FFN and
+// expert FFN; in the backward their transposes and one reduction per weight
+// over the batch axes (several weights' in one collective: gshard/buckets.hpp).
 template <class T, mesh_type Mesh, class Roles = default_roles>
 class transformer {
  public:
@@ -74,11 +78,7 @@ class transformer {
     weight<"MNK"> wq, wk, wv;  // [M,N{model},K]
     weight<"NKM"> wo;          // [N{model},K,M]
   };
-  struct ffn_params {
-    weight<"MH"> w1;                    // [M,H{model}]
-    std::optional<weight<"MH">> w1_up;  // SwiGLU's second input projection
-    weight<"HM"> w2;                    // [H{model},M]
-  };
+  using ffn_params = ffn_weights<named<T, "MH", Mesh, at_tokens>, named<T, "HM", Mesh, at_tokens>>;  // [M,H{model}], [H{model},M]
   struct block_params {
     weight<"M"> norm1;
     attention_params attn;
@@ -153,7 +153,7 @@ class transformer {
     x = x + attention(rms_norm(x, b.norm1), b.attn);
     named_span(sub, b.moe ? " MoE" : " FFN");
     auto h = rms_norm(x, b.norm2);
-    if (!b.moe) return {x + ffn(std::move(h), *b.ffn), std::nullopt, std::nullopt, std::nullopt};
+    if (!b.moe) return {x + ffn<at_tokens>(h, *b.ffn), std::nullopt, std::nullopt, std::nullopt};  // with model axes: an all_reduce over them
     auto r = (*b.moe)(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(layer), mode);
     return {x + relabel<"BLM">(std::move(r.y)), std::move(r.aux), std::move(r.z_loss), std::move(r.stats)};
   }
@@ -172,20 +172,6 @@ class transformer {
     auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
     auto o = causal_attention(q, k, v, scale, c_.attention);  // [B{data,expert},L,N{model},K]
     return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
-  }
-
-  // The dense FFN: relu(h·w1)·w2, or SwiGLU (silu(h·w1) ⊙ (h·w1_up))·w2.
-  template <class V>
-  auto ffn(V&& h, const ffn_params& f) const {
-    auto a = [&] {  // [B{data,expert},L,H{model}]
-      if (!f.w1_up) return relu(einsum<"BLM,MH->BLH">(h, f.w1));
-      // w1 used before w1_up, in their declaration order (as every weight
-      // is): the backward completes gradients in reverse, the order their
-      // buckets fill in and the cost model counts them.
-      auto gate = silu(einsum<"BLM,MH->BLH">(h, f.w1));
-      return std::move(gate) * einsum<"BLM,MH->BLH">(h, *f.w1_up);
-    }();
-    return einsum<"BLH,HM->BLM", at_tokens>(a, f.w2);  // with model axes: an all_reduce over them
   }
 
  private:
@@ -216,6 +202,7 @@ class transformer {
     return c;
   }
 
+  // The weights, in the order cost::weights() lists them (model/cost.hpp).
   static std::vector<block_params> declare_blocks(parameters<Mesh>& ps, const config& c) {
     const index_t M = c.model, N = c.heads, K = c.head_dim;
     const double sd_in = 1.0 / std::sqrt(double(M));
@@ -233,10 +220,7 @@ class transformer {
       if (c.is_moe(l)) {
         bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance, c.overlap_degree});
       } else {
-        weight<"MH"> w1(ps, b + "w1", {M, H}, init::normal(sd_in));
-        std::optional<weight<"MH">> w1_up;
-        if (c.ffn == moe::ffn_kind::swiglu) w1_up.emplace(ps, b + "w1_up", shape<2>{M, H}, init::normal(sd_in));
-        bp.ffn = ffn_params{w1, w1_up, weight<"HM">(ps, b + "w2", {H, M}, init::normal(1.0 / std::sqrt(double(H))))};
+        bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"}, shape<2>{M, H}, shape<2>{H, M});
       }
       blocks.push_back(std::move(bp));
     }

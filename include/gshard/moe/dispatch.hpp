@@ -1,19 +1,17 @@
-// gshard/moe/dispatch.hpp — GShard's routing as operations on a tape: gate
-// (router logits -> the routing, the combine weights and the aux loss),
+// gshard/moe/dispatch.hpp — moving tokens by gate()'s routing, on a tape:
 // dispatch (tokens -> expert slots, at the groups) and combine (expert
-// outputs -> tokens, weighted). Each is forward code with its gradient rule:
-// the router learns through the combine weights and the aux loss, never
-// through the discrete choices. Dispatch and combine run by index; the
-// one-hot tensors of the paper (dense_dispatch, dense_combine) give the
-// executable specification the tests compare with.
+// outputs -> tokens, weighted by the differentiable combine weights). Both
+// run by index; the one-hot tensors of the paper (dense_dispatch,
+// dense_combine) give the executable specification the tests compare with.
 #pragma once
 
 #include <cstring>
 #include <memory>
 #include <vector>
 
-#include "gshard/ad/ops.hpp"
-#include "gshard/moe/gating.hpp"
+#include "gshard/ad/operands.hpp"
+#include "gshard/ad/tape.hpp"
+#include "gshard/moe/gate.hpp"
 
 namespace gshard::moe {
 
@@ -125,129 +123,7 @@ struct moved_groups {
   using type = tensor<typename X::value_type, R, typename X::mesh_type, sharding, labels>;
 };
 
-// The gating counters, the aux loss and the z-loss as one vector (2E + 4 + 2k
-// doubles), for one all_reduce.
-inline std::vector<double> stats_vector(const gating_stats& s) {
-  std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
-  v.insert(v.end(), s.expert_demand.begin(), s.expert_demand.end());
-  v.push_back(double(s.tokens));
-  v.insert(v.end(), s.dropped.begin(), s.dropped.end());
-  v.insert(v.end(), s.skipped.begin(), s.skipped.end());
-  v.insert(v.end(), {double(s.invalid), s.aux_sum, s.z_sum});
-  return v;
-}
-inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, index_t capacity) {
-  gating_stats r;
-  for (std::size_t e = 0; e < E; ++e) r.expert_load.push_back(std::int64_t(v[e]));
-  for (std::size_t e = 0; e < E; ++e) r.expert_demand.push_back(std::int64_t(v[E + e]));
-  v += 2 * E;
-  r.tokens = std::int64_t(v[0]);
-  for (std::size_t j = 0; j < k; ++j) r.dropped.push_back(std::int64_t(v[1 + j]));
-  for (std::size_t j = 0; j < k; ++j) r.skipped.push_back(std::int64_t(v[1 + k + j]));
-  r.invalid = std::int64_t(v[1 + 2 * k]), r.aux_sum = v[2 + 2 * k], r.z_sum = v[3 + 2 * k];
-  r.capacity = capacity;
-  return r;
-}
-
-// This rank's groups routed: each token's experts chosen, the capacity
-// agreed (dropless: the largest load of any group, one all_reduce of a
-// maximum over `groups`, the ranks that hold different groups), the choices
-// placed in slots. Returns this rank's counters.
-template <class T>
-gating_stats route_local_groups(const T* logits, index_t Gl, index_t S, index_t E, index_t group_offset,
-                                std::uint64_t stream, const gating_config& cfg, const double* bias, bool training,
-                                const gshard::detail::axis_group& groups, routing<T>& route) {
-  trace::span s("gating", "moe");
-  gating_stats local = choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route);
-  index_t C = 0;
-  if (cfg.dropless) {
-    std::vector<double> most{double(largest_load(route))};
-    all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank
-    C = std::max<index_t>(index_t(most[0]), 1);
-  } else {
-    C = capacity(S, E, cfg, !training && cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
-  }
-  place_choices(route, C, local);
-  return local;
-}
-
 }  // namespace detail
-
-// What gate() decided, for dispatch and combine: the routing (constant), the
-// combine weight of each (token, choice) [G,S,k] as a differentiable value,
-// the aux loss and the router z-loss (replicated) and the counters of every
-// group.
-template <class Logits>
-struct gate_output {
-  using T = typename Logits::value_type;
-  using Mesh = typename Logits::mesh_type;
-  using weights_type = tensor<T, 3, Mesh, typename Logits::sharding_type>;
-  using scalar = var<tensor<double, 0, Mesh, replicate>>;
-  std::shared_ptr<const routing<T>> route;
-  var<weights_type> weights;
-  scalar aux;          // GShard's aux loss: 1 when balanced
-  scalar z_loss;       // mean over the valid tokens of logsumexp(logits)²
-  gating_stats stats;  // summed over every group of the mesh
-  index_t groups = 0;  // global G
-};
-
-// Top-k gating of router logits [G,S,E] (groups split, S and E whole;
-// computed in T, at least float). `bias` (E values, or null) shifts the
-// scores for the choice only (balance_mode::bias); `training` false selects
-// the evaluation capacity factor. One all_reduce over the axes that split
-// the groups sums the counters, the aux loss and the z-loss; dropless
-// routing first agrees the capacity — the largest load of any group —
-// with one all_reduce of a maximum over the same axes, so every rank moves
-// tensors of one shape.
-template <class V>
-  requires var_type<V>
-auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr,
-          bool training = true) {
-  using X = gshard::detail::tensor_of<V>;
-  using T = typename X::value_type;
-  using Mesh = typename X::mesh_type;
-  static_assert(X::rank == 3 && X::resolved.dims[1].n == 0 && X::resolved.dims[2].n == 0 && X::resolved.partial == 0,
-                "gshard::moe::gate: the router logits are [G,S,E] with only G split and no pending sums");
-  const var<X> logits = std::forward<V>(logits_in);
-  tape& t = logits.on_tape();
-  const X& lg = logits.value();
-  const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
-  const auto& groups = lg.mesh().group(X::resolved.split_mask());  // the ranks that hold different groups
-  auto route = std::make_shared<routing<T>>();
-  const gating_stats local =
-      detail::route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training, groups, *route);
-  using weights_t = typename gate_output<X>::weights_type;
-  using scalar_t = tensor<double, 0, Mesh, replicate>;
-  const int k = route->k;
-  weights_t w(lg.mesh(), {G, S, k});
-  std::copy(route->weight.begin(), route->weight.end(), w.data());
-  // One all_reduce over the ranks that hold different groups.
-  const std::vector<double> sv = detail::stats_vector(local);
-  typename gshard::detail::sum_over_shards<X, 1, double>::type partial(lg.mesh(), {index_t(sv.size())});
-  std::copy(sv.begin(), sv.end(), partial.data());
-  const auto total = reshard<replicate>(std::move(partial));
-  gating_stats stats = detail::stats_from(total.data(), std::size_t(E), std::size_t(k), route->capacity);
-  const double valid = double(stats.tokens - stats.invalid);
-  scalar_t aux(lg.mesh(), {}), z(lg.mesh(), {});
-  aux.local()() = G > 0 ? stats.aux_sum / double(G) : 0.0;
-  z.local()() = valid > 0 ? stats.z_sum / valid : 0.0;
-  gate_output<X> out{route, t.output(std::move(w), logits.tracked()), t.output(std::move(aux), logits.tracked()),
-                     t.output(std::move(z), logits.tracked()), std::move(stats), G};
-  if (logits.tracked())
-    t.record([tp = &t, ls = logits.slot(), ws = out.weights.slot(), as = out.aux.slot(), zs = out.z_loss.slot(), route, G,
-              valid, extents = lg.extents()] {
-      auto dw = tp->slot<weights_t>(ws).template take<typename weights_t::sharding_type>();
-      auto da = tp->slot<scalar_t>(as).template take<replicate>();
-      auto dz = tp->slot<scalar_t>(zs).template take<replicate>();
-      if (!dw && !da && !dz) return;
-      std::vector<T> dweight(route->weight.size(), T(0));
-      if (dw) std::copy(dw->data(), dw->data() + dweight.size(), dweight.begin());
-      gshard::detail::gradient_of<X> dlogits(tp->slot<X>(ls).mesh(), extents);
-      gating_backward(*route, dweight, da ? da->local()() : 0.0, G, dz ? dz->local()() : 0.0, valid, dlogits.data());
-      tp->slot<X>(ls).add(std::move(dlogits));
-    });
-  return out;
-}
 
 // The tokens x [G,S,M] (groups split) into expert slots at the groups:
 // xe [E,G,C,M], G split as in x, unused slots zero. Local.

@@ -1,6 +1,5 @@
 // gshard/moe/gating.hpp — top-k gating on one rank's groups, with GShard's
-// top-2 (the design's steps 1-9, as Lingvo's Top2GatingOnLogits computes
-// them) as the default: softmax, the k best experts, normalisation, the aux
+// top-2 (as Lingvo's Top2GatingOnLogits computes it) as the default: softmax, the k best experts, normalisation, the aux
 // loss, random routing of the later choices keyed by the global group index
 // (so any number of ranks reproduces the 1-rank routing), and capacity with
 // exclusive-cumsum positions, every j-th choice placed after all (j-1)-th
@@ -19,6 +18,7 @@
 
 #include "gshard/detail/softmax_row.hpp"
 #include "gshard/error.hpp"
+#include "gshard/moe/stats.hpp"
 #include "gshard/random.hpp"
 #include "gshard/sharding.hpp"
 
@@ -99,63 +99,6 @@ struct routing {
   index_t slot_row(std::size_t c, index_t g) const { return (index_t(expert[c]) * groups + g) * capacity + slot[c]; }
 };
 
-// What one call saw: on this rank from route_tokens, summed over every group
-// by moe::gate (gshard/moe/dispatch.hpp).
-struct gating_stats {
-  std::vector<std::int64_t> expert_load;    // choices placed in each expert (at most C per group)
-  std::vector<std::int64_t> expert_demand;  // choices that chose each expert, before capacity (placed + dropped)
-  std::int64_t tokens = 0;
-  std::vector<std::int64_t> dropped;      // per choice: over capacity
-  std::vector<std::int64_t> skipped;      // per choice: not kept by random routing
-  std::int64_t invalid = 0;               // tokens whose router logits had NaN or +Inf: routed nowhere
-  double aux_sum = 0;                     // Σ over groups of mean_E(density·density_proxy)·E²
-  double z_sum = 0;                       // Σ over tokens of logsumexp(logits)²
-  index_t capacity = 0;                   // the C the groups were placed with
-
-  // Adds another call's counters (e.g. of the next batch); the capacity kept is the larger.
-  gating_stats& operator+=(const gating_stats& o) {
-    const auto add = [](std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
-      if (a.size() < b.size()) a.resize(b.size(), 0);
-      for (std::size_t i = 0; i < b.size(); ++i) a[i] += b[i];
-    };
-    add(expert_load, o.expert_load), add(expert_demand, o.expert_demand), add(dropped, o.dropped), add(skipped, o.skipped);
-    tokens += o.tokens, invalid += o.invalid, aux_sum += o.aux_sum, z_sum += o.z_sum;
-    capacity = std::max(capacity, o.capacity);
-    return *this;
-  }
-
-  std::int64_t placed() const {
-    std::int64_t t = 0;
-    for (auto v : expert_load) t += v;
-    return t;
-  }
-  std::int64_t total_dropped() const {
-    std::int64_t t = 0;
-    for (auto v : dropped) t += v;
-    return t;
-  }
-  std::int64_t dropped_at(std::size_t j) const { return j < dropped.size() ? dropped[j] : 0; }
-  std::int64_t skipped_at(std::size_t j) const { return j < skipped.size() ? skipped[j] : 0; }
-  // The largest expert demand over the mean demand (1.0 = perfectly
-  // balanced): before capacity, so a capacity that clips the busiest expert
-  // does not hide the imbalance.
-  double overload() const {
-    std::int64_t total = 0, mx = 0;
-    for (auto v : expert_demand) total += v, mx = std::max(mx, v);
-    return total == 0 ? 0.0 : double(mx) * double(expert_demand.size()) / double(total);
-  }
-  double dropped_share() const {
-    const std::int64_t wanted = placed() + total_dropped();
-    return wanted == 0 ? 0.0 : double(total_dropped()) / double(wanted);
-  }
-  // Experts that received no token.
-  int dead_experts() const {
-    int n = 0;
-    for (auto v : expert_load) n += v == 0 ? 1 : 0;
-    return n;
-  }
-};
-
 namespace detail {
 // The random number deciding whether choice j ≥ 1 of token s of global group
 // g is kept: for j = 1 GShard's (seed, stream, group, token).
@@ -203,10 +146,9 @@ int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std:
 // by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
 // normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
 // the later choices. Fills r (without slots) and returns this rank's
-// statistics (with the demand, without loads and drops). One piece: one
-// loop over the tokens of a group; the softmax and the top-k are helpers, and
-// what stays — weights, the aux sums, random routing, the demand — all
-// accumulate per group in the same pass.
+// statistics (with the demand, without loads and drops). Weights, the aux
+// sums, random routing and the demand accumulate per group in one pass over
+// its tokens.
 template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
                             const gating_config& cfg, const double* bias, routing<T>& r) {

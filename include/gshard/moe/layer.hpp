@@ -1,14 +1,11 @@
-// gshard/moe/layer.hpp — GShard's MoE layer, written forward-only: route the
-// tokens, move them to their experts (one all_to_all), run each expert's FFN
-// where the expert lives, move the outputs back (one all_to_all), combine.
-// Both all_to_alls are reshards between two rule tables of the mesh's axis
-// roles (gshard/roles.hpp): at_tokens puts the groups G on every batch axis,
-// at_experts the experts E on the expert axes. With model axes the experts'
-// hidden units H are split over them too, and the second expert einsum ends
-// in one all_reduce over them. With layer_options::overlap_degree = k each
-// all_to_all is k, one per chunk of the capacity, pipelined with the
-// experts (start_reshard, gshard/ad/ops.hpp). The backward is derived
-// (gshard/ad/).
+// gshard/moe/layer.hpp — GShard's MoE layer, written forward-only (its
+// backward is derived on the tape): route the tokens, move them to their
+// experts (one all_to_all), run each expert's FFN where the expert lives,
+// move the outputs back (one all_to_all), combine. Both all_to_alls are
+// reshards between two rule tables of the mesh's axis roles (gshard/roles.hpp):
+// at_tokens puts the groups G on every batch axis, at_experts the experts E on
+// the expert axes. With model axes the experts' hidden units H are split over
+// them too, and the second expert einsum ends in one all_reduce over them.
 #pragma once
 
 #include <algorithm>
@@ -18,30 +15,28 @@
 #include <utility>
 #include <vector>
 
+#include "gshard/ad/communication.hpp"
+#include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/parameters.hpp"
 #include "gshard/moe/dispatch.hpp"
-#include "gshard/moe/metrics.hpp"
+#include "gshard/moe/stats.hpp"
 #include "gshard/roles.hpp"
 
 namespace gshard::moe {
-
-// The experts' feed-forward network: GShard's relu(x·wi)·wo, or the gated
-// SwiGLU (silu(x·wi) ⊙ (x·wi_up))·wo of PaLM and Llama.
-enum class ffn_kind : std::uint8_t { relu, swiglu };
 
 // What the layer declares beyond GShard's: shared experts (DeepSeek-MoE:
 // experts every token passes through beside the routed ones, here one FFN
 // of shared_experts · H hidden units, split like the dense FFNs), and the
 // per-expert bias of aux-loss-free balancing.
 struct layer_options {
-  ffn_kind ffn = ffn_kind::relu;
+  ffn_kind ffn = ffn_kind::relu;  // the experts' (and shared experts') FFN: relu or SwiGLU
   int shared_experts = 0;
   balance_mode balance = balance_mode::aux;
   // The all_to_alls pipelined with the experts in this many chunks of the
   // capacity dim C (Tutel's a2a_ffn_overlap_degree): chunk i+1 travels to
   // its experts and chunk i-1 back while chunk i's FFN computes, and so in
-  // the backward. 1: one all_to_all each way. More chunks hide more of the
+  // the backward (start_reshard, gshard/ad/communication.hpp). 1: one all_to_all each way. More chunks hide more of the
   // all_to_alls behind the experts' GEMMs, in smaller messages and GEMMs
   // (docs/10_performance.md measures it). Capped at C. dispatch_mode::einsum
   // (the reference form) runs unchunked.
@@ -57,32 +52,22 @@ struct layer {
   using weight = param<named<T, Term, Mesh, Rules>>;
   using bias_type = named<double, "E", Mesh, at_tokens>;  // replicated
 
-  struct shared_params {
-    weight<"MH", at_tokens> w1;                    // [M, H{model}]
-    std::optional<weight<"MH", at_tokens>> w1_up;  // SwiGLU
-    weight<"HM", at_tokens> w2;                    // [H{model}, M]
-  };
+  using expert_ffn_type = ffn_weights<named<T, "EMH", Mesh, at_experts>, named<T, "EHM", Mesh, at_experts>>;
+  using shared_ffn_type = ffn_weights<named<T, "MH", Mesh, at_tokens>, named<T, "HM", Mesh, at_tokens>>;
 
-  weight<"ME", at_tokens> gate;       // the router, replicated
-  weight<"EMH", at_experts> wi;       // [E{expert},M,H{model}]
-  std::optional<weight<"EMH", at_experts>> wi_up;  // SwiGLU's second input projection
-  weight<"EHM", at_experts> wo;       // [E{expert},H{model},M]
-  std::optional<shared_params> shared;
+  weight<"ME", at_tokens> router;  // [M,E], replicated; declared as prefix + "gate"
+  expert_ffn_type expert_ffn;     // w1 [E{expert},M,H{model}], w2 [E{expert},H{model},M]
+  std::optional<shared_ffn_type> shared;  // [M,H{model}], [H{model},M]
   std::optional<buffer<bias_type>> bias;  // balance_mode::bias
   layer_options options;
   std::string name;                       // the prefix, as in the trace's counters
 
-  // Declares prefix + "gate", "wi", ("wi_up",) "wo_experts", (the shared
-  // experts' "shared_w1", ("shared_w1_up",) "shared_w2") in `ps`, and the
-  // buffer prefix + "router_bias" for balance_mode::bias.
+  // Declares prefix + "gate", the experts' "wi", ("wi_up",) "wo_experts",
+  // the shared experts' "shared_w1", ("shared_w1_up",) "shared_w2" in `ps`,
+  // and the buffer prefix + "router_bias" for balance_mode::bias.
   layer(parameters<Mesh>& ps, const std::string& prefix, index_t M, index_t H, index_t E, layer_options o = {})
-      : gate(ps, prefix + "gate", {M, E}, init::normal(1.0 / std::sqrt(double(M)))),
-        wi(ps, prefix + "wi", {E, M, H}, init::normal(1.0 / std::sqrt(double(M)))),
-        wi_up(o.ffn == ffn_kind::swiglu
-                  ? std::optional<weight<"EMH", at_experts>>(std::in_place, ps, prefix + "wi_up", shape<3>{E, M, H},
-                                                             init::normal(1.0 / std::sqrt(double(M))))
-                  : std::nullopt),
-        wo(ps, prefix + "wo_experts", {E, H, M}, init::normal(1.0 / std::sqrt(double(H)))),
+      : router(ps, prefix + "gate", {M, E}, init::normal(1.0 / std::sqrt(double(M)))),
+        expert_ffn(ps, o.ffn, {prefix + "wi", prefix + "wi_up", prefix + "wo_experts"}, {E, M, H}, {E, H, M}),
         options(o),
         name(prefix.empty() || prefix.back() != '.' ? prefix : prefix.substr(0, prefix.size() - 1)) {
     if (o.shared_experts < 0)
@@ -92,17 +77,15 @@ struct layer {
                   " chunks; 1 (no pipelining) or more");
     if (o.shared_experts > 0) {
       const index_t Hs = H * o.shared_experts;
-      std::optional<weight<"MH", at_tokens>> up;
-      if (o.ffn == ffn_kind::swiglu) up.emplace(ps, prefix + "shared_w1_up", shape<2>{M, Hs}, init::normal(1.0 / std::sqrt(double(M))));
-      shared = shared_params{weight<"MH", at_tokens>(ps, prefix + "shared_w1", {M, Hs}, init::normal(1.0 / std::sqrt(double(M)))), up,
-                             weight<"HM", at_tokens>(ps, prefix + "shared_w2", {Hs, M}, init::normal(1.0 / std::sqrt(double(Hs))))};
+      shared.emplace(ps, o.ffn, std::array<std::string, 3>{prefix + "shared_w1", prefix + "shared_w1_up", prefix + "shared_w2"},
+                     shape<2>{M, Hs}, shape<2>{Hs, M});
     }
     if (o.balance == balance_mode::bias) bias.emplace(ps, prefix + "router_bias", shape<1>{E}, init::zeros());
   }
   layer(parameters<Mesh>& ps, const std::string& prefix, index_t M, index_t H, index_t E, ffn_kind kind)
       : layer(ps, prefix, M, H, E, layer_options{kind, 0, balance_mode::aux}) {}
 
-  index_t experts() const { return gate.value().extent(1); }
+  index_t experts() const { return router.value().extent(1); }
 
   template <class X>
   struct output {
@@ -123,15 +106,15 @@ struct layer {
                   dispatch_mode mode = dispatch_mode::index) const {
     static_assert(std::is_same_v<typename V::tensor_type, named<T, "GSM", Mesh, at_tokens>>,
                   "gshard::moe::layer: the input is named<T, \"GSM\", Mesh, at_tokens> (groups over the batch axes)");
-    if (x.extent(2) != gate.value().extent(0))
+    if (x.extent(2) != router.value().extent(0))
       throw shape_error("gshard::moe::layer: the input " + x.notation() + " does not fit the router " +
-                        gate.value().notation());
+                        router.value().notation());
     if ((cfg.balance == balance_mode::bias) != bias.has_value())
       throw error(std::string("gshard::moe::layer: the gating asks for balance_mode::") +
                   (cfg.balance == balance_mode::bias ? "bias" : "aux") + " but the layer was declared with " +
                   (bias ? "balance_mode::bias" : "balance_mode::aux") + " (layer_options::balance)");
     const bool training = x.on_tape().recording();
-    auto route = moe::gate(einsum<"GSM,ME->GSE">(x, gate), cfg, stream, bias ? bias->value().data() : nullptr,
+    auto route = moe::gate(einsum<"GSM,ME->GSE">(x, router), cfg, stream, bias ? bias->value().data() : nullptr,
                            training);  // router logits: local
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
@@ -159,7 +142,7 @@ struct layer {
     }();
     auto out = mode == dispatch_mode::index ? combine(route, std::move(y))
                                             : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
-    if (shared) out = std::move(out) + shared_ffn(x);
+    if (shared) out = std::move(out) + ffn<at_tokens>(x, *shared);  // every token, one all_reduce over the model axes
     return output<decltype(out)>{std::move(out), route.aux, route.z_loss, route.stats, route.route};
   }
 
@@ -168,25 +151,7 @@ struct layer {
   // [E{expert},G{data},C,M], with model axes one all_reduce over them at the end.
   template <class XE>
   auto experts_ffn(const XE& xe) const {
-    auto h = [&] {  // [E{expert},G{data},C,H{model}]: the experts live here
-      if (options.ffn == ffn_kind::relu) return relu(einsum<"EGCM,EMH->EGCH">(xe, wi));
-      // wi used before wi_up, in their declaration order (as every weight
-      // is): gradients complete in reverse, the order buckets and the cost model take.
-      auto gate = silu(einsum<"EGCM,EMH->EGCH">(xe, wi));
-      return std::move(gate) * einsum<"EGCM,EMH->EGCH">(xe, *wi_up);
-    }();
-    return einsum<"EGCH,EHM->EGCM", at_experts>(h, wo);
-  }
-
-  // The shared experts: every token, [G,S,H{model}] hidden units, one all_reduce over the model axes.
-  template <class V>
-  auto shared_ffn(const V& x) const {
-    auto a = [&] {
-      if (!shared->w1_up) return relu(einsum<"GSM,MH->GSH">(x, shared->w1));
-      auto up = einsum<"GSM,MH->GSH">(x, *shared->w1_up);  // first: declared before shared_w1 (the constructor)
-      return silu(einsum<"GSM,MH->GSH">(x, shared->w1)) * std::move(up);
-    }();
-    return einsum<"GSH,HM->GSM", at_tokens>(a, shared->w2);
+    return ffn<at_experts>(xe, expert_ffn);
   }
 
   // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices

@@ -1,0 +1,205 @@
+// gshard/ad/communication.hpp — the operations on the tape that may
+// communicate: einsum (its output's reshard), reshard and the one-collective
+// forms, and start_reshard (a reshard in flight while the model computes).
+// Their gradient rules run the transposed einsums and collectives, planned at
+// compile time from the gradient's pending layout: all_gather <->
+// reduce_scatter (or a local slice), all_to_all <-> all_to_all, all_reduce
+// <-> nothing; a replicated weight's gradient stays pending over the batch
+// axes until its slot is reduced (gshard/buckets.hpp).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#include "gshard/ad/operands.hpp"
+#include "gshard/ad/tape.hpp"
+#include "gshard/einsum.hpp"
+#include "gshard/grad.hpp"
+#include "gshard/tensor_collectives.hpp"
+
+namespace gshard {
+
+namespace detail {
+template <fixed_string Spec, class Out, class ZA, class ZB>
+using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sharding_type,
+                                   typename ZB::sharding_type, Out>;
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------
+// einsum on vars and parameters: einsum<"BLM,MNK->BLNK">(h, w.wq).
+
+template <fixed_string Spec, class Out = natural_sharding, class A, class B>
+  requires(detail::ad_operand<A> && detail::ad_operand<B>)
+auto einsum(const A& a_in, const B& b_in) {
+  tape& t = detail::tape_of(a_in, b_in);
+  const auto a = detail::as_var(t, a_in);
+  const auto b = detail::as_var(t, b_in);
+  using XA = detail::tensor_of<decltype(a)>;
+  using XB = detail::tensor_of<decltype(b)>;
+  auto z = einsum<Spec, Out>(a.value(), b.value());
+  using Z = decltype(z);
+  auto out = t.output(std::move(z), a.tracked() || b.tracked());
+  if (out.tracked()) {
+    using natural = typename detail::einsum_plan_of<Spec, Out, XA, XB>::natural;
+    // dA needs b, dB needs a: keep only what a rule will read.
+    std::shared_ptr<const XA> keep_a = b.tracked() ? a.shared() : nullptr;
+    std::shared_ptr<const XB> keep_b = a.tracked() ? b.shared() : nullptr;
+    t.record([tp = &t, zs = out.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), keep_a, keep_b] {
+      // One plan from the pending layout: the reduction, and Out's reshard transposed.
+      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
+      if (!dz) return;
+      if (as >= 0) tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, keep_b.get(), ea));
+      if (bs >= 0) tp->slot<XB>(bs).add(detail::einsum_operand_grad<Spec, 1, XB>(*dz, keep_a.get(), eb));
+    });
+  }
+  return out;
+}
+
+template <fixed_string Spec, class Out = natural_sharding, class A>
+  requires detail::ad_operand<A>
+auto einsum(const A& a_in) {
+  tape& t = detail::tape_of(a_in);
+  const auto a = detail::as_var(t, a_in);
+  using XA = detail::tensor_of<decltype(a)>;
+  auto z = einsum<Spec, Out>(a.value());
+  using Z = decltype(z);
+  auto out = t.output(std::move(z), a.tracked());
+  if (out.tracked()) {
+    using natural = typename einsum_plan<Spec, typename XA::mesh_type, typename XA::sharding_type, void, Out>::natural;
+    t.record([tp = &t, zs = out.slot(), as = a.slot(), ea = a.extents()] {
+      auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
+      if (!dz) return;
+      tp->slot<XA>(as).add(detail::einsum_operand_grad<Spec, 0, XA>(*dz, static_cast<const XA*>(nullptr), ea));
+    });
+  }
+  return out;
+}
+
+// A var or parameter with a plain tensor: a weight nobody declared would
+// silently receive no gradient, so it does not compile.
+template <fixed_string Spec, class Out = natural_sharding, class A, class B>
+  requires((detail::ad_operand<A> && sharded_tensor<B>) || (sharded_tensor<A> && detail::ad_operand<B>))
+auto einsum(const A&, const B&) {
+  static_assert(sizeof(A) == 0,
+                "gshard::einsum: one operand is a var or parameter, the other a plain tensor; declare the tensor as a "
+                "gshard::param (to train it) or pass tape.constant(t) (to hold it fixed)");
+}
+
+// ---------------------------------------------------------------------------
+// Resharding a var: reshard<To or rules>(v) and the one-collective forms.
+
+template <class ToOrRules, class V>
+  requires var_type<V>
+auto reshard(V&& v) {
+  using X = detail::tensor_of<V>;
+  tape& t = v.on_tape();
+  const int xs = v.slot();
+  auto y = reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  using Y = decltype(y);
+  auto out = t.output(std::move(y), xs >= 0);
+  if (out.tracked())
+    t.record([tp = &t, ys = out.slot(), xs] {
+      // The forward's collectives transposed, planned from dy's pending
+      // layout: a pending dy of an all_gather becomes one reduce_scatter.
+      auto dx = tp->slot<Y>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (dx) tp->slot<X>(xs).add(std::move(*dx));
+    });
+  return out;
+}
+
+// A reshard of a var started now and finished later: start_reshard<To>(v)
+// posts its collective (gshard/reshard.hpp's start_reshard), wait() gives
+// the var in To. On a recording tape it is two operations, so the backward
+// runs them transposed and reversed too: wait()'s rule starts the
+// gradient's collective (the forward's, transposed) and start_reshard's
+// rule finishes it — what the forward computes between the two, the
+// backward computes (transposed) while the gradient travels. The MoE
+// layer's all_to_alls pipelined with its experts are built of these.
+template <class Y, class X>
+class [[nodiscard]] var_in_flight {
+ public:
+  var_in_flight(tape& t, int xs, reshard_request<Y>&& r) : t_(&t), xs_(xs), f_(std::make_shared<flight>()) {
+    f_->forward.emplace(std::move(r));
+    if (xs >= 0)
+      t.record([tp = &t, xs, f = f_] {
+        if (!f->backward) return;  // the result received no gradient
+        auto dx = f->backward->wait();
+        f->backward.reset();
+        tp->slot<X>(xs).add(std::move(dx));
+      });
+  }
+
+  // The resharded var; once.
+  var<Y> wait() {
+    if (!f_->forward)
+      throw error("gshard::var_in_flight: wait() was called before on this reshard of " +
+                  to_string<typename X::sharding_type>(X::rank, X::labels) + " to " +
+                  to_string<typename Y::sharding_type>(Y::rank, Y::labels) + "; it hands the var out once");
+    auto y = f_->forward->wait();
+    f_->forward.reset();
+    auto out = t_->output(std::move(y), xs_ >= 0);
+    if (out.tracked())
+      t_->record([tp = t_, ys = out.slot(), f = f_, mesh = &out.mesh(), extents = out.extents()] {
+        // Planned from dy's pending layout, as reshard's rule: a pending dy
+        // of an all_gather becomes one reduce_scatter; a plan that ends in
+        // an all_to_all leaves it in flight.
+        auto dy = tp->slot<Y>(ys).take_pending();
+        if (!dy) return;  // the result received no gradient (on every rank: the program is the same)
+        using mesh_t = typename X::mesh_type;
+        constexpr detail::rlayout to = detail::bind_layout<mesh_t, X::rank, gradient_sharding<typename X::sharding_type>>::value;
+        const auto plan = detail::plan_reshard(dy->second, to, mesh->naxes(), mesh->sizes());
+        f->backward.emplace(*mesh, extents, plan, std::move(dy->first));
+      });
+    return out;
+  }
+
+ private:
+  using dx_type = detail::gradient_of<X>;
+  struct flight {
+    std::optional<reshard_request<Y>> forward;
+    std::optional<reshard_request<dx_type>> backward;
+  };
+  tape* t_;
+  int xs_;
+  std::shared_ptr<flight> f_;  // shared with the two rules
+};
+
+template <class ToOrRules, class V>
+  requires var_type<V>
+[[nodiscard]] auto start_reshard(V&& v) {
+  using X = detail::tensor_of<V>;
+  tape& t = v.on_tape();
+  const int xs = v.slot();
+  auto r = start_reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  using Y = decltype(r.wait());
+  return var_in_flight<Y, X>(t, xs, std::move(r));
+}
+
+// The one-collective forms on the tape: the same targets (and checks) as
+// the tensor forms of tensor_collectives.hpp, which cannot see var (the tape is a
+// layer above); reshard of a var records the transposed collective.
+template <fixed_string Axis, class V>
+  requires var_type<V>
+auto all_reduce(V&& v) {
+  return reshard<typename detail::all_reduce_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, class V>
+  requires var_type<V>
+auto all_gather(V&& v) {
+  return reshard<typename detail::all_gather_target<detail::tensor_of<V>, Axis>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, int Dim, class V>
+  requires var_type<V>
+auto reduce_scatter(V&& v) {
+  return reshard<typename detail::reduce_scatter_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
+}
+template <fixed_string Axis, int Dim, class V>
+  requires var_type<V>
+auto all_to_all(V&& v) {
+  return reshard<typename detail::all_to_all_target<detail::tensor_of<V>, Axis, Dim>::type>(std::forward<V>(v));
+}
+
+}  // namespace gshard
