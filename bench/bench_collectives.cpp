@@ -2,9 +2,8 @@
 // call on the same buffers, 4 KiB to 64 MiB per rank. Each iteration runs the
 // forms back to back (raw MPI, gshard buffer collective, gshard tensor
 // collective, in rotating order), each after a barrier and timed as the
-// slowest rank, so drift
-// and noise hit all forms alike; the counters are medians of per-iteration
-// ratios.
+// slowest rank, so drift and noise hit all forms alike; the counters are
+// medians of per-iteration ratios.
 //   scripts/mpirun -np 2 build/bench/bench_collectives --benchmark_min_time=0.2
 // Counters: mpi_us (raw call), gshard/mpi, tensor/mpi. The tensor form works
 // on an lvalue and allocates its result; its all_reduce is therefore out of

@@ -1,15 +1,7 @@
 // bench/bench_moe.cpp — the MoE layer and a Transformer block, forward.
 //   scripts/mpirun -np 2 build/bench/bench_moe --benchmark_filter=layer
-// layer: the reference configuration, 4096 tokens per rank (groups of S=1024),
-//   M=512, H=2048, E=8, capacity factor 2. Counters: tokens/s per rank; the
-//   expert FFN's FLOPs per rank over the whole forward's time, in GFLOP/s and
-//   as a share of the fp32 FMA peak measured in the run (mpi_bench.hpp); and a direct
-//   GEMM loop over the same expert shapes (preallocated, contiguous) measured
-//   in the same iterations.
-// block: one pre-norm Transformer block with an MoE FFN (attention + MoE).
-// attention: batch split against heads split over "model" (timed: heads).
-// dispatch/<form>/<S>: dispatch + combine alone on one rank (E=8, M=512, one
-//   group): the one-hot einsums against the index form.
+// Benchmarks layer, block, attention and dispatch: the comment above each
+// says what it measures.
 #include <gshard/gshard.hpp>
 #include <gshard/model/transformer.hpp>
 
@@ -25,6 +17,12 @@ struct moe_setup {
   index_t tokens_per_rank = 4096, S = 1024, M = 512, H = 2048, E = 8;
 };
 
+// layer: the reference configuration, 4096 tokens per rank (groups of S=1024),
+// M=512, H=2048, E=8, capacity factor 2. Counters: tokens/s per rank; the
+// expert FFN's FLOPs per rank over the whole forward's time, in GFLOP/s and
+// as a share of the fp32 FMA peak measured in the run (mpi_bench.hpp); and a
+// direct GEMM loop over the same expert shapes (preallocated, contiguous)
+// measured in the same iterations.
 void layer(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
   const moe_setup cfgs;
@@ -59,6 +57,7 @@ void layer(benchmark::State& state) {
   state.counters["vs_gemm"] = 1.0 / c.median_ratio[1];
 }
 
+// block: one pre-norm Transformer block with an MoE FFN (attention + MoE).
 void block(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
   model::config c;
@@ -114,6 +113,8 @@ void attention(benchmark::State& state) {
   state.counters["heads_vs_batch"] = cmp.median_ratio[1];
 }
 
+// dispatch/<form>/<S>: dispatch + combine alone on one rank (E=8, M=512, one
+// group): the one-hot einsums against the index form.
 void dispatch(benchmark::State& state, bool einsum_form) {
   using one = mesh<axis<"data", 1>, axis<"expert", 1>>;
   static one m(MPI_COMM_SELF);

@@ -1,28 +1,9 @@
-// bench/bench_train.cpp — training.
+// bench/bench_train.cpp — training: the trainer's step, its parts (GEMMs,
+// memory, weight update, buckets, remat, cost model) and the MoE layer and
+// attention alone.
 //   scripts/mpirun -np 2 build/bench/bench_train
-// step/sharded_update:0|1: one training step of the trainer's model
-//   (examples/train.cpp: M=128, 4 heads of 32, H=256, E=8, 4 blocks, 16
-//   sequences of 128 bytes), the weight update replicated (0) or sharded (1),
-//   forward-only model with the derived backward: tokens/s, the step split
-//   into all_to_all, all_reduce and the rest (compute), from the
-//   collectives' own timers (slowest rank), page faults per step, and the
-//   step's model FLOPs and MFU against the FMA peak measured in the run.
-// step_gemms: the step against its own GEMMs replayed alone (below).
-// step_memory: peak resident memory per rank of a process that ran steps
-//   (run it alone with --benchmark_filter: the peak is the process's), and
-//   page faults per step after three warm-up steps.
-// remat, remat_vs_kept: rematerialisation at 8 blocks (below).
-// cost_model: the cost model's predicted step against the measured one (below).
-// bucket_sizes: one collective per weight against buckets of three sizes (below).
-// moe_layer: the MoE layer alone in its reference configuration (4096
-//   tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
-//   backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
-//   called directly in the same iterations: of_gemm_rate, the median ratio
-//   of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
-// moe_overlap: the same layer with its all_to_alls pipelined in 1, 2, 4, 8 chunks (below).
-// attention: causal_attention against the einsums it replaced and their dense GEMMs (below).
-// (docs/10_performance.md compares these with the hand-written backward
-// they replaced, measured before it was deleted.)
+// The comment above each benchmark says what it measures;
+// docs/10_performance.md discusses the results.
 #include <gshard/gshard.hpp>
 #include <gshard/model/machine.hpp>
 #include <gshard/model/train.hpp>
@@ -85,6 +66,13 @@ struct trainer {
   void step() { model::train_step(tr, ps, opt, tokens, s++); }
 };
 
+// step/sharded_update:0|1: one training step of the trainer's model
+// (examples/train.cpp: M=128, 4 heads of 32, H=256, E=8, 4 blocks, 16
+// sequences of 128 bytes), the weight update replicated (0) or sharded (1),
+// the backward derived by the tape: tokens/s, the step split into
+// all_to_all, all_reduce and the rest (compute), from the collectives' own
+// timers (slowest rank), page faults per step, and the step's model FLOPs
+// and MFU against the FMA peak measured in the run.
 void step(benchmark::State& state) {
   trainer b(state.range(0) == 1);
   b.step();  // warm up
@@ -168,6 +156,9 @@ void step_gemms(benchmark::State& state) {
   state.counters["gemm_bound_mfu"] = step_flops / r.median_time[1] / (P * peak);
 }
 
+// step_memory: peak resident memory per rank of a process that ran steps
+// (run it alone with --benchmark_filter: the peak is the process's), and
+// page faults per step after three warm-up steps.
 void step_memory(benchmark::State& state) {
   trainer b;
   for (int i = 0; i < 3; ++i) b.step();  // steady state
@@ -362,6 +353,11 @@ void cost_model(benchmark::State& state) {
   }
 }
 
+// moe_layer: the MoE layer alone in its reference configuration (4096
+// tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
+// backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
+// called directly in the same iterations: of_gemm_rate, the median ratio
+// of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
 void moe_layer(benchmark::State& state) {
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;

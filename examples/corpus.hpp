@@ -1,18 +1,12 @@
 // examples/corpus.hpp — the trainer's text, split into training and held-out
 // parts by document, read by rank 0 and broadcast.
-//
 // The default is the GNU Collaborative International Dictionary of English
 // (Debian's dict-gcide, installed by scripts/setup): 40 MB of English prose
-// in 126,000 entries, shipped as one dictzip file (gzip-compatible, read
-// here with zlib) and its index. A dictionary is a good held-out test for a
-// small model: a headword held out is a word it has never seen defined, not
-// a shuffled copy of text it trained on. Without it, the licence texts of every Debian system
+// in 126,000 entries; without it, the licence texts of every Debian system
 // (/usr/share/common-licenses, 213 KB — small enough to be memorised).
-//
 // Documents: a dictionary's entries (a `.dict` or `.dict.dz` file), the
-// files of a directory, or a single file as one. With 10 or more, a tenth is
-// held out (a dictionary's by headword, files every 10th); with fewer, the
-// last 10% of the bytes. Files named `.gz` or `.dz` are decompressed.
+// files of a directory, or a single file as one. Files named `.gz` or `.dz`
+// are decompressed.
 #pragma once
 
 #include <zlib.h>
@@ -50,7 +44,8 @@ inline bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// A gzip (or dictzip) file's contents; "" or the problem.
+// A gzip (or dictzip) file's contents; "" or the problem. The dictionary
+// ships as one dictzip file (gzip-compatible, read here with zlib) and its index.
 inline std::string read_gzip(const std::string& path, std::string& out) {
   errno = 0;
   gzFile f = gzopen(path.c_str(), "rb");
@@ -189,7 +184,8 @@ inline std::string read_documents(const std::string& path, std::vector<document>
 }
 
 // Held out: a tenth of the headwords (by a hash of the lowercased headword,
-// so an entry held out is a word the model never saw defined), or of files
+// so an entry held out is a word the model never saw defined, not a shuffled
+// copy of text it trained on: a good test for a small model), or of files
 // every 10th; with fewer than 10 documents, the last 10% of the bytes.
 inline corpus split_documents(std::vector<document>& docs, std::string what) {
   corpus c;

@@ -79,8 +79,8 @@ def rank_pids(parent_cmd_tail):
 
 # OpenMPI 4.1.4's mpirun, given SIGTERM or SIGINT, sends the ranks SIGCONT at once, SIGTERM
 # odls_base_sigkill_timeout (1 s) later and SIGKILL as long again after that, and stops reading
-# the ranks' output from the start: a rank that prints a line per step fills the pipe (121 steps of
-# ~5 ms at stop 28) and blocks in write(2) before its SIGTERM comes, never reaching the step boundary
+# the ranks' output from the start: a rank that prints a line per step fills the pipe (about 120
+# steps of ~5 ms) and blocks in write(2) before its SIGTERM comes, never reaching the step boundary
 # that would stop it (seen with strace). So the runs stopped through mpirun print a line every 10
 # steps. The step (~10 ms here), the save (~18 MB, ~60 ms) and the prints fit in the second between
 # SIGTERM and SIGKILL.

@@ -2,9 +2,7 @@
 // that is not a whole program. test/check_doc_programs.py compiles every
 // fragment (-fsyntax-only, all in one translation unit, each in a namespace
 // of its own) inside the context its marker names:
-//
 //   <!-- compile: context=NAME -->      (on the line before the block)
-//
 // A context runs from `// context: NAME` to the next context; the fragment
 // goes where `//@fragment` stands. Templates are instantiated (explicitly or
 // through decltype) so the fragment's body is checked, not only parsed.

@@ -1,21 +1,8 @@
 // Faults that must end the whole job promptly with a clear message and a
 // non-zero exit, never hang. test/meson.build runs each mode under
-// test/expect_abort.py with the text it must print.
-//   throw         one rank throws while the others already wait in a collective
-//   bad_shard     one rank builds a tensor from a local shard of the wrong extents
-//   debug_kind    (GSHARD_DEBUG=1) one rank all_gathers where the others all_reduce
-//   debug_axes    (GSHARD_DEBUG=1) one rank reduces over another axis
-//   debug_type    (GSHARD_DEBUG=1) one rank reduces floats, the others doubles
-//   debug_count   (GSHARD_DEBUG=1) one rank reduces one element more
-//   debug_extra   (GSHARD_DEBUG=1) one rank runs a collective the others do not
-//   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
-//   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
-//   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
-//   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
-//   train_throw   one rank throws between the forward and the backward of a step
-//   train_kill    one rank is killed by SIGKILL in the middle of a step
-//   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
-//   bad_target    one rank's batch has a target byte outside the vocabulary
+// test/expect_abort.py with the text it must print. The modes are listed
+// above main() and train().
+//   GSHARD_DEBUG=1 scripts/mpirun -np 3 build/test/faults debug_kind
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
@@ -29,6 +16,11 @@ using grid = mesh<axis<"data">, axis<"expert">>;
 
 namespace {
 
+// The training modes:
+//   train_throw   one rank throws between the forward and the backward of a step
+//   train_kill    one rank is killed by SIGKILL in the middle of a step
+//   train_nan     one rank's parameters hold a NaN: the loss is NaN on every rank
+//   bad_target    one rank's batch has a target byte outside the vocabulary
 void train(const grid& m, std::string_view mode) {
   const int victim = m.nranks() - 1;
   model::config c;
@@ -61,6 +53,18 @@ void train(const grid& m, std::string_view mode) {
 
 }  // namespace
 
+// The modes, training's aside (train() above):
+//   throw         one rank throws while the others already wait in a collective
+//   bad_shard     one rank builds a tensor from a local shard of the wrong extents
+//   debug_kind    (GSHARD_DEBUG=1) one rank all_gathers where the others all_reduce
+//   debug_axes    (GSHARD_DEBUG=1) one rank reduces over another axis
+//   debug_type    (GSHARD_DEBUG=1) one rank reduces floats, the others doubles
+//   debug_count   (GSHARD_DEBUG=1) one rank reduces one element more
+//   debug_extra   (GSHARD_DEBUG=1) one rank runs a collective the others do not
+//   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
+//   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
+//   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
+//   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
   const std::string_view mode = argc > 1 ? argv[1] : "throw";

@@ -1,8 +1,8 @@
 // Exhaustive resharding: every (source, target) pair of shardings of rank-1,
 // 2 and 3 tensors over every mesh that fits the world — (P), (1,P), (P,1),
 // (2,2) at 4 ranks, (2,4) and (4,2) at 8 — against the global tensor, with
-// the exact collectives checked against the plan and against the design's
-// transition table wherever a single axis changes.
+// the exact collectives checked against the plan and against the
+// transition table of docs/03_resharding.md wherever a single axis changes.
 #include <gshard/gshard.hpp>
 
 #include <algorithm>
@@ -39,7 +39,7 @@ axis_state state_of(const rlayout& l, int a) {
   return {0, -1, -1};
 }
 
-// The design's table for a change of one axis; nullopt where it says nothing.
+// docs/03's table for a change of one axis; nullopt where it says nothing.
 std::optional<std::vector<collective>> table(const axis_state& from, const axis_state& to) {
   using C = collective;
   if (from.kind == 2 && to.kind == 0) return std::vector{C::all_gather};
@@ -128,7 +128,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
       }
       if (events != planned) t.fail(what + ": collectives differ from the plan");
 
-      // 3. The design's table, where exactly one axis changes.
+      // 3. docs/03's table, where exactly one axis changes.
       int changed = -1, nchanged = 0;
       for (int a = 0; a < m.naxes(); ++a)
         if (!(state_of(from, a) == state_of(to, a))) {

@@ -1,23 +1,9 @@
 // gshard/attention.hpp — causal self-attention in one operation:
 //   o = causal_attention(q, k, v, scale)
 // is einsum<"BNLT,BTNK->BLNK">(causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k),
-// scale), v) — q [B, L, N, K], k and v [B, T, N, K] (batch, position, head,
-// head dim), row l attending to positions t <= l — computed per sequence and
-// head in blocks of rows (detail/attention.hpp): the [B, N, L, T] logits
-// never go through memory whole and the blocks above the diagonal are not
-// computed. No communication: q, k and v share one sharding, which may
-// split the batch and the heads but not the positions or the head dim.
-//
-// Model FLOPs (counters.hpp) count the two dense einsums it stands for, so
-// a step's model FLOPs and MFU do not depend on how attention is computed
-// (as PaLM's MFU counts attention); the trace span gives the FLOPs the
-// blocks run ("flops") and the dense count ("dense_flops").
-//
-// On a tape it keeps q, k, v and the probabilities [B, N, L, T] for its
-// backward, or with attention_memory::recompute_probabilities two numbers
-// per row, from which the backward computes each block's probabilities
-// again (FlashAttention's trade: one more QKᵀ GEMM and exp per block; the
-// gradients are the same bit for bit).
+// scale), v), computed per sequence and head in blocks of rows
+// (detail/attention.hpp): the [B, N, L, T] logits never go through memory
+// whole and the blocks above the diagonal are not computed.
 #pragma once
 
 #include <concepts>
@@ -35,7 +21,10 @@
 
 namespace gshard {
 
-// What causal_attention keeps on a tape for its backward.
+// What causal_attention keeps on a tape for its backward: q, k, v and the
+// probabilities, or two numbers per row from which the backward computes
+// each block's probabilities again (FlashAttention's trade: one more QKᵀ
+// GEMM and exp per block; the gradients are the same bit for bit).
 enum class attention_memory {
   keep_probabilities,       // [B, N, L, T]: the backward reads them
   recompute_probabilities,  // two numbers per row, [B, N, L]: the backward computes each block's again
@@ -109,13 +98,17 @@ attention_extents attention_shape(const Q& q, const K& k, const V& v) {
 }
 
 // The FLOPs of the dense einsums over the global extents, this rank's share
-// (the convention of model_flops()).
+// (the convention of model_flops()). Model FLOPs (counters.hpp) count the
+// dense einsums attention stands for, so a step's model FLOPs and MFU do not
+// depend on how attention is computed (as PaLM's MFU counts attention).
 template <class Q, class K>
 double attention_model_flops(const Q& q, const K& k) {
   const attention_extents g{q.extent(0), q.extent(1), k.extent(1), q.extent(2), q.extent(3)};
   return g.dense_flops() / double(q.mesh().nranks());
 }
 
+// The trace span gives the FLOPs the blocks run ("flops") and the dense count
+// ("dense_flops").
 inline void trace_attention(const char* name, double t0, const attention_extents& e, double passes) {
   if (trace::enabled())
     trace::add(name, "einsum", t0, trace::now(),
@@ -185,7 +178,10 @@ std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, 
 }  // namespace detail
 
 // Causal self-attention: softmax(causal_mask(scale · q·kᵀ))·v per sequence
-// and head, q [B, L, N, K], k and v [B, T, N, K] (above). Returns q's type.
+// and head, q [B, L, N, K], k and v [B, T, N, K] (batch, position, head, head
+// dim), row l attending to positions t <= l. Returns q's type. No
+// communication: q, k and v share one sharding, which may split the batch and
+// the heads but not the positions or the head dim.
 template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
 std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, double scale) {
   using XQ = std::remove_cvref_t<Q>;

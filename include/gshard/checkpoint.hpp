@@ -5,15 +5,7 @@
 // the sharding the current program uses, so a checkpoint written at one rank
 // count loads at any other. Every problem is found on rank 0 and raised as
 // gshard::checkpoint_error on every rank, naming the file and what is wrong.
-//
-// Format (native byte order, little-endian on x86-64):
-//   "GSHARDCK" u32 version=1
-//   u64 n_meta, then n_meta × { u32 len, name, f64 value }
-//   u64 n_records, then n_records × {
-//     u32 len, name; u8 element bytes (4 or 8); u32 rank; u64 extents[rank];
-//     u32 len, sharding text when saved; u64 n_bytes; data (global, row-major);
-//     u64 FNV-1a of the data }
-//   "GSHARDEND" u64 FNV-1a of every byte before "GSHARDEND"
+//   save_checkpoint(path, mesh, parts, meta);  meta = load_checkpoint(path, mesh, parts);
 #pragma once
 
 #include <cstdio>
@@ -39,6 +31,14 @@ class checkpoint_error : public error {
 
 namespace detail {
 
+// The file's format (native byte order, little-endian on x86-64):
+//   "GSHARDCK" u32 version=1
+//   u64 n_meta, then n_meta × { u32 len, name, f64 value }
+//   u64 n_records, then n_records × {
+//     u32 len, name; u8 element bytes (4 or 8); u32 rank; u64 extents[rank];
+//     u32 len, sharding text when saved; u64 n_bytes; data (global, row-major);
+//     u64 FNV-1a of the data }
+//   "GSHARDEND" u64 FNV-1a of every byte before "GSHARDEND"
 struct ckpt_writer {
   std::string buf;
   template <class V>
@@ -59,8 +59,8 @@ struct ckpt_record {
 };
 
 // Parses and checks the whole file on the root; returns "" or the problem.
-// One piece: a sequential reader of the format, field after field, whose
-// lambdas carry the position and the name of what is being read.
+// Reads the format field after field; its lambdas carry the position and
+// the name of what is being read, for the message.
 inline std::string parse_checkpoint(const std::string& f, std::map<std::string, double>& meta,
                                     std::map<std::string, ckpt_record>& records) {
   std::size_t at = 0;
@@ -208,9 +208,9 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 // Loads into `parts` (which must have the saved names, element types and
 // global shapes; their shardings may differ from the saved ones) and returns
 // the metadata. A record under a part's prefix that no part has is refused
-// too; records under other prefixes are not read. Kept as one piece: the
-// root's checks, the one agreement on them and the broadcasts must stay in
-// this order for every rank to throw the same error or none.
+// too; records under other prefixes are not read. The root's checks, the
+// one agreement on them and the broadcasts run in this order so that every
+// rank throws the same error or none.
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;

@@ -1,17 +1,7 @@
 // gshard/einsum_sharding.hpp — GShard's partitioning rules for an einsum, per
 // mesh axis, at compile time: from the operands' shardings, the local slices
 // (free: no communication), the natural output sharding, and the errors for
-// combinations the rules do not cover. Knows nothing of MPI.
-//
-//   operands on axis x                              natural output on x
-//   both replicated                                 replicated
-//   batch label b split in both                     split(b)
-//   free label split in its operand                 split(that label)
-//   contracting k split in both                     partial
-//   k or b split in one, the other replicated       slice the other locally, then as above
-//   summed label (one input, not the output) split  partial
-//   one operand partial, the other replicated       partial
-//   anything else                                   compile error naming x and the labels
+// combinations the rules do not cover (plan_einsum_sharding). Knows nothing of MPI.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +34,16 @@ constexpr char label_on(const einsum_spec& s, const rlayout& l, int op, int a) {
   return d < 0 ? 0 : s.in[op][d];
 }
 
+// The rules, per mesh axis x:
+//   operands on axis x                              natural output on x
+//   both replicated                                 replicated
+//   batch label b split in both                     split(b)
+//   free label split in its operand                 split(that label)
+//   contracting k split in both                     partial
+//   k or b split in one, the other replicated       slice the other locally, then as above
+//   summed label (one input, not the output) split  partial
+//   one operand partial, the other replicated       partial
+//   anything else                                   compile error naming x and the labels
 constexpr einsum_sharding plan_einsum_sharding(const einsum_spec& s, const rlayout* in, int naxes) {
   einsum_sharding r;
   for (int op = 0; op < s.nin; ++op) r.in[op] = in[op];

@@ -1,19 +1,13 @@
 // gshard/preemption.hpp — stopping a run cleanly when the job is told to.
-// Slurm and mpirun send SIGTERM at a time limit or on preemption; a user at
-// the terminal sends SIGINT (Ctrl-C; mpirun passes it on as SIGTERM). While a
-// gshard::preemption lives, the first SIGTERM or SIGINT a rank receives is
-// only noted (and said on stderr); `requested(mesh)` — collective, called at
-// a step boundary — tells every rank whether any rank received one, so all
-// stop after the same step, save, and exit. A second signal ends the process
-// at once (the signal's default action).
+// While a gshard::preemption lives, the first SIGTERM or SIGINT a rank
+// receives is only noted; requested(mesh), at a step boundary, tells every
+// rank whether any rank received one, so all stop after the same step, save,
+// and exit. A second signal ends the process at once.
 //   gshard::preemption stop;
 //   for (int step = 0; step < n; ++step) {
 //     if (int sig = stop.requested(mesh)) { save(step); return 128 + sig; }
 //     train_step(...);
 //   }
-// OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told to
-// wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
-// delays the exit of every aborted job; docs/07). Slurm waits KillWait.
 #pragma once
 
 #include <cerrno>
@@ -59,6 +53,12 @@ inline void on_stop_signal(int sig) {
 }
 }  // namespace detail
 
+// Slurm and mpirun send SIGTERM at a time limit or on preemption; a user at
+// the terminal sends SIGINT (Ctrl-C; mpirun passes it on as SIGTERM). The
+// first one is noted and said on stderr; a second takes the signal's default
+// action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
+// to wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
+// delays the exit of every aborted job; docs/07). Slurm waits KillWait.
 class preemption {
  public:
   preemption() {

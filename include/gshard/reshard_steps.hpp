@@ -2,15 +2,6 @@
 // single-axis steps, each one collective or one local slice. The planner is
 // constexpr: reshard<Target> computes its plan at compile time, tests can also
 // run it on layouts built at run time. Knows nothing of MPI.
-//
-// Per mesh axis (the design's transition table):
-//   split(d) -> replicate    all_gather        (the axis must be d's minor-most)
-//   replicate -> split(d)    slice, local      (the axis becomes d's minor-most)
-//   split(a) -> split(b)     all_to_all
-//   partial -> replicate     all_reduce (one over all such axes at once)
-//   partial -> split(d)      reduce_scatter
-//   replicate -> partial     zero_partial, local (coordinate 0 keeps the value)
-//   same blocks, other ranks permute           (one step for the whole mesh)
 #pragma once
 
 #include <cstdint>
@@ -128,9 +119,16 @@ constexpr void apply(rlayout& l, const reshard_step& s) {
 // Plans src -> dst over a mesh of `naxes` axes whose sizes are `sizes`
 // (gshard::dynamic, i.e. -1, where unknown). Greedy and deterministic: local
 // steps first; then all_to_all, reduce_scatter, all_reduce, all_gather, each
-// only where it moves an axis toward its place in dst. One piece: the rules
-// in their order of priority, a few lines each, emitting into one plan (and
-// the docs' list of them, chapter 3, reads the same top to bottom).
+// only where it moves an axis toward its place in dst: the rules in their
+// order of priority, as chapter 3 of the docs lists them. Per mesh axis
+// (docs/03_resharding.md's table):
+//   split(d) -> replicate    all_gather        (the axis must be d's minor-most)
+//   replicate -> split(d)    slice, local      (the axis becomes d's minor-most)
+//   split(a) -> split(b)     all_to_all
+//   partial -> replicate     all_reduce (one over all such axes at once)
+//   partial -> split(d)      reduce_scatter
+//   replicate -> partial     zero_partial, local (coordinate 0 keeps the value)
+//   same blocks, other ranks permute           (one step for the whole mesh)
 constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int naxes, const index_t* sizes) {
   reshard_steps p;
   rlayout cur = src;

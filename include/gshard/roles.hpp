@@ -3,10 +3,8 @@
 // model dims (attention heads, hidden units). Nothing is read from an axis's
 // name; a mesh axis without a role does not compile. From the roles come the
 // two rule tables the MoE Transformer uses for every tensor it holds:
-//
 //   at_tokens   B, G -> the batch axes (expert axes minor-most); N, H -> model axes
 //   at_experts  E -> the expert axes; B, G -> the other batch axes; N, H -> model axes
-//
 // Moving a tensor between them (GSM's G over every batch axis -> EGCM's E
 // over the expert axes) is one all_to_all over the expert axes.
 #pragma once

@@ -103,10 +103,9 @@ std::unique_ptr<T[]> uninitialized(std::size_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
 
-// Runs one step; `before` is the layout of `in`, and the result has `after`.
-// One piece: a switch over the step kinds, each case its Pack / Communicate /
-// Unpack in a few lines; split per kind, the cases would repeat the shared
-// geometry (e, the group, the block sizes) six times.
+// Runs one step; `before` is the layout of `in`, and the result has `after`:
+// a case per step kind, each its Pack / Communicate / Unpack, sharing the
+// step's geometry (the extents, the group, the block sizes).
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
                                const local_tensor<T, Rank>& in, const shape<Rank>& global) {

@@ -7,8 +7,6 @@
 //   GSHARD_GEMM=eigen|openblas     the local GEMM backend (default: the faster, see gemm.hpp)
 //   GSHARD_DEBUG=0|1               compare a fingerprint across ranks before every collective (debug.hpp)
 //   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG; 0: off)
-// A value outside these is refused: mpi::environment throws on every rank,
-// naming the variable, the value and what is allowed.
 #pragma once
 
 #include <cmath>
@@ -51,6 +49,9 @@ inline gemm_kind default_gemm() {
 #endif
 }
 
+// The variables' values as this process sees them. A value outside those
+// allowed goes to `problem`: mpi::environment then throws on every rank,
+// naming the variable, the value and what is allowed.
 inline run_options options_from_env() {
   run_options o;
   auto refuse = [&](const char* name, std::string_view value, const char* allowed) {
