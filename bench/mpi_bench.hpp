@@ -14,9 +14,9 @@
 #include <string_view>
 #include <vector>
 
-#include <gshard/detail/gemm.hpp>
-#include <gshard/environment.hpp>
-#include <gshard/peak.hpp>
+#include <gshard/kernels/gemm.hpp>
+#include <gshard/runtime/environment.hpp>
+#include <gshard/runtime/peak.hpp>
 
 
 namespace gshard::bench {
@@ -28,7 +28,7 @@ const Mesh& world_mesh() {
   return m;
 }
 
-// The fp32 FMA peak of one core (gshard/peak.hpp), measured once in this run
+// The fp32 FMA peak of one core (gshard/runtime/peak.hpp), measured once in this run
 // over the world: the benchmarks' peak_share is against this.
 inline double fma_peak_gflops() {
   static const double peak = measure_fma_peak(world_group());

@@ -5,9 +5,9 @@
 // rank alike.
 #pragma once
 
-#include <gshard/collectives.hpp>
-#include <gshard/error.hpp>
-#include <gshard/io.hpp>
+#include <gshard/runtime/collectives.hpp>
+#include <gshard/core/error.hpp>
+#include <gshard/core/io.hpp>
 
 #include <algorithm>
 #include <cctype>

@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
-#include <gshard/collectives.hpp>
-#include <gshard/detail/fnv1a.hpp>
-#include <gshard/error.hpp>
-#include <gshard/io.hpp>
+#include <gshard/runtime/collectives.hpp>
+#include <gshard/core/fnv1a.hpp>
+#include <gshard/core/error.hpp>
+#include <gshard/core/io.hpp>
 
 #include "cli.hpp"
 

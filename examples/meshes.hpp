@@ -6,8 +6,8 @@
 // type for 1, 2 and 4 ranks: the model is compiled twice, not four times).
 #pragma once
 
-#include <gshard/error.hpp>
-#include <gshard/mesh.hpp>
+#include <gshard/core/error.hpp>
+#include <gshard/runtime/mesh.hpp>
 
 #include <string>
 

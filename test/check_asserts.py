@@ -32,8 +32,8 @@ def asserts(include: pathlib.Path):
             msg = "".join(lits).replace('\\"', '"')
             if re.search(r'"gshard::"\s*#', body):  # a macro's: "gshard::" #name ": ..." for each op it defines
                 names = re.findall(r"^GSHARD_UNARY_\((\w+),", text, re.M)
-                if not names:  # made from ops.hpp's list: GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)
-                    names = re.findall(r"^\s*F\((\w+), \w+\)", (include / "ops.hpp").read_text(), re.M)
+                if not names:  # made from tensor/ops.hpp's list: GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)
+                    names = re.findall(r"^\s*F\((\w+), \w+\)", (include / "tensor" / "ops.hpp").read_text(), re.M)
                 for name in names:
                     yield f.relative_to(include.parent.parent), "gshard::" + name + msg[len("gshard::"):]
                 continue

@@ -5,7 +5,7 @@
 // line "gshard-test-summary: passed=N failed=M" that scripts/test adds up.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
-#include <gshard/environment.hpp>
+#include <gshard/runtime/environment.hpp>
 
 #include <fstream>
 #include <iostream>

@@ -6,8 +6,8 @@
 // a step.
 #include "pmpi.hpp"
 
-#include <gshard/counters.hpp>
-#include <gshard/mpi.hpp>
+#include <gshard/core/counters.hpp>
+#include <gshard/runtime/mpi.hpp>
 
 namespace gshard::testing::pmpi {
 log& the_log() {

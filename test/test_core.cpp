@@ -169,7 +169,7 @@ TEST_CASE("element-wise algebra on sharded tensors: each rank's shard, no collec
   const int P = world_size();
   dyn2 m(MPI_COMM_WORLD, {P, 1});
   using S = sharding<split<0, "x">>;
-  // 300 per rank: one whole block of the packet path and a padded rest (detail/blockwise.hpp).
+  // 300 per rank: one whole block of the packet path and a padded rest (kernels/blockwise.hpp).
   local_tensor<double, 2> a(2 * P, 150), b(2 * P, 150);
   for (index_t i = 0; i < a.size(); ++i) a.data()[i] = 0.25 * double(i % 9) + 0.5, b.data()[i] = 1.5 - 0.125 * double(i % 7);
   const auto x = distribute<S>(m, a), y = distribute<S>(m, b);

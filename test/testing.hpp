@@ -5,7 +5,7 @@
 #pragma once
 
 #include <catch2/catch.hpp>
-#include <gshard/mpi.hpp>
+#include <gshard/runtime/mpi.hpp>
 
 #include <array>
 #include <sstream>

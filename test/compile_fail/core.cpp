@@ -1,8 +1,8 @@
 // Misuse that must not compile. Each case is selected with -DGSHARD_CASE_<name>;
 // test/compile_fail.py checks that the compiler stops with the expected text.
 #include <gshard/gshard.hpp>
-#include <gshard/grad.hpp>
-#include <gshard/ops.hpp>
+#include <gshard/tensor/einsum_backward.hpp>
+#include <gshard/tensor/ops.hpp>
 
 #include <span>
 #include <vector>

@@ -1,6 +1,6 @@
 // Rules, labels and axis roles misused; one case per -DGSHARD_CASE_<name>.
-#include <gshard/roles.hpp>
-#include <gshard/reshard.hpp>
+#include <gshard/runtime/roles.hpp>
+#include <gshard/tensor/reshard.hpp>
 
 using namespace gshard;
 using grid = mesh<axis<"data", 2>, axis<"model", 2>>;

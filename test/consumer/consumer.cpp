@@ -2,10 +2,10 @@
 // gshard, built three ways by test/check_consumers.py (pkg-config, CMake's
 // find_package, a Meson subproject): a matrix product with the rows split
 // over every rank, checked against the same product on one rank.
-#include <gshard/einsum.hpp>
-#include <gshard/environment.hpp>
-#include <gshard/reshard.hpp>
-#include <gshard/tensor_collectives.hpp>
+#include <gshard/tensor/einsum.hpp>
+#include <gshard/runtime/environment.hpp>
+#include <gshard/tensor/reshard.hpp>
+#include <gshard/tensor/tensor_collectives.hpp>
 
 #include <cmath>
 #include <iostream>

@@ -5,7 +5,7 @@
 // compile time from the gradient's pending layout: all_gather <->
 // reduce_scatter (or a local slice), all_to_all <-> all_to_all, all_reduce
 // <-> nothing; a replicated weight's gradient stays pending over the batch
-// axes until its slot is reduced (gshard/buckets.hpp).
+// axes until its slot is reduced (gshard/state/buckets.hpp).
 #pragma once
 
 #include <memory>
@@ -15,9 +15,9 @@
 
 #include "gshard/ad/operands.hpp"
 #include "gshard/ad/tape.hpp"
-#include "gshard/einsum.hpp"
-#include "gshard/grad.hpp"
-#include "gshard/tensor_collectives.hpp"
+#include "gshard/tensor/einsum.hpp"
+#include "gshard/tensor/einsum_backward.hpp"
+#include "gshard/tensor/tensor_collectives.hpp"
 
 namespace gshard {
 
@@ -111,7 +111,7 @@ auto reshard(V&& v) {
 }
 
 // A reshard of a var started now and finished later: start_reshard<To>(v)
-// posts its collective (gshard/reshard.hpp's start_reshard), wait() gives
+// posts its collective (gshard/tensor/reshard.hpp's start_reshard), wait() gives
 // the var in To. On a recording tape it is two operations, so the backward
 // runs them transposed and reversed too: wait()'s rule starts the
 // gradient's collective (the forward's, transposed) and start_reshard's

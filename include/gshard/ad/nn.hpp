@@ -17,9 +17,9 @@
 #include "gshard/ad/communication.hpp"
 #include "gshard/ad/operands.hpp"
 #include "gshard/ad/ops.hpp"
-#include "gshard/ad/parameters.hpp"
-#include "gshard/attention.hpp"
-#include "gshard/detail/softmax_row.hpp"
+#include "gshard/state/parameters.hpp"
+#include "gshard/tensor/attention.hpp"
+#include "gshard/kernels/softmax_row.hpp"
 
 namespace gshard {
 
@@ -148,7 +148,7 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   return y;
 }
 
-// Causal self-attention (gshard/attention.hpp): q [B, L, N, K], k and v
+// Causal self-attention (gshard/tensor/attention.hpp): q [B, L, N, K], k and v
 // [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
 // in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
 // the einsums and softmax it stands for keep them; not the logits), or with

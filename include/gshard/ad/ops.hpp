@@ -1,7 +1,7 @@
 // gshard/ad/ops.hpp — the local operations on the tape: element-wise + − ⊙,
 // scalar × and ÷, relu, gelu, silu, sigmoid, exp, log, tanh, sqrt; the
 // maximum and minimum over a dim; softmax, causal masking; chunk, concat and
-// relabel. Each computes like its tensor form (gshard/ops.hpp, whose
+// relabel. Each computes like its tensor form (gshard/tensor/ops.hpp, whose
 // gradient rules it records) and keeps only what its rule reads — relu its
 // output, + nothing; an rvalue var nothing else holds is updated in place.
 #pragma once
@@ -16,15 +16,15 @@
 
 #include "gshard/ad/operands.hpp"
 #include "gshard/ad/tape.hpp"
-#include "gshard/detail/copy_box.hpp"
-#include "gshard/ops.hpp"
-#include "gshard/reduce.hpp"
+#include "gshard/kernels/copy_box.hpp"
+#include "gshard/tensor/ops.hpp"
+#include "gshard/tensor/reduce.hpp"
 
 namespace gshard {
 
 namespace detail {
 
-// Element-wise rules: y = f(x), dx = dy · f'(x, y), with f and f' from ops.hpp.
+// Element-wise rules: y = f(x), dx = dy · f'(x, y), with f and f' from tensor/ops.hpp.
 template <class Op, class V>
 auto unary(V&& x) {
   using X = tensor_of<V>;
@@ -295,11 +295,11 @@ var<X> operator*(var<X> a, const var<X>& b) {
                   "gshard::" #name ": the tensor has pending sums; all_reduce or reduce_scatter it first");        \
     return detail::unary<detail::op>(std::forward<V>(x));                                                          \
   }
-GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)  // ops.hpp's list
+GSHARD_ELEMENTWISE_FUNCTIONS(GSHARD_UNARY_)  // tensor/ops.hpp's list
 #undef GSHARD_UNARY_
 
 // ---------------------------------------------------------------------------
-// The maximum or minimum over a dim (gshard/reduce.hpp). The gradient goes to
+// The maximum or minimum over a dim (gshard/tensor/reduce.hpp). The gradient goes to
 // the position holding the extreme; on ties to the lowest global index, which
 // the ranks splitting the dim agree on with one all_reduce(min) of the
 // indices in the backward (none when the dim is whole on each rank).
@@ -403,7 +403,7 @@ auto causal_mask(V&& x) {
   return y;
 }
 
-// softmax(causal_mask(scale · x)) in one pass (ops.hpp): causal attention's
+// softmax(causal_mask(scale · x)) in one pass (tensor/ops.hpp): causal attention's
 // probabilities from its logits [.., L, T]. Keeps the output.
 template <class V>
   requires var_type<V>

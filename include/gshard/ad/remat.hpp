@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "gshard/ad/tape.hpp"
-#include "gshard/counters.hpp"
-#include "gshard/trace.hpp"
+#include "gshard/core/counters.hpp"
+#include "gshard/runtime/trace.hpp"
 
 namespace gshard {
 

@@ -19,12 +19,12 @@
 #include <utility>
 #include <vector>
 
-#include "gshard/ad/parameters.hpp"
+#include "gshard/state/parameters.hpp"
 #include "gshard/ad/var.hpp"
-#include "gshard/buckets.hpp"
-#include "gshard/grad.hpp"
-#include "gshard/reshard.hpp"
-#include "gshard/trace.hpp"
+#include "gshard/state/buckets.hpp"
+#include "gshard/tensor/einsum_backward.hpp"
+#include "gshard/tensor/reshard.hpp"
+#include "gshard/runtime/trace.hpp"
 
 namespace gshard {
 
@@ -283,7 +283,7 @@ class tape {
     // slot holds the whole contribution only from its last use in the forward
     // to its first, and its collective runs between the backward's others (in
     // the same order on every rank). Weights whose reductions take the same
-    // steps share a bucket (gshard/buckets.hpp: one collective per step for
+    // steps share a bucket (gshard/state/buckets.hpp: one collective per step for
     // up to parameters::bucket_bytes() of them), started non-blocking when
     // full and moved on between rules, so it travels while the backward
     // computes; the last buckets start at the end, and all finish before

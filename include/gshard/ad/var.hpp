@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "gshard/tensor.hpp"
+#include "gshard/tensor/tensor.hpp"
 
 namespace gshard {
 

@@ -19,12 +19,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "gshard/ad/weight_update.hpp"
-#include "gshard/buckets.hpp"
-#include "gshard/detail/shard_geometry.hpp"
-#include "gshard/einsum_spec.hpp"
+#include "gshard/state/weight_update.hpp"
+#include "gshard/state/buckets.hpp"
+#include "gshard/layout/shard_geometry.hpp"
+#include "gshard/layout/einsum_spec.hpp"
 #include "gshard/model/transformer.hpp"
-#include "gshard/reshard_steps.hpp"
+#include "gshard/layout/reshard_steps.hpp"
 
 namespace gshard::model::cost {
 
@@ -276,7 +276,7 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   // The weights' gradients: from the pending sum over the batch axes that do
   // not split them, into the weight (replicated update) or its update
   // layout; and, sharded, the updated blocks gathered back. Plans that can
-  // share a collective go through buckets (gshard/buckets.hpp) as the tape
+  // share a collective go through buckets (gshard/state/buckets.hpp) as the tape
   // fills them — gradients in the order they complete, the reverse of the
   // weights' first use (here: of their declaration) — and as Adam fills
   // them, in declaration order.

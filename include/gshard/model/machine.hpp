@@ -17,11 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "gshard/collectives.hpp"
-#include "gshard/detail/local_einsum.hpp"
-#include "gshard/detail/softmax_row.hpp"
+#include "gshard/runtime/collectives.hpp"
+#include "gshard/kernels/local_einsum.hpp"
+#include "gshard/kernels/softmax_row.hpp"
 #include "gshard/model/cost.hpp"
-#include "gshard/optim.hpp"
+#include "gshard/state/optim.hpp"
 
 namespace gshard::model::cost {
 

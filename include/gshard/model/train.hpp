@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "gshard/checkpoint.hpp"
+#include "gshard/state/checkpoint.hpp"
 #include "gshard/model/transformer.hpp"
-#include "gshard/optim.hpp"
+#include "gshard/state/optim.hpp"
 
 namespace gshard::model {
 

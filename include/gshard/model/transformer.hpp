@@ -3,7 +3,7 @@
 // an MoE layer in every other block (blocks 1, 3, ...). Written forward-only:
 // its parameters are declared once (gshard::parameters) and its backward is
 // derived on a tape. Every tensor's sharding comes from the mesh's axis roles
-// (gshard/roles.hpp).
+// (gshard/runtime/roles.hpp).
 //   model::transformer<float, grid> tr(ps, c);  auto out = tr.forward(t, tokens, step);
 #pragma once
 
@@ -20,10 +20,10 @@
 #include "gshard/ad/communication.hpp"
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
-#include "gshard/ad/parameters.hpp"
+#include "gshard/state/parameters.hpp"
 #include "gshard/ad/remat.hpp"
 #include "gshard/moe/layer.hpp"
-#include "gshard/roles.hpp"
+#include "gshard/runtime/roles.hpp"
 
 namespace gshard::model {
 
@@ -63,7 +63,7 @@ struct config {
 // communication follows: in the forward the MoE layers' all_to_alls and, with
 // model axes, one all_reduce over them after each attention, dense FFN and
 // expert FFN; in the backward their transposes and one reduction per weight
-// over the batch axes (several weights' in one collective: gshard/buckets.hpp).
+// over the batch axes (several weights' in one collective: gshard/state/buckets.hpp).
 template <class T, mesh_type Mesh, class Roles = default_roles>
 class transformer {
  public:
@@ -159,7 +159,7 @@ class transformer {
   }
 
   // Causal self-attention: q, k, v = BLM,MNK->BLNK; then causal_attention
-  // (gshard/attention.hpp): the logits BLNK,BTNK->BNLT scaled by 1/sqrt(K)
+  // (gshard/tensor/attention.hpp): the logits BLNK,BTNK->BNLT scaled by 1/sqrt(K)
   // and masked, softmax over T, BNLT,BTNK->BLNK, in blocks of rows per
   // sequence and head; BLNK,NKM->BLM. Each rank computes its heads; the
   // output projection sums over them, so with model axes it ends in one

@@ -16,7 +16,7 @@
 #include "gshard/ad/tape.hpp"
 #include "gshard/moe/gating.hpp"
 #include "gshard/moe/stats.hpp"
-#include "gshard/trace.hpp"
+#include "gshard/runtime/trace.hpp"
 
 namespace gshard::moe {
 

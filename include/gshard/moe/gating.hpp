@@ -16,11 +16,11 @@
 #include <utility>
 #include <vector>
 
-#include "gshard/detail/softmax_row.hpp"
-#include "gshard/error.hpp"
+#include "gshard/kernels/softmax_row.hpp"
+#include "gshard/core/error.hpp"
 #include "gshard/moe/stats.hpp"
-#include "gshard/random.hpp"
-#include "gshard/sharding.hpp"
+#include "gshard/layout/random.hpp"
+#include "gshard/layout/sharding.hpp"
 
 namespace gshard::moe {
 

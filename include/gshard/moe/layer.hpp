@@ -2,7 +2,7 @@
 // backward is derived on the tape): route the tokens, move them to their
 // experts (one all_to_all), run each expert's FFN where the expert lives,
 // move the outputs back (one all_to_all), combine. Both all_to_alls are
-// reshards between two rule tables of the mesh's axis roles (gshard/roles.hpp):
+// reshards between two rule tables of the mesh's axis roles (gshard/runtime/roles.hpp):
 // at_tokens puts the groups G on every batch axis, at_experts the experts E on
 // the expert axes. With model axes the experts' hidden units H are split over
 // them too, and the second expert einsum ends in one all_reduce over them.
@@ -18,10 +18,10 @@
 #include "gshard/ad/communication.hpp"
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
-#include "gshard/ad/parameters.hpp"
+#include "gshard/state/parameters.hpp"
 #include "gshard/moe/dispatch.hpp"
 #include "gshard/moe/stats.hpp"
-#include "gshard/roles.hpp"
+#include "gshard/runtime/roles.hpp"
 
 namespace gshard::moe {
 

@@ -1,7 +1,7 @@
 // gshard/moe/stats.hpp — what an MoE layer's routing did (gating_stats), in
 // every form it takes: the counters, one vector for the all_reduce that sums
 // them over the groups, a JSON object (one per layer in a metrics log) and
-// trace counters (gshard/trace.hpp). Summed over every group of the mesh,
+// trace counters (gshard/runtime/trace.hpp). Summed over every group of the mesh,
 // the numbers are the same on every rank.
 #pragma once
 
@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "gshard/types.hpp"
-#include "gshard/trace.hpp"
+#include "gshard/core/types.hpp"
+#include "gshard/runtime/trace.hpp"
 
 namespace gshard::moe {
 

@@ -1,0 +1,97 @@
+// gshard/core/options.hpp — the run-time choices gshard reads from the
+// environment. Every rank must make the same choice (a ring reduce-scatter on
+// one rank and MPI's on another would hang; two GEMM backends would let
+// replicated tensors drift apart), so mpi::environment takes rank 0's values
+// and broadcasts them. Without the environment each process reads its own.
+//   GSHARD_REDUCE_SCATTER=ring|mpi gshard's ring (default) or MPI_Reduce_scatter_block
+//   GSHARD_GEMM=eigen|openblas     the local GEMM backend (default: the faster, see gemm.hpp)
+//   GSHARD_DEBUG=0|1               compare a fingerprint across ranks before every collective (runtime/debug.hpp)
+//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG; 0: off)
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#if defined(GSHARD_USE_OPENBLAS)
+extern "C" char* openblas_get_corename(void);
+#endif
+
+namespace gshard::detail {
+
+enum class gemm_kind : int { eigen = 1, openblas = 2 };
+
+struct run_options {
+  int reduce_scatter_mpi = 0;  // 1: MPI_Reduce_scatter_block
+  int gemm = 0;                // a gemm_kind
+  int debug = 0;               // 1: the checked mode
+  double watchdog_seconds = 0;  // 0: no watchdog
+  std::string problem;          // a variable's value that is not allowed, or ""
+};
+
+// OpenBLAS unless its active kernel lacks AVX-512 while this build has it
+// (measured: OpenBLAS SkylakeX ~145 GFLOP/s, Haswell kernel ~100, Eigen with
+// -march=native ~140). Without OpenBLAS: Eigen.
+inline gemm_kind default_gemm() {
+#if defined(GSHARD_USE_OPENBLAS)
+#if defined(__AVX512F__)
+  const std::string_view core = openblas_get_corename();
+  const bool avx512_kernel = core.find("kylakeX") != std::string_view::npos ||
+                             core.find("ooperlake") != std::string_view::npos ||
+                             core.find("apphire") != std::string_view::npos;
+  return avx512_kernel ? gemm_kind::openblas : gemm_kind::eigen;
+#else
+  return gemm_kind::openblas;
+#endif
+#else
+  return gemm_kind::eigen;
+#endif
+}
+
+// The variables' values as this process sees them. A value outside those
+// allowed goes to `problem`: mpi::environment then throws on every rank,
+// naming the variable, the value and what is allowed.
+inline run_options options_from_env() {
+  run_options o;
+  auto refuse = [&](const char* name, std::string_view value, const char* allowed) {
+    if (o.problem.empty())
+      o.problem = std::string("gshard: ") + name + "=" + std::string(value) + " is not allowed; use " + allowed;
+  };
+  if (const char* rs = std::getenv("GSHARD_REDUCE_SCATTER")) {
+    const std::string_view v = rs;
+    if (v == "mpi") o.reduce_scatter_mpi = 1;
+    else if (v != "ring" && !v.empty()) refuse("GSHARD_REDUCE_SCATTER", v, "ring or mpi");
+  }
+  o.gemm = int(default_gemm());
+  if (const char* d = std::getenv("GSHARD_DEBUG")) {
+    const std::string_view v = d;
+    if (v == "1") o.debug = 1;
+    else if (v != "0" && !v.empty()) refuse("GSHARD_DEBUG", v, "1 (the checked mode) or 0");
+  }
+  if (o.debug) o.watchdog_seconds = 300;
+  if (const char* w = std::getenv("GSHARD_WATCHDOG"); w && *w) {
+    char* end = nullptr;
+    const double s = std::strtod(w, &end);
+    if (*end != '\0' || !std::isfinite(s) || s < 0) refuse("GSHARD_WATCHDOG", w, "a number of seconds >= 0 (0: off)");
+    else o.watchdog_seconds = s;
+  }
+  if (const char* g = std::getenv("GSHARD_GEMM"); g && *g) {
+    const std::string_view v = g;
+    if (v == "eigen") o.gemm = int(gemm_kind::eigen);
+#if defined(GSHARD_USE_OPENBLAS)
+    else if (v == "openblas") o.gemm = int(gemm_kind::openblas);
+    else refuse("GSHARD_GEMM", v, "eigen or openblas");
+#else
+    else refuse("GSHARD_GEMM", v, "eigen (this build has no OpenBLAS: meson setup -Dblas=openblas)");
+#endif
+  }
+  return o;
+}
+
+inline run_options& options() {
+  static run_options o = options_from_env();
+  return o;
+}
+
+}  // namespace gshard::detail

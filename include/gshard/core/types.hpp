@@ -1,0 +1,55 @@
+// gshard/core/types.hpp — the basic types and limits every header shares: the
+// index type, how many dims a sharding can describe and how many axes a mesh
+// can have, and GSHARD_NOINLINE for the shared run-time paths that would
+// otherwise be inlined into every instantiation of a typed wrapper (one copy
+// of an executor per element type and rank, not per sharding or plan).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+namespace gshard {
+
+using index_t = std::ptrdiff_t;
+
+inline constexpr int max_rank = 8;        // tensor dims a sharding can describe
+inline constexpr int max_mesh_axes = 6;   // axes a mesh can have
+
+// The element types gshard moves and prints, in one table: a tensor's
+// printed type (f32[...]), its MPI datatype (runtime/mpi.hpp) and the checked mode's
+// comparison (runtime/debug.hpp) all read it.
+enum class element : std::uint8_t { f32 = 1, f64, i32, i64, u8, character, other };
+
+template <class T>
+constexpr element element_of() {
+  if constexpr (std::is_same_v<T, float>) return element::f32;
+  else if constexpr (std::is_same_v<T, double>) return element::f64;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return element::i32;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return element::i64;
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return element::u8;
+  else if constexpr (std::is_same_v<T, char>) return element::character;
+  else return element::other;
+}
+
+constexpr std::string_view name_of(element e) {
+  switch (e) {
+    case element::f32: return "f32";
+    case element::f64: return "f64";
+    case element::i32: return "i32";
+    case element::i64: return "i64";
+    case element::u8: return "u8";
+    case element::character: return "char";
+    case element::other: break;
+  }
+  return "?";
+}
+
+}  // namespace gshard
+
+#if defined(__GNUC__)
+#define GSHARD_NOINLINE __attribute__((noinline))
+#else
+#define GSHARD_NOINLINE
+#endif

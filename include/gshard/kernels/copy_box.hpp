@@ -1,0 +1,56 @@
+// gshard/kernels/copy_box.hpp — copy an n-d box between row-major arrays.
+// The one routine behind every slice, pack and unpack: trailing dims that the
+// box covers whole in both arrays merge into one contiguous run (memcpy).
+#pragma once
+
+#include <cstring>
+
+#include "gshard/core/types.hpp"
+
+namespace gshard::detail {
+
+// dst[dst_off + i] = src[src_off + i] for every i in the box `ext` (rank `rank`).
+template <class T>
+void copy_box(const T* src, const index_t* src_ext, const index_t* src_off, T* dst, const index_t* dst_ext,
+              const index_t* dst_off, const index_t* ext, int rank) {
+  if (rank == 0) {
+    *dst = *src;
+    return;
+  }
+  for (int d = 0; d < rank; ++d)
+    if (ext[d] == 0) return;
+  index_t src_stride[max_rank], dst_stride[max_rank];
+  src_stride[rank - 1] = dst_stride[rank - 1] = 1;
+  for (int d = rank - 2; d >= 0; --d) {
+    src_stride[d] = src_stride[d + 1] * src_ext[d + 1];
+    dst_stride[d] = dst_stride[d + 1] * dst_ext[d + 1];
+  }
+  // Merge inner dims covered whole in both arrays into one run.
+  int k = rank - 1;
+  index_t run = ext[k];
+  while (k > 0 && ext[k] == src_ext[k] && ext[k] == dst_ext[k]) {
+    --k;
+    run *= ext[k];
+  }
+  const T* s0 = src;
+  T* d0 = dst;
+  for (int d = 0; d < rank; ++d) {
+    s0 += src_off[d] * src_stride[d];
+    d0 += dst_off[d] * dst_stride[d];
+  }
+  // Odometer over dims 0..k-1.
+  index_t pos[max_rank] = {};
+  while (true) {
+    index_t so = 0, dof = 0;
+    for (int d = 0; d < k; ++d) {
+      so += pos[d] * src_stride[d];
+      dof += pos[d] * dst_stride[d];
+    }
+    std::memcpy(d0 + dof, s0 + so, std::size_t(run) * sizeof(T));
+    int d = k - 1;
+    while (d >= 0 && ++pos[d] == ext[d]) pos[d--] = 0;
+    if (d < 0) break;
+  }
+}
+
+}  // namespace gshard::detail

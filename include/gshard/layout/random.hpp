@@ -1,0 +1,48 @@
+// gshard/layout/random.hpp — counter-based random numbers: pure functions of their
+// keys, so every rank computes the same value for the same (seed, stream,
+// position) and every rank count draws the same global tensors, routing
+// noise and batches. No state, no MPI.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+
+#include "gshard/layout/sharding.hpp"
+
+namespace gshard {
+
+// A uniform double in [0, 1) (the SplitMix64 finaliser over the mixed keys).
+inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t a, std::uint64_t b) {
+  auto mix = [](std::uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  const std::uint64_t z = mix(mix(mix(mix(seed) ^ stream) ^ a) ^ b);
+  return double(z >> 11) * 0x1.0p-53;
+}
+
+// A standard normal keyed by (seed, stream, index) (Box-Muller).
+inline double normal(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
+  const double u1 = uniform(seed, stream, index, 0x5EED), u2 = uniform(seed, stream, index, 0xF00D);
+  return std::sqrt(-2.0 * std::log(u1 + 1e-300)) * std::cos(6.283185307179586 * u2);
+}
+
+// t[i] = stddev · normal(seed, stream, global index of i): each rank fills
+// only its shard, and every rank count gives the same global tensor.
+template <class X>
+void fill_normal(X& t, double stddev, std::uint64_t seed, std::uint64_t stream) {
+  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
+  constexpr int R = X::rank;
+  std::array<index_t, std::size_t(R)> pos{};
+  for (index_t i = 0, n = t.local().size(); i < n; ++i) {
+    index_t global = 0;
+    for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
+    t.data()[i] = typename X::value_type(stddev * normal(seed, stream, std::uint64_t(global)));
+    for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
+  }
+}
+
+}  // namespace gshard

@@ -1,0 +1,267 @@
+// gshard/state/buckets.hpp — one reshard plan run on many tensors at once: their
+// blocks side by side in one buffer, one collective per step for all of
+// them (PyTorch DDP's gradient buckets). The training step sends each
+// weight's gradient reduction (all_reduces, reduce_scatters) and each
+// sharded weight's gather (all_gathers) through buckets, so a step issues a
+// few large collectives instead of one small one per weight: the α of every
+// call saved, which the cost model shows is most of a step's communication
+// at hundreds of ranks (docs/12_scale.md).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <list>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gshard/runtime/nonblocking.hpp"
+#include "gshard/core/error.hpp"
+#include "gshard/runtime/mesh.hpp"
+#include "gshard/layout/reshard_steps.hpp"
+
+namespace gshard::detail {
+
+// Steps every tensor can take side by side with others: an all_reduce (any
+// layout), a reduce_scatter into dim 0 or an all_gather out of dim 0 (each
+// rank's part of a tensor is one contiguous run of its block).
+constexpr bool stackable(const reshard_steps& p) {
+  for (int i = 0; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    const bool ok = s.kind == step_kind::all_reduce || (s.kind == step_kind::reduce_scatter && s.to_dim == 0) ||
+                    (s.kind == step_kind::all_gather && s.from_dim == 0);
+    if (!ok) return false;
+  }
+  return p.collectives() > 0;
+}
+
+// The same steps (kind, axes, dims), whatever the layouts between them: a
+// bucket's members may differ in rank and in their other dims.
+constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
+  if (a.n != b.n) return false;
+  for (int i = 0; i < a.n; ++i)
+    if (!(a.step[i] == b.step[i])) return false;
+  return true;
+}
+
+// Buffers kept from step to step: each bucket takes its two from here and
+// gives them back when it is destroyed, so a step's buckets reuse the last
+// step's memory instead of the heap's (fresh pages cost ~10 us per 4 KiB on
+// these machines, and the heap does not fragment around buffers that come
+// and go). Owned by `parameters`, one per element type.
+template <class T>
+class bucket_memory {
+ public:
+  std::vector<T> take() {
+    if (free_.empty()) return {};
+    std::vector<T> v = std::move(free_.back());
+    free_.pop_back();
+    v.clear();
+    return v;
+  }
+  void give(std::vector<T>&& v) {
+    if (v.capacity() > 0) free_.push_back(std::move(v));
+  }
+
+ private:
+  std::vector<std::vector<T>> free_;
+};
+
+// Tensors waiting to take one stackable plan together. Each member gives
+// its block (copied in) and a function that receives its result. The plan's
+// collectives run non-blocking, one step at a time: start() posts the first
+// step (detail::progress_in_flight() moves it on), advance() finishes it and
+// posts the next — or, after the last, hands each member its result — and
+// finish() advances to the end. Where each step starts is the caller's
+// program point (start, advance, finish), never a test's finding, so every
+// rank issues the same collectives in the same order.
+template <class T>
+class bucket {
+ public:
+  using done_fn = std::function<void(std::span<const T>)>;
+
+  bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory)
+      : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()) {}
+  bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes
+  bucket& operator=(const bucket&) = delete;
+  ~bucket() {
+    flight_ = collective_request{};  // finished before its buffers go back
+    memory_->give(std::move(data_));
+    memory_->give(std::move(scratch_));
+  }
+
+  const reshard_steps& plan() const { return plan_; }
+  std::size_t bytes() const { return data_.size() * sizeof(T); }
+  bool empty() const { return members_.empty(); }
+
+  void add(std::span<const T> block, done_fn done) {
+    if (step_ >= 0) throw error("gshard::detail::bucket: a tensor added to a bucket that has started");
+    // Each rank's part of a member must be whole: a reduce_scatter's group
+    // divides its block (the layouts that plan it are divisible).
+    std::size_t parts = 1;
+    for (int i = 0; i < plan_.n; ++i)
+      if (plan_.step[i].kind == step_kind::reduce_scatter) parts *= std::size_t(mesh_->group(1u << plan_.step[i].axis).size);
+    if (block.size() % parts != 0)
+      throw error("gshard::detail::bucket: a block of " + std::to_string(block.size()) + " elements does not split into the " +
+                  std::to_string(parts) + " parts its reduce_scatters make");
+    members_.push_back({block.size(), std::move(done)});
+    data_.insert(data_.end(), block.begin(), block.end());
+  }
+
+  // Posts the first step's collective.
+  void start() {
+    if (members_.empty() || step_ >= 0) return;
+    flight_ = begin_step(plan_.step[0]);
+    step_ = 0;
+  }
+  // Finishes the step in flight (waiting if it must) and posts the next;
+  // after the last, hands each member its result and empties the bucket.
+  void advance() {
+    if (step_ < 0) return;
+    flight_.wait();
+    end_step(plan_.step[step_]);
+    if (step_ + 1 < plan_.n) {
+      flight_ = begin_step(plan_.step[step_ + 1]);
+      ++step_;
+      return;
+    }
+    flight_ = collective_request{};
+    step_ = -1;
+    std::size_t at = 0;
+    for (auto& m : members_) {
+      m.done(std::span<const T>(data_.data() + at, m.size));
+      at += m.size;
+    }
+    members_.clear();
+    data_.clear();
+  }
+  // Runs what is left of the plan and hands out the results.
+  void finish() {
+    start();
+    while (step_ >= 0) advance();
+  }
+
+ private:
+  struct member {
+    std::size_t size;  // its elements in data_, now
+    done_fn done;
+  };
+
+  // Pack and start one step's collective; end_step unpacks once it has finished.
+  collective_request begin_step(const reshard_step& s) {
+    if (s.kind == step_kind::all_reduce)  // partial{x} |-> replicated on x, in place
+      return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
+    const axis_group& g = mesh_->group(1u << s.axis);
+    const std::size_t p = std::size_t(g.size);
+    if (s.kind == step_kind::reduce_scatter) {  // partial{x} |-> dim 0 split by x
+      // Pack: rank j's part of every member, member after member.
+      scratch_.resize(data_.size());
+      std::size_t out = 0;
+      for (std::size_t j = 0; j < p; ++j) {
+        std::size_t at = 0;
+        for (const member& m : members_) {
+          const std::size_t part = m.size / p;
+          std::copy_n(data_.data() + at + j * part, part, scratch_.data() + out);
+          out += part;
+          at += m.size;
+        }
+      }
+      data_.resize(data_.size() / p);
+      // Communicate: this rank's parts, member after member
+      return start_reduce_scatter<T>(g, std::span<const T>(scratch_), std::span<T>(data_));
+    }
+    // all_gather: dim 0 split by x |-> replicated on x
+    scratch_.resize(data_.size() * p);
+    return start_all_gather<T>(g, std::span<const T>(data_), std::span<T>(scratch_));  // every rank's blocks, rank after rank
+  }
+  void end_step(const reshard_step& s) {
+    if (s.kind == step_kind::all_reduce) return;
+    const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size);
+    if (s.kind == step_kind::reduce_scatter) {
+      for (member& m : members_) m.size /= p;
+      return;
+    }
+    const std::size_t total = data_.size();
+    data_.resize(total * p);
+    std::size_t out = 0, at = 0;  // Unpack: each member's blocks in rank order
+    for (member& m : members_) {
+      for (std::size_t j = 0; j < p; ++j) {
+        std::copy_n(scratch_.data() + j * total + at, m.size, data_.data() + out);
+        out += m.size;
+      }
+      at += m.size;
+      m.size *= p;
+    }
+  }
+
+  const mesh_base* mesh_;
+  reshard_steps plan_;
+  bucket_memory<T>* memory_;
+  std::vector<T> data_, scratch_;
+  std::vector<member> members_;
+  int step_ = -1;   // the step in flight; -1: none
+  collective_request flight_;  // its collective (finished in ~bucket before the buffers go back)
+};
+
+// Buckets by steps: a tensor joins the bucket of its plan's steps; a bucket
+// starts as soon as it holds `limit` bytes or more (so one collective may
+// carry more than `limit`: a bucket holds at least one whole tensor), and a
+// new one takes its place. Each time one starts, the buckets started before
+// it move one step on — the next step posted, or the results handed out
+// after the last — once the step in flight has finished: between two
+// buckets' starts lies the compute that filled the second, so the wait is
+// short when the network keeps up. detail::progress_in_flight() moves the
+// steps in flight on (call it between pieces of work: it posts nothing);
+// flush() starts the rest in the order their plans first came and finishes
+// every bucket in the order they started. limit 0: every tensor on its own.
+// The same sequence of adds and flushes on every rank gives the same
+// collectives in the same order.
+template <class T>
+class buckets {
+ public:
+  // `memory`: where the buckets' buffers come from and go back to (the
+  // parameters' own, so they last from step to step); by default the
+  // buckets' own. Shared: buckets left open by an exception give their
+  // buffers back even when the parameters are gone.
+  buckets(const mesh_base& m, std::size_t limit, std::shared_ptr<bucket_memory<T>> memory = nullptr)
+      : mesh_(&m), limit_(limit), memory_(memory ? std::move(memory) : std::make_shared<bucket_memory<T>>()) {}
+  buckets(const buckets&) = delete;  // its buckets point at *memory_
+  buckets& operator=(const buckets&) = delete;
+
+  void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
+    if (!stackable(plan)) throw error("gshard::detail::buckets: a plan whose steps cannot share a bucket");
+    auto it = std::find_if(open_.begin(), open_.end(), [&](const bucket<T>& b) { return same_steps(b.plan(), plan); });
+    if (it == open_.end()) it = open_.emplace(open_.end(), *mesh_, plan, *memory_);
+    it->add(block, std::move(done));
+    if (it->bytes() < limit_) return;
+    for (auto& b : running_) b.advance();
+    running_.remove_if([](const bucket<T>& b) { return b.empty(); });  // their buffers go back for the next ones
+    it->start();
+    open_.emplace(it, *mesh_, plan, *memory_);            // an empty one keeps the plan's place in flush()'s order
+    running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put
+  }
+  void flush() {
+    for (auto& b : open_) b.start();
+    running_.splice(running_.end(), open_);
+    for (auto& b : running_) b.finish();
+    running_.clear();
+  }
+
+ private:
+  const mesh_base* mesh_;
+  std::size_t limit_;
+  std::shared_ptr<bucket_memory<T>> memory_;  // declared before the lists: outlives the buckets that give back to it
+  std::list<bucket<T>> open_, running_;
+};
+
+}  // namespace gshard::detail
+
+namespace gshard {
+
+// The default size of a gradient bucket (parameters::bucket_bytes).
+inline constexpr std::size_t default_bucket_bytes = std::size_t(4) << 20;
+
+}  // namespace gshard

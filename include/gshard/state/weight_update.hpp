@@ -1,0 +1,203 @@
+// gshard/state/weight_update.hpp — where a replicated weight's update runs
+// when it is sharded over the batch axes (shard_weight_update; ZeRO stage 2):
+// the update layout each weight gets, the block of it a rank holds
+// (update_shard: gradient, moments, the weight's block), and the one way an
+// updated block returns to its weight (gather_block).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "gshard/state/buckets.hpp"
+#include "gshard/tensor/execute_reshard.hpp"
+#include "gshard/layout/shard_geometry.hpp"
+#include "gshard/state/tensor_set.hpp"
+#include "gshard/layout/notation.hpp"
+#include "gshard/tensor/reshard.hpp"
+#include "gshard/runtime/roles.hpp"
+
+namespace gshard {
+
+namespace detail {
+
+// The layout in which the optimizer updates a weight of layout `w` when the
+// update is sharded over the mesh axes `axes` (bit a: axis a): the axes of
+// `axes` that `w` replicates (of size > 1) are appended, in mesh order and
+// minor-most, to the first dim whose local extent they divide. So the
+// weight's gradient, pending over those axes, arrives by reduce_scatter
+// instead of all_reduce, and the updated block returns by all_gather. `w`
+// itself when no such axis remains or no dim divides (`why` says which).
+struct update_choice {
+  rlayout layout{};
+  index_t parts = 1;      // ranks sharing the update of each element: the appended axes' sizes
+  const char* why = "";   // when parts == 1 though `axes` named axes the weight replicates
+};
+constexpr update_choice choose_update_layout(const rlayout& w, int rank, const index_t* extents, const index_t* sizes,
+                                             int naxes, std::uint32_t axes) {
+  update_choice c{w};
+  std::uint32_t take = 0;
+  index_t parts = 1;
+  for (int a = 0; a < naxes; ++a)
+    if (((axes >> a) & 1u) && w.is_free(a) && sizes[a] > 1) take |= 1u << a, parts *= sizes[a];
+  if (take == 0) return c;
+  for (int d = 0; d < rank; ++d) {
+    const index_t local = extents[d] / dim_parts(w, d, sizes);
+    if (local % parts != 0) continue;
+    for (int a = 0; a < naxes; ++a)
+      if ((take >> a) & 1u) c.layout.push(d, a);
+    c.parts = parts;
+    return c;
+  }
+  c.why = "no dim's local extent divides by the ranks of the update axes";
+  return c;
+}
+
+// A set entry held in a weight's update layout: the block of a gradient,
+// an optimizer moment or the weight itself that this rank updates. Its
+// layout is chosen when the weight is declared (its extents and the mesh's
+// sizes decide the dim), so it is a run-time value; the steps between it
+// and the weight's layout are planned by the same planner as every reshard.
+class sharded_entry : public set_entry {
+ public:
+  using set_entry::set_entry;
+  sharded_entry* as_sharded() override { return this; }
+  virtual const rlayout& layout() const = 0;
+  // This rank's block of `weight` (the entry of the same name in the
+  // parameters' values): a local copy.
+  virtual void slice_from(set_entry& weight) = 0;
+  // Every rank's block into `weight`: all_gathers over the update axes.
+  virtual void gather_into(set_entry& weight) const = 0;
+  // The steps gather_into runs, from this layout to the weight's.
+  virtual const reshard_steps& gather_plan() const = 0;
+};
+
+template <class X>
+class update_shard final : public sharded_entry {
+  using T = typename X::value_type;
+  using Mesh = typename X::mesh_type;
+  static constexpr int R = X::rank;
+
+ public:
+  update_shard(std::string name, const Mesh& m, const typename X::extents_type& extents, const rlayout& l)
+      : sharded_entry(std::move(name)),
+        mesh_(&m),
+        extents_(extents),
+        layout_(l),
+        local_(local_extents<R>(l, extents, m)),
+        to_weight_(plan_reshard(l, X::resolved, m.naxes(), m.sizes())),
+        from_weight_(plan_reshard(X::resolved, l, m.naxes(), m.sizes())) {
+    local_.setZero();
+  }
+
+  const rlayout& layout() const override { return layout_; }
+  local_tensor<T, R>& local() { return local_; }
+
+  std::string notation() const override {
+    return detail::notation(unresolve(layout_, Mesh::names), R, dtype_name<T>(), X::labels, extents_.data());
+  }
+  int element_bytes() const override { return int(sizeof(T)); }
+  std::vector<index_t> extents() const override { return {extents_.begin(), extents_.end()}; }
+  std::span<float> f32() override {
+    if constexpr (std::is_same_v<T, float>) return {local_.data(), std::size_t(local_.size())};
+    else return {};
+  }
+  std::span<double> f64() override {
+    if constexpr (std::is_same_v<T, double>) return {local_.data(), std::size_t(local_.size())};
+    else return {};
+  }
+  index_t replication() const override { return replication_of(layout_, *mesh_); }
+  std::string sharding_text() const override { return std::string(render(unresolve(layout_, Mesh::names)).view()); }
+  std::unique_ptr<set_entry> zeros(std::string name) const override {
+    return std::make_unique<update_shard<X>>(std::move(name), *mesh_, extents_, layout_);
+  }
+  std::vector<char> gather_to_root() const override {
+    return set_entry_of<X>(name(), whole()).gather_to_root();
+  }
+  void scatter_from_root(const char* bytes) override {
+    set_entry_of<X> w(name(), X(*mesh_, extents_));
+    w.scatter_from_root(bytes);
+    slice_from(w);
+  }
+  void slice_from(set_entry& weight) override {
+    const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
+    std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
+  }
+  const reshard_steps& gather_plan() const override { return to_weight_; }
+  void gather_into(set_entry& weight) const override {
+    X& dst = weight_of(weight);
+    const auto w = execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_);
+    std::copy(w.data(), w.data() + w.size(), dst.local().data());
+  }
+
+ private:
+  X& weight_of(set_entry& e) const {
+    auto* w = dynamic_cast<set_entry_of<X>*>(&e);
+    if (!w || w->value().extents() != extents_)
+      throw error("gshard::update_shard: '" + name() + "' is given '" + e.name() + "' " + e.notation() +
+                  " as its weight; it is the block of a " + X(*mesh_, extents_).notation());
+    return w->value();
+  }
+  X whole() const { return X(*mesh_, extents_, execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_)); }
+
+  const Mesh* mesh_;
+  typename X::extents_type extents_;
+  rlayout layout_;
+  local_tensor<T, R> local_;
+  reshard_steps to_weight_, from_weight_;
+};
+
+// The one way an updated block returns to its weight: its plan's
+// all_gathers through the buckets (one collective per step for many weights,
+// gshard/state/buckets.hpp) when `bucketed` and the plan's steps stack, else alone.
+// Every rank calls it for the same weights in the same order.
+inline void gather_block(sharded_entry& block, set_entry& weight, buckets<float>& f32, buckets<double>& f64, bool bucketed) {
+  if (!bucketed || !stackable(block.gather_plan())) {
+    block.gather_into(weight);
+    return;
+  }
+  auto gather = [&](auto& into, auto from, auto to) {
+    using T = typename std::remove_cvref_t<decltype(to)>::value_type;
+    into.add(block.gather_plan(), std::span<const T>(from.data(), from.size()), [to, &weight](std::span<const T> whole) {
+      if (whole.size() != to.size())
+        throw error("gshard::gather_block: the gathered '" + weight.name() + "' has " + std::to_string(whole.size()) +
+                    " elements on this rank but the weight " + std::to_string(to.size()));
+      std::copy(whole.begin(), whole.end(), to.begin());
+    });
+  };
+  if (!block.f32().empty()) gather(f32, block.f32(), weight.f32());
+  if (!block.f64().empty()) gather(f64, block.f64(), weight.f64());
+}
+
+}  // namespace detail
+
+// How the optimizer updates a weight the mesh replicates. By default every
+// rank holding a copy updates all of it: its gradient is all_reduced and
+// Adam's moments are whole on each. shard_weight_update<batch_axes<...>>
+// shards the update over those axes (the weight-update sharding of Xu et
+// al. 2020; ZeRO stage 2): each rank's gradient block arrives by
+// reduce_scatter, the moments and the update live on that block, and the
+// updated block returns by all_gather — the bytes of the all_reduce, the
+// optimizer's memory divided by the axes' ranks. The axes are normally the
+// roles' batch axes: shard_weight_update<Roles::batch>. Axes the mesh lacks
+// are ignored, as in axis_roles.
+template <class Axes>
+struct shard_weight_update {
+  static_assert(sizeof(Axes) == 0,
+                "gshard::shard_weight_update: name the axes as batch_axes<\"data\", ...> (usually Roles::batch)");
+};
+template <fixed_string... A>
+struct shard_weight_update<batch_axes<A...>> {
+  template <class Mesh>
+  static constexpr std::uint32_t mask() {
+    std::uint32_t m = 0;
+    for (int a = 0; a < Mesh::axis_count; ++a)
+      if (detail::names_contain(batch_axes<A...>::names, Mesh::names[std::size_t(a)])) m |= 1u << a;
+    return m;
+  }
+};
+
+}  // namespace gshard

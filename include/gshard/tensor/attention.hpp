@@ -1,0 +1,192 @@
+// gshard/tensor/attention.hpp — causal self-attention in one operation:
+//   o = causal_attention(q, k, v, scale)
+// is einsum<"BNLT,BTNK->BLNK">(causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k),
+// scale), v), computed per sequence and head in blocks of rows
+// (kernels/attention.hpp): the [B, N, L, T] logits never go through memory
+// whole and the blocks above the diagonal are not computed.
+#pragma once
+
+#include <concepts>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "gshard/core/counters.hpp"
+#include "gshard/kernels/attention.hpp"
+#include "gshard/core/error.hpp"
+#include "gshard/tensor/ops.hpp"
+#include "gshard/tensor/tensor.hpp"
+#include "gshard/runtime/trace.hpp"
+
+namespace gshard {
+
+// What causal_attention keeps on a tape for its backward: q, k, v and the
+// probabilities, or two numbers per row from which the backward computes
+// each block's probabilities again (FlashAttention's trade: one more QKᵀ
+// GEMM and exp per block; the gradients are the same bit for bit).
+enum class attention_memory {
+  keep_probabilities,       // [B, N, L, T]: the backward reads them
+  recompute_probabilities,  // two numbers per row, [B, N, L]: the backward computes each block's again
+};
+
+namespace detail {
+
+// Two operands' labels agree where both have them: at the batch, head and
+// head dim, and at the position too when `position` (k and v).
+template <class A, class B>
+constexpr bool attention_labels_agree(bool position) {
+  if constexpr (A::labels.size() == 0 || B::labels.size() == 0) return true;
+  else
+    return A::labels[0] == B::labels[0] && A::labels[2] == B::labels[2] && A::labels[3] == B::labels[3] &&
+           (!position || A::labels[1] == B::labels[1]);
+}
+
+// The compile-time checks on causal_attention's operands (one message, the
+// first that fails).
+template <class Q, class K, class V>
+constexpr bool check_attention() {
+  if constexpr (Q::rank != 4 || K::rank != 4 || V::rank != 4) {
+    static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4,
+                  "gshard::causal_attention: q, k and v are rank-4 tensors [B, L, N, K] (batch, position, head, head dim)");
+    return false;
+  } else if constexpr (!std::is_same_v<typename Q::value_type, typename K::value_type> ||
+                       !std::is_same_v<typename Q::value_type, typename V::value_type> ||
+                       !std::floating_point<typename Q::value_type>) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v hold one floating-point element type");
+    return false;
+  } else if constexpr (!std::is_same_v<typename Q::mesh_type, typename K::mesh_type> ||
+                       !std::is_same_v<typename Q::mesh_type, typename V::mesh_type> || !(Q::resolved == K::resolved) ||
+                       !(Q::resolved == V::resolved)) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v are sharded differently; reshard them to one sharding");
+    return false;
+  } else if constexpr (has_pending_sums<Q>()) {
+    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v have pending sums; all_reduce them first");
+    return false;
+  } else if constexpr (Q::resolved.dims[1].n != 0 || Q::resolved.dims[3].n != 0) {
+    static_assert(sizeof(Q) == 0,
+                  "gshard::causal_attention: the position or head dim (1 or 3) is split; attention needs them whole on each rank");
+    return false;
+  } else if constexpr (!attention_labels_agree<Q, K>(false) || !attention_labels_agree<Q, V>(false) ||
+                       !attention_labels_agree<K, V>(true)) {
+    static_assert(sizeof(Q) == 0,
+                  "gshard::causal_attention: the labels disagree; k and v carry the same ones, and q shares their batch, "
+                  "head and head dim (\"BLNK\", \"BTNK\", \"BTNK\")");
+    return false;
+  } else {
+    return true;
+  }
+}
+
+// "f32[4{data},8,2,16]", or with labels "f32[B{data},L,N,K] = [4,8,2,16]".
+template <class X>
+std::string shape_text(const X& x) {
+  return X::labels.empty() ? x.notation() : x.notation() + " = " + extents_string(x.extents());
+}
+
+// The operands' extents checked against each other (the same on every rank:
+// global extents), and this rank's.
+template <class Q, class K, class V>
+attention_extents attention_shape(const Q& q, const K& k, const V& v) {
+  if (&q.mesh() != &k.mesh() || &q.mesh() != &v.mesh())
+    throw shape_error("gshard::causal_attention: q, k and v are placed on different meshes");
+  if (k.extents() != v.extents() || q.extent(0) != k.extent(0) || q.extent(2) != k.extent(2) || q.extent(3) != k.extent(3))
+    throw shape_error("gshard::causal_attention: q " + shape_text(q) + ", k " + shape_text(k) + ", v " + shape_text(v) +
+                      ": k and v have equal extents [B, T, N, K], and q [B, L, N, K] the same B, N and K");
+  const auto lq = q.local_extents(), lk = k.local_extents();
+  return {lq[0], lq[1], lk[1], lq[2], lq[3]};
+}
+
+// The FLOPs of the dense einsums over the global extents, this rank's share
+// (the convention of model_flops()). Model FLOPs (counters.hpp) count the
+// dense einsums attention stands for, so a step's model FLOPs and MFU do not
+// depend on how attention is computed (as PaLM's MFU counts attention).
+template <class Q, class K>
+double attention_model_flops(const Q& q, const K& k) {
+  const attention_extents g{q.extent(0), q.extent(1), k.extent(1), q.extent(2), q.extent(3)};
+  return g.dense_flops() / double(q.mesh().nranks());
+}
+
+// The trace span gives the FLOPs the blocks run ("flops") and the dense count
+// ("dense_flops").
+inline void trace_attention(const char* name, double t0, const attention_extents& e, double passes) {
+  if (trace::enabled())
+    trace::add(name, "einsum", t0, trace::now(),
+               "\"flops\":" + std::to_string(passes * e.block_flops()) +
+                   ",\"dense_flops\":" + std::to_string(passes * e.dense_flops()));
+}
+
+// What the forward keeps for the backward: the probabilities
+// (attention_extents::probs_size() elements, aligned), or each row's
+// softmax_row_stats (batch · heads · L), or nothing.
+template <class T>
+struct attention_kept {
+  attention_memory memory = attention_memory::keep_probabilities;
+  aligned_buffer<T> probs;
+  std::vector<softmax_row_stats<T>> stats;
+};
+
+// o = causal attention of q, k, v (checked), keeping in `kept` (unless null)
+// what `memory` says.
+template <class Q, class K, class V>
+Q attention_forward(const Q& q, const K& k, const V& v, double scale, attention_kept<typename Q::value_type>* kept,
+                    attention_memory memory = attention_memory::keep_probabilities) {
+  using T = typename Q::value_type;
+  const attention_extents e = attention_shape(q, k, v);
+  typename Q::local_type o(q.local_extents());
+  T* probs = nullptr;
+  softmax_row_stats<T>* stats = nullptr;
+  if (kept) kept->memory = memory;
+  if (kept && memory == attention_memory::keep_probabilities) {
+    kept->probs.resize(e.probs_size());
+    probs = kept->probs.data();
+  } else if (kept) {
+    kept->stats.resize(std::size_t(e.batch * e.heads * e.L));
+    stats = kept->stats.data();
+  }
+  const double t0 = trace::enabled() ? trace::now() : 0.0;
+  causal_attention_forward<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats);
+  add_model_flops(attention_model_flops(q, k));
+  trace_attention("causal_attention", t0, e, 1.0);
+  return Q(q.mesh(), q.extents(), std::move(o));
+}
+
+// {dq, dk, dv} (of the types given) from dy and the forward's operands and
+// what it kept.
+template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
+std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
+                                          const attention_kept<typename Q::value_type>& kept, double scale) {
+  using T = typename Q::value_type;
+  const attention_extents e = attention_shape(q, k, v);
+  typename DQ::local_type dq(q.local_extents());
+  typename DK::local_type dk(k.local_extents());
+  typename DV::local_type dv(v.local_extents());
+  const bool again = kept.memory != attention_memory::keep_probabilities;  // as the forward kept
+  const double t0 = trace::enabled() ? trace::now() : 0.0;
+  causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
+                               dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr);
+  add_model_flops(2 * attention_model_flops(q, k));  // the four einsums of the two's backward
+  if (again) {  // the logits computed again: work the hardware repeats, not the model's
+    recomputing_flops r;
+    add_model_flops(attention_model_flops(q, k) / 2);
+  }
+  trace_attention("causal_attention backward", t0, e, again ? 2.5 : 2.0);
+  return {DQ(q.mesh(), q.extents(), std::move(dq)), DK(k.mesh(), k.extents(), std::move(dk)),
+          DV(v.mesh(), v.extents(), std::move(dv))};
+}
+
+}  // namespace detail
+
+// Causal self-attention: softmax(causal_mask(scale · q·kᵀ))·v per sequence
+// and head, q [B, L, N, K], k and v [B, T, N, K] (batch, position, head, head
+// dim), row l attending to positions t <= l. Returns q's type. No
+// communication: q, k and v share one sharding, which may split the batch and
+// the heads but not the positions or the head dim.
+template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
+std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, double scale) {
+  using XQ = std::remove_cvref_t<Q>;
+  static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>());
+  return detail::attention_forward<XQ>(q, k, v, scale, nullptr);
+}
+
+}  // namespace gshard

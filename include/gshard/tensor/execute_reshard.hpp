@@ -1,0 +1,223 @@
+// gshard/tensor/execute_reshard.hpp — runs a reshard plan (reshard_steps.hpp)
+// on one rank's shard: each step as Pack / Communicate / Unpack, one
+// collective or one local slice. Instantiated per element type and rank only
+// (the plan is a value), so every sharding of a rank-R tensor shares one
+// executor. reshard<>, einsum, the tape and the sharded weight update call
+// it (the buckets run their stackable steps themselves).
+#pragma once
+
+#include <memory>
+#include <span>
+
+#include "gshard/runtime/collectives.hpp"
+#include "gshard/kernels/copy_box.hpp"
+#include "gshard/layout/shard_geometry.hpp"
+#include "gshard/layout/reshard_steps.hpp"
+#include "gshard/tensor/tensor.hpp"
+
+namespace gshard::detail {
+
+template <int Rank>
+index_t product(const shape<Rank>& e, int from = 0, int to = Rank) {
+  index_t p = 1;
+  for (int d = from; d < to; ++d) p *= e[std::size_t(d)];
+  return p;
+}
+
+// The rank whose `from` block is the `to` block of the rank at `coords`
+// (a bijection when permute_suffices(from, to)).
+inline int permute_source(const mesh_base& m, const rlayout& from, const rlayout& to, const index_t* coords) {
+  const index_t* size = m.sizes();
+  index_t src[max_mesh_axes] = {};
+  for (int d = 0; d < max_rank; ++d) {
+    index_t b = 0;
+    for (int i = 0; i < to.dims[d].n; ++i) b = b * size[to.dims[d].ax[i]] + coords[to.dims[d].ax[i]];
+    for (int i = from.dims[d].n - 1; i >= 0; --i) {
+      const int a = from.dims[d].ax[i];
+      src[a] = b % size[a];
+      b /= size[a];
+    }
+  }
+  for (int a = 0; a < m.naxes(); ++a)
+    if (from.is_partial(a)) src[a] = coords[a];
+  // Axes that split nothing: map the position on to's free axes onto from's.
+  index_t u = 0;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (!((to.used_mask() >> a) & 1u)) u = u * size[a] + coords[a];
+  for (int a = m.naxes() - 1; a >= 0; --a)
+    if (!((from.used_mask() >> a) & 1u)) {
+      src[a] = u % size[a];
+      u /= size[a];
+    }
+  return m.rank_of(src);
+}
+
+// Copies piece `j` of `in` along dim d (j-th of `parts` equal pieces) into `out`.
+template <class T, int Rank>
+void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out) {
+  shape<Rank> piece = e, off{}, zero{};
+  piece[std::size_t(d)] = e[std::size_t(d)] / parts;
+  off[std::size_t(d)] = j * piece[std::size_t(d)];
+  copy_box(in, e.data(), off.data(), out, piece.data(), zero.data(), piece.data(), Rank);
+}
+// Copies `piece` into `out` (extents e) at position j along dim d.
+template <class T, int Rank>
+void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, const shape<Rank>& e) {
+  shape<Rank> off{}, zero{};
+  off[std::size_t(d)] = j * pe[std::size_t(d)];
+  copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
+}
+
+// An all_to_all step (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
+// as Pack / Communicate / Unpack: piece j of dim b goes to group rank j, the
+// piece from group rank i is block i of dim a. Each of Pack and Unpack is
+// needed only when its dim has others outside it (else the pieces lie in
+// order already). The blocking step (run_step) and the one started now and
+// finished later (reshard_request, gshard/tensor/reshard.hpp) share it.
+template <class T, int Rank>
+struct all_to_all_geometry {
+  shape<Rank> e, eo;   // local extents before and after
+  int a, b;            // the dim gathered (from_dim) and the dim split (to_dim)
+  index_t P;           // the group's size
+  std::size_t n;       // elements sent (and received)
+  all_to_all_geometry(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+                      const shape<Rank>& global)
+      : e(local_extents<Rank>(before, global, m)), eo(local_extents<Rank>(after, global, m)), a(s.from_dim), b(s.to_dim),
+        P(m.group(1u << s.axis).size), n(std::size_t(product<Rank>(e))) {}
+  bool packs() const { return product<Rank>(e, 0, b) != 1; }
+  bool unpacks() const { return product<Rank>(eo, 0, a) != 1; }
+  void pack(const T* in, T* send) const {
+    for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in, e, b, P, j, send + std::size_t(j) * (n / std::size_t(P)));
+  }
+  void unpack(const T* recv, T* out) const {
+    shape<Rank> pe = e;
+    pe[std::size_t(b)] = eo[std::size_t(b)];
+    for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, a, i, out, eo);
+  }
+};
+
+// n elements to be overwritten (a std::vector would zero them first: a pass
+// over the buffer, 0.7% of a training step's time).
+template <class T>
+std::unique_ptr<T[]> uninitialized(std::size_t n) {
+  return std::make_unique_for_overwrite<T[]>(n);
+}
+
+// Runs one step; `before` is the layout of `in`, and the result has `after`:
+// a case per step kind, each its Pack / Communicate / Unpack, sharing the
+// step's geometry (the extents, the group, the block sizes).
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
+                               const local_tensor<T, Rank>& in, const shape<Rank>& global) {
+  const shape<Rank> e = local_extents<Rank>(before, global, m);
+  const shape<Rank> eo = local_extents<Rank>(after, global, m);
+  const std::size_t n = std::size_t(product<Rank>(e));
+  switch (s.kind) {
+    case step_kind::all_gather: {  // (.., d{..,x}, ..) |-> (.., d{..}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      local_tensor<T, Rank> out(eo);
+      if (product<Rank>(e, 0, s.from_dim) == 1) {
+        all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
+        return out;
+      }
+      const auto recv = uninitialized<T>(n * std::size_t(g.size));  // Communicate
+      all_gather<T>(g, {in.data(), n}, {recv.get(), n * std::size_t(g.size)});
+      for (int p = 0; p < g.size; ++p) put_piece<T, Rank>(recv.get() + std::size_t(p) * n, e, s.from_dim, p, out.data(), eo);  // Unpack
+      return out;
+    }
+    case step_kind::slice: {  // (.., d{..}, ..) |-> (.., d{..,x}, ..), local
+      local_tensor<T, Rank> out(eo);
+      take_piece<T, Rank>(in.data(), e, s.to_dim, m.size(s.axis), m.coord(s.axis), out.data());
+      return out;
+    }
+    case step_kind::all_to_all: {  // (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
+      const all_to_all_geometry<T, Rank> geo(m, s, before, after, global);
+      local_tensor<T, Rank> out(eo);
+      std::unique_ptr<T[]> send_buf, recv_buf;
+      const T* send = in.data();
+      if (geo.packs()) {  // Pack
+        send_buf = uninitialized<T>(n);
+        geo.pack(in.data(), send_buf.get());
+        send = send_buf.get();
+      }
+      if (geo.unpacks()) recv_buf = uninitialized<T>(n);
+      T* recv = geo.unpacks() ? recv_buf.get() : out.data();
+      all_to_all<T>(m.group(1u << s.axis), {send, n}, {recv, n});  // Communicate
+      if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
+      return out;
+    }
+    case step_kind::all_reduce: {  // partial{x} |-> replicated on x
+      local_tensor<T, Rank> out(eo);
+      all_reduce<T>(m.group(s.mask), {in.data(), n}, {out.data(), n});
+      return out;
+    }
+    case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
+      const axis_group& g = m.group(1u << s.axis);
+      const index_t P = g.size;
+      local_tensor<T, Rank> out(eo);
+      std::unique_ptr<T[]> send_buf;
+      const T* send = in.data();
+      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack
+        send_buf = uninitialized<T>(n);
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.get() + std::size_t(j) * (n / std::size_t(P)));
+        send = send_buf.get();
+      }
+      reduce_scatter<T>(g, {send, n}, {out.data(), std::size_t(out.size())});  // Communicate
+      return out;
+    }
+    case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
+      local_tensor<T, Rank> out(eo);
+      if (m.coord(s.axis) != 0) out.setZero();
+      else out = in;
+      return out;
+    }
+    case step_kind::permute: {  // same blocks, other ranks
+      const axis_group& g = m.all_axes();
+      const int source = permute_source(m, before, after, m.coords());
+      int dest = -1;
+      for (int q = 0; q < m.nranks() && dest < 0; ++q)
+        if (permute_source(m, before, after, m.coords_of(q).data()) == m.rank()) dest = q;
+      local_tensor<T, Rank> out(eo);
+      permute<T>(g, {in.data(), n}, dest, {out.data(), std::size_t(out.size())}, source);
+      return out;
+    }
+  }
+  return in;
+}
+
+// Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
+// work in place, the other steps write a fresh shard.
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
+                                      const shape<Rank>& global, int first = 0) {
+  for (int i = first; i < p.n; ++i) {
+    const reshard_step& s = p.step[i];
+    if (s.kind == step_kind::all_reduce) {
+      all_reduce<T>(m.group(s.mask), std::span<T>(local.data(), std::size_t(local.size())));
+    } else if (s.kind == step_kind::zero_partial) {
+      if (m.coord(s.axis) != 0) local.setZero();
+    } else {
+      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global);
+    }
+  }
+  return std::move(local);
+}
+
+// Runs a plan on a shard it only reads: the first step writes a fresh shard.
+template <class T, int Rank>
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
+                                      const shape<Rank>& global) {
+  if (p.n == 0) return local;
+  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
+}
+
+// Plans at run time with the mesh's real sizes, then executes: for layouts
+// that exist only at run time (the exhaustive tests).
+template <class T, int Rank>
+local_tensor<T, Rank> reshard_dynamic(const mesh_base& m, const rlayout& from, const rlayout& to,
+                                      const local_tensor<T, Rank>& local, const shape<Rank>& global) {
+  const reshard_steps p = plan_reshard(from, to, m.naxes(), m.sizes());
+  return execute_reshard<T, Rank>(m, p, local, global);
+}
+
+}  // namespace gshard::detail

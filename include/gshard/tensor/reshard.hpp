@@ -1,0 +1,207 @@
+// gshard/tensor/reshard.hpp — reshard<Target>(t): the same global tensor in another
+// sharding (a sharding, or a rules table applied to its labels), with the
+// collectives its plan (reshard_plan.hpp, computed at compile time) names,
+// run by tensor/execute_reshard.hpp; start_reshard<Target>(t), the same
+// started now and finished later. The one-collective forms and
+// gather/scatter are in tensor_collectives.hpp. reshard_backward: its gradient.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gshard/tensor/execute_reshard.hpp"
+#include "gshard/layout/labels.hpp"
+#include "gshard/runtime/nonblocking.hpp"
+#include "gshard/tensor/reshard_plan.hpp"
+#include "gshard/tensor/tensor.hpp"
+
+namespace gshard {
+
+namespace detail {
+// The sharding reshard<To> moves a tensor of type X to: To itself, or what
+// the rules To give X's labels.
+template <class To, class X>
+struct reshard_target {
+  using type = To;
+};
+template <fixed_string R, class X>
+struct reshard_target<rules_text<R>, X> {
+  static_assert(X::labels.size() == X::rank,
+                "gshard::reshard: resharding by rules needs a labelled tensor; name its dims with relabel<\"...\">");
+  using type = sharding_by<rules_text<R>, X::label_string>;
+};
+
+// What reshard<ToOrRules>(x) and start_reshard<ToOrRules>(x) work out for
+// an x of type X: the target sharding, the result's type, the plan.
+template <class ToOrRules, class X>
+struct reshard_of {
+  using Y = std::remove_cvref_t<X>;
+  using To = typename reshard_target<ToOrRules, Y>::type;
+  using out_t = with_sharding<Y, To>;
+  using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
+  using T = typename Y::value_type;
+  // Before any collective: a target that does not divide throws the same on every rank.
+  static void check(const Y& x) {
+    check_divisible<Y::rank>(out_t::resolved, To::spec, x.extents(), x.mesh(), dtype_name<T>(), Y::labels);
+  }
+};
+}  // namespace detail
+
+// The same global tensor with sharding To — a sharding, or a rules table
+// applied to the tensor's labels. Communication as the plan says. Given an
+// rvalue, reuses its storage where a step allows (an all_reduce then runs in
+// place).
+template <class ToOrRules, class X>
+  requires sharded_tensor<X>
+auto reshard(X&& x) {
+  using R = detail::reshard_of<ToOrRules, X>;
+  using Y = typename R::Y;
+  using out_t = typename R::out_t;
+  using plan = typename R::plan;
+  using T = typename R::T;
+  const auto& mesh = x.mesh();
+  const auto extents = x.extents();
+  R::check(x);
+  if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
+    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
+  } else {
+    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, x.local(), extents));
+  }
+}
+
+// A reshard started now and finished later (start_reshard<To>(t)); wait()
+// gives the tensor in To. A plan that ends in an all_to_all — a split moved
+// from one dim to another, as the MoE layer's dispatch and combine, after
+// any steps before it — runs those steps at once and posts the all_to_all
+// (start_all_to_all, packed), which travels while the rank computes;
+// wait() unpacks it. Any other plan runs whole when it starts and wait()
+// hands its result out: the same values and the same collectives either way.
+template <class Out>
+class [[nodiscard]] reshard_request {
+  using T = typename Out::value_type;
+  static constexpr int R = Out::rank;
+
+ public:
+  // Runs plan `p` (of Out's mesh; its last state is Out's layout) on `in`,
+  // the shard in its first state.
+  template <class Local>
+  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in)
+      : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
+    const int last = p.n - 1;
+    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
+      s_->out = detail::execute_reshard<T, R>(m, p, std::forward<Local>(in), global);
+      return;
+    }
+    if (last > 0) {  // the steps before the all_to_all, now
+      detail::reshard_steps head = p;
+      head.n = last;
+      post(m, p, last, detail::execute_reshard<T, R>(m, head, std::forward<Local>(in), global), global);
+    } else {
+      post(m, p, last, std::forward<Local>(in), global);
+    }
+  }
+
+  // Moves it on without blocking; true once its data has arrived.
+  bool test() { return !s_ || s_->request.test(); }
+
+  // The tensor in To; once.
+  Out wait() {
+    if (!s_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
+    s_->request.wait();
+    if (s_->unpack) s_->unpack->unpack(s_->recv.data(), s_->out.data());
+    Out out(*mesh_, extents_, std::move(s_->out));
+    s_.reset();
+    return out;
+  }
+
+ private:
+  // Packs `in` (in state i of the plan) and posts step i, an all_to_all.
+  template <class Local>
+  void post(const typename Out::mesh_type& m, const detail::reshard_steps& p, int i, Local&& in, const shape<R>& global) {
+    const detail::all_to_all_geometry<T, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
+    const T* send = in.data();
+    if (geo.packs()) {
+      s_->send.resize(geo.n);
+      geo.pack(in.data(), s_->send.data());
+      send = s_->send.data();
+    } else {
+      s_->in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
+      send = s_->in.data();
+    }
+    s_->out = local_tensor<T, R>(geo.eo);
+    if (geo.unpacks()) {
+      s_->recv.resize(geo.n);
+      s_->unpack.emplace(geo);
+    }
+    T* recv = geo.unpacks() ? s_->recv.data() : s_->out.data();
+    s_->request = start_all_to_all<T>(m.group(1u << p.step[i].axis), {send, geo.n}, {recv, geo.n});
+  }
+
+  struct state {  // on the heap: the request may move while MPI writes into it
+    local_tensor<T, R> in;
+    std::vector<T> send, recv;
+    local_tensor<T, R> out;
+    std::optional<detail::all_to_all_geometry<T, R>> unpack;
+    collective_request request;  // last: destroyed (finished) before the buffers it uses
+  };
+  const typename Out::mesh_type* mesh_;
+  shape<R> extents_;
+  std::unique_ptr<state> s_;
+};
+
+// reshard<To>(x), started: the same checks and plan, the collectives posted
+// now (reshard_request). The caller computes, then wait()s.
+template <class ToOrRules, class X>
+  requires sharded_tensor<X>
+[[nodiscard]] auto start_reshard(X&& x) {
+  using R = detail::reshard_of<ToOrRules, X>;
+  R::check(x);
+  if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()));
+  else
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, x.local());
+}
+
+namespace detail {
+template <class S>
+struct gradient_spec {  // S without its pending sums
+  static constexpr sharding_spec value = [] {
+    sharding_spec g = S::spec;
+    g.npartial = 0;
+    for (name_t& a : g.partial) a = name_t{};
+    return g;
+  }();
+};
+}  // namespace detail
+
+// The sharding of the gradient of a tensor sharded S: S without its pending
+// sums. A summand's gradient is the gradient of the sum, the same on every
+// rank along those axes — so there it is replicated.
+template <class S>
+using gradient_sharding =
+    GSHARD_SHARDING_OF(detail::gradient_spec<S>::value);
+
+namespace detail {
+template <class X>
+using gradient_of = tensor<typename X::value_type, X::rank, typename X::mesh_type, gradient_sharding<typename X::sharding_type>>;
+
+}  // namespace detail
+
+// The gradient of x for y = reshard<To>(x), given y's gradient dy — reduced
+// (in To's gradient sharding) or still pending (partial over axes where y is
+// replicated, e.g. straight from an einsum's backward). It comes back in
+// gradient_sharding<From> with the forward's collectives transposed:
+// all_to_all <-> the reverse all_to_all, all_reduce <-> nothing (or an
+// all_reduce of a pending dy), a local slice <-> all_gather, and all_gather
+// <-> a local slice when dy is reduced or one reduce_scatter when it is
+// pending (the cheaper way: keep dy partial).
+template <class From, class DY>
+  requires sharded_tensor<DY>
+auto reshard_backward(DY&& dy) {
+  return reshard<gradient_sharding<From>>(std::forward<DY>(dy));
+}
+
+}  // namespace gshard
