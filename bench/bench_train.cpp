@@ -1,6 +1,6 @@
-// bench/bench_train.cpp — training: the trainer's step, its parts (GEMMs,
-// memory, weight update, buckets, remat, cost model) and the MoE layer and
-// attention alone.
+// bench/bench_train.cpp — training: the trainer's step and its parts (GEMMs,
+// memory, weight update, buckets, remat, cost model); the MoE layer and
+// attention alone are bench_layers.cpp's.
 //   scripts/mpirun -np 2 build/bench/bench_train
 // The comment above each benchmark says what it measures;
 // docs/10_performance.md discusses the results.
@@ -16,8 +16,6 @@
 #include <map>
 #include <stdexcept>
 
-#include <sys/resource.h>
-
 #include "mpi_bench.hpp"
 
 using namespace gshard;
@@ -25,17 +23,6 @@ using grid = mesh<axis<"data", 1>, axis<"expert">>;
 
 namespace {
 
-
-long minor_faults() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_minflt;
-}
-double max_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_maxrss) / 1024.0;
-}
 
 model::config trainer_config() {
   model::config c;
@@ -78,7 +65,7 @@ void step(benchmark::State& state) {
   b.step();  // warm up
   b.step();
   double a2a = 0, ar = 0, rs_ag = 0, total = 0;
-  const long f0 = minor_faults();
+  const long f0 = gshard::bench::minor_faults();
   const double flops0 = model_flops();
   for (auto _ : state) {
     const double a0 = collective_seconds(collective::all_to_all), r0 = collective_seconds(collective::all_reduce);
@@ -101,7 +88,7 @@ void step(benchmark::State& state) {
   state.counters["all_reduce_ms"] = 1e3 * ar / n;
   state.counters["reduce_scatter+all_gather_ms"] = 1e3 * rs_ag / n;
   state.counters["compute_ms"] = 1e3 * (total - a2a - ar - rs_ag) / n;
-  state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / n;
+  state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(gshard::bench::minor_faults() - f0)) / n;
   // Model FLOPs utilisation: the step's einsum FLOPs (each rank counts 1/P of
   // every einsum, counters.hpp) over step time x ranks x the measured peak.
   const double P = double(b.m.nranks()), step_flops = (model_flops() - flops0) * P / n;
@@ -162,10 +149,10 @@ void step_gemms(benchmark::State& state) {
 void step_memory(benchmark::State& state) {
   trainer b;
   for (int i = 0; i < 3; ++i) b.step();  // steady state
-  const long f0 = minor_faults();
+  const long f0 = gshard::bench::minor_faults();
   for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { b.step(); }));
-  state.counters["max_rss_MiB"] = gshard::bench::max_over_ranks(max_rss_mib());
-  state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
+  state.counters["max_rss_MiB"] = gshard::bench::max_over_ranks(gshard::bench::max_rss_mib());
+  state.counters["page_faults/step"] = gshard::bench::max_over_ranks(double(gshard::bench::minor_faults() - f0)) / double(state.iterations());
 }
 
 // sharded_vs_replicated_update: the same step with each weight update,
@@ -353,166 +340,6 @@ void cost_model(benchmark::State& state) {
   }
 }
 
-// moe_layer: the MoE layer alone in its reference configuration (4096
-// tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
-// backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
-// called directly in the same iterations: of_gemm_rate, the median ratio
-// of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
-void moe_layer(benchmark::State& state) {
-  const grid& m = gshard::bench::world_mesh<grid>();
-  const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
-  moe::gating_config gc;
-  parameters ps(m, 1);
-  moe::layer<float, grid> layer(ps, "moe.", M, H, E);
-  using L = moe::layer<float, grid>;
-  named<float, "GSM", grid, L::at_tokens> x(m, {G, S, M});
-  fill_normal(x, 1.0, 2, 3);
-  const auto dy = relabel<"">(named<float, "GSM", grid, L::at_tokens>(x));
-  std::uint64_t s = 0;
-  auto fwd_bwd = [&] {
-    tape t(ps);
-    auto out = layer(t.constant(x), gc, s++);
-    // <y, dy>: the backward receives dy as the output's gradient.
-    auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(dy)));
-    t.backward(l);
-  };
-  // The same expert GEMMs called directly on preallocated buffers: per
-  // expert on this rank, x [GC,M]·wi [M,H], h·wo [H,M]; the backward's
-  // dh = dy·woᵀ, dwo = hᵀ·dy, dx = dh·wiᵀ, dwi = xᵀ·dh.
-  const index_t C = moe::capacity(S, E, gc), R = G * C, El = E / P;
-  std::vector<float> bx(std::size_t(R * M), 0.5f), bh(std::size_t(R * H), 0.25f), by(std::size_t(R * M)), bdh(std::size_t(R * H)),
-      bdx(std::size_t(R * M)), bwi(std::size_t(M * H), 0.01f), bwo(std::size_t(H * M), 0.01f), bdwi(std::size_t(M * H)),
-      bdwo(std::size_t(H * M));
-  auto gemms = [&] {
-    using gshard::detail::gemm;
-    for (index_t e = 0; e < El; ++e) {
-      gemm<float>(false, false, R, H, M, 1.f, bx.data(), M, bwi.data(), H, 0.f, bh.data(), H);
-      gemm<float>(false, false, R, M, H, 1.f, bh.data(), H, bwo.data(), M, 0.f, by.data(), M);
-      gemm<float>(false, true, R, H, M, 1.f, by.data(), M, bwo.data(), M, 0.f, bdh.data(), H);
-      gemm<float>(true, false, H, M, R, 1.f, bh.data(), H, by.data(), M, 0.f, bdwo.data(), M);
-      gemm<float>(false, true, R, M, H, 1.f, bdh.data(), H, bwi.data(), H, 0.f, bdx.data(), M);
-      gemm<float>(true, false, M, H, R, 1.f, bx.data(), M, bdh.data(), H, 0.f, bdwi.data(), H);
-    }
-  };
-  fwd_bwd();
-  fwd_bwd();  // steady state: the heap holds every buffer size once
-  gemms();
-  const long f0 = minor_faults();
-  const auto c = gshard::bench::compare(state, {fwd_bwd, gemms}, 0);
-  const double faults = gshard::bench::max_over_ranks(double(minor_faults() - f0)) / double(state.iterations());
-  const double expert_flop = 3.0 * 4.0 * double(El * R * M * H);  // forward 2 GEMMs, backward 4
-  state.counters["expert_gflops"] = expert_flop / c.median_time[0] * 1e-9;
-  state.counters["gemm_gflops"] = expert_flop / c.median_time[1] * 1e-9;
-  state.counters["of_gemm_rate"] = c.median_ratio[1];  // the layer's expert GFLOP/s over the direct GEMMs'
-  state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
-  state.counters["page_faults/iter"] = faults;
-}
-
-// attention: the trainer's causal self-attention alone (8 sequences of 128
-// per rank, 4 heads of 32), forward plus backward on a tape, four forms
-// interleaved iteration by iteration: causal_attention (blocks of rows),
-// the einsums around causal_softmax it replaced, the dense GEMMs of the
-// einsums called directly (per sequence and head, QKᵀ, PV and the four of
-// the backward; no softmax), and causal_attention computing its
-// probabilities again in the backward. Counters: each form's time, the
-// ratios to causal_attention's (einsums_ratio > 1: the einsums are slower;
-// of_gemm_rate > 1: causal_attention beats the dense GEMMs alone, by not
-// computing the blocks above the diagonal; recompute_ratio: the cost of
-// attention_memory::recompute_probabilities), and GFLOP/s of the dense
-// einsums' FLOPs (model FLOPs) over causal_attention's time.
-void attention(benchmark::State& state) {
-  const grid& m = gshard::bench::world_mesh<grid>();
-  const index_t P = m.nranks(), B = 8, L = 128, N = 4, K = 32;
-  using bt = sharding<split<0, "expert">>;
-  parameters ps(m, 1);
-  param<tensor<float, 4, grid, bt, "BLNK">> q(ps, "q", {B * P, L, N, K}, init::normal(1.0));
-  param<tensor<float, 4, grid, bt, "BTNK">> k(ps, "k", {B * P, L, N, K}, init::normal(1.0)), v(ps, "v", {B * P, L, N, K}, init::normal(1.0));
-  tensor<float, 4, grid, bt, "BLNK"> dy(m, {B * P, L, N, K});
-  fill_normal(dy, 1.0, 2, 3);
-  const double scale = 1.0 / std::sqrt(double(K));
-  enum form { fused, recomputing, composed };
-  auto run = [&](form f) {
-    tape t(ps);
-    auto o = f == fused         ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
-             : f == recomputing ? causal_attention(t.use(q), t.use(k), t.use(v), scale, attention_memory::recompute_probabilities)
-                                : relabel<"BLNK">(einsum<"BNLT,BTNK->BLNK">(
-                                      causal_softmax(einsum<"BLNK,BTNK->BNLT">(t.use(q), t.use(k)), scale), t.use(v)));
-    t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(dy))));  // dy is the output's gradient
-  };
-  const index_t ld = N * K;
-  std::vector<float> bq(std::size_t(B * L * ld), 0.5f), bk(bq), bv(bq), bo(bq.size()), bdo(bq), bdq(bq.size()), bdk(bq.size()),
-      bdv(bq.size()), bp(std::size_t(B * N * L * L), 0.01f), bg(bp);
-  auto gemms = [&] {
-    using gshard::detail::gemm;
-    for (index_t b = 0; b < B; ++b)
-      for (index_t n = 0; n < N; ++n) {
-        const index_t a = b * L * ld + n * K;
-        float *p = bp.data() + (b * N + n) * L * L, *g = bg.data() + (b * N + n) * L * L;
-        gemm<float>(false, true, L, L, K, 1.f, bq.data() + a, ld, bk.data() + a, ld, 0.f, p, L);
-        gemm<float>(false, false, L, K, L, 1.f, p, L, bv.data() + a, ld, 0.f, bo.data() + a, ld);
-        gemm<float>(false, true, L, L, K, 1.f, bdo.data() + a, ld, bv.data() + a, ld, 0.f, g, L);
-        gemm<float>(true, false, L, K, L, 1.f, p, L, bdo.data() + a, ld, 0.f, bdv.data() + a, ld);
-        gemm<float>(false, false, L, K, L, 1.f, g, L, bk.data() + a, ld, 0.f, bdq.data() + a, ld);
-        gemm<float>(true, false, L, K, L, 1.f, g, L, bq.data() + a, ld, 0.f, bdk.data() + a, ld);
-      }
-  };
-  const auto c = gshard::bench::compare(state, {[&] { run(fused); }, [&] { run(composed); }, gemms, [&] { run(recomputing); }}, 0);
-  const double flop = 3.0 * 2.0 * 2.0 * double(B * N * L * L * K);  // the two einsums, forward and backward
-  state.counters["fused_ms"] = c.median_time[0] * 1e3;
-  state.counters["einsums_ms"] = c.median_time[1] * 1e3;
-  state.counters["gemms_ms"] = c.median_time[2] * 1e3;
-  state.counters["einsums_ratio"] = c.median_ratio[1];
-  state.counters["of_gemm_rate"] = c.median_ratio[2];
-  state.counters["recompute_ratio"] = c.median_ratio[3];
-  state.counters["gflops"] = flop / c.median_time[0] * 1e-9;
-  state.counters["peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
-}
-
-// moe_overlap: the MoE layer of moe_layer (4096 tokens per rank, M=512,
-// H=2048, E=8), forward plus backward, with its all_to_alls pipelined with
-// the experts in 1 (none), 2, 4 and 8 chunks of the capacity
-// (layer_options::overlap_degree), interleaved iteration by iteration:
-// each degree's time, its ratio to one chunk, and the time the slowest rank
-// spent in the all_to_alls' MPI calls (posting, tests, waits: what the
-// pipeline left exposed). Over shared memory the
-// all_to_alls are short and chunks cost smaller GEMMs; over a slow link
-// (scripts/multihost --link-rate 1gbit) chunks hide them behind the experts.
-void moe_overlap(benchmark::State& state) {
-  const grid& m = gshard::bench::world_mesh<grid>();
-  const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
-  const int degrees[] = {1, 2, 4, 8};
-  moe::gating_config gc;
-  using L = moe::layer<float, grid>;
-  std::vector<std::unique_ptr<parameters<grid>>> pss;
-  std::vector<std::unique_ptr<L>> layers;
-  named<float, "GSM", grid, L::at_tokens> x(m, {G, S, M});
-  fill_normal(x, 1.0, 2, 3);
-  const auto dy = relabel<"">(named<float, "GSM", grid, L::at_tokens>(x));
-  std::vector<std::function<void()>> runs;
-  std::vector<double> a2a_s(std::size(degrees)), a2a_n(std::size(degrees));  // time in the all_to_alls' MPI calls
-  for (int k : degrees) {
-    pss.push_back(std::make_unique<parameters<grid>>(m, 1));
-    moe::layer_options o;
-    o.overlap_degree = k;
-    layers.push_back(std::make_unique<L>(*pss.back(), "moe.", M, H, E, o));
-    runs.push_back([&, i = runs.size(), ps = pss.back().get(), layer = layers.back().get(), s = std::uint64_t(0)]() mutable {
-      const double a0 = collective_seconds(collective::all_to_all);
-      tape t(*ps);
-      auto out = (*layer)(t.constant(x), gc, s++);
-      auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(dy)));
-      t.backward(l);
-      a2a_s[i] += collective_seconds(collective::all_to_all) - a0, a2a_n[i] += 1;
-    });
-  }
-  const auto c = gshard::bench::compare(state, runs, 0);
-  for (std::size_t i = 0; i < runs.size(); ++i) {
-    const std::string k = std::to_string(degrees[i]);
-    state.counters["chunks" + k + "_ms"] = 1e3 * c.median_time[i];
-    state.counters["chunks" + k + "_a2a_ms"] = 1e3 * gshard::bench::max_over_ranks(a2a_s[i] / a2a_n[i]);
-    if (i > 0) state.counters["chunks" + k + "/chunks1"] = c.median_ratio[i];
-  }
-}
-
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
@@ -525,9 +352,6 @@ const int registered = [] {
   benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attention", attention)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;
 }();

@@ -14,12 +14,26 @@
 #include <string_view>
 #include <vector>
 
+#include <sys/resource.h>
+
 #include <gshard/kernels/gemm.hpp>
 #include <gshard/runtime/environment.hpp>
 #include <gshard/runtime/peak.hpp>
 
 
 namespace gshard::bench {
+
+// This process's minor page faults and peak resident memory so far.
+inline long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+inline double max_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;
+}
 
 // The mesh a benchmark program runs on, bound to MPI_COMM_WORLD once.
 template <class Mesh>

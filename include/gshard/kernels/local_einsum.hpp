@@ -246,7 +246,7 @@ inline bool blas_fits(index_t r, index_t q, index_t sr, index_t sq) { return r <
 // tested between them (detail::progress(): the experts' GEMMs, one per local
 // expert, let a started all_to_all move). Not within one GEMM: cutting the
 // MoE layer's expert GEMMs into blocks of 256 rows to test between them
-// cost 10% of its forward + backward (bench_train moe_layer, 733 against
+// cost 10% of its forward + backward (bench_layers moe_layer, 733 against
 // 805-821 ms on an AVX-512 Xeon), more than it let the all_to_alls gain.
 template <class T>
 void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, const labeled_view& va, const T* b,
