@@ -10,7 +10,11 @@
 #include "testing.hpp"
 
 using namespace gshard;
+using gshard::testing::dot;
+using gshard::testing::fd_check;
 using gshard::testing::fd_check_params;
+using gshard::testing::random_tensor;
+using gshard::testing::sum_all;
 using gshard::testing::world_size;
 
 namespace {
@@ -19,6 +23,14 @@ using grid1 = mesh<axis<"x">>;
 using grid2 = mesh<axis<"data">, axis<"model">>;
 using rows = sharding<split<0, "x">>;
 
+using grid_de = mesh<axis<"data">, axis<"expert">>;
+
+template <class X>
+X random_like(const X& t, std::uint64_t seed) {
+  X r = t;
+  fill_normal(r, 1.0, seed, 77);
+  return r;
+}
 template <class V>
 double loss_value(const V& v) {
   return double(v.value().local()());
@@ -480,3 +492,138 @@ TEST_CASE("autodiff: parameters declared once; the errors a model writer can mak
   GSHARD_REQUIRE(!l2.tracked());
   GSHARD_REQUIRE_THROWS_WITH(frozen.backward(l2), error, "this tape does not record");
 }
+
+TEST_CASE("autodiff: einsum, relu, softmax and the RMS norm on sharded operands match finite differences", "[autodiff][grad]") {
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  using rows = sharding<split<0, "x">>;
+  double worst = 0;
+  {  // einsum with a split operand and a replicated weight
+    auto a = distribute<rows>(m, random_tensor<2, double>({2 * P, 5}, 1));
+    auto b = distribute<replicate>(m, random_tensor<2, double>({5, 3}, 2));
+    const auto r = random_like(einsum<"ij,jk->ik">(a, b), 3);
+    auto f = [&] { return dot(einsum<"ij,jk->ik">(a, b), r); };
+    auto [da, db] = einsum_backward<"ij,jk->ik">(r, a, b);
+    worst = std::max({worst, fd_check(a, da, f), fd_check(b, db, f)});
+  }
+  {  // a batched contraction, batch split in both operands
+    using bsplit = sharding<split<0, "x">>;
+    auto q = distribute<bsplit>(m, random_tensor<4, double>({P, 4, 2, 3}, 4));
+    auto k = distribute<bsplit>(m, random_tensor<4, double>({P, 4, 2, 3}, 5));
+    const auto r = random_like(einsum<"BLNK,BTNK->BNLT">(q, k), 6);
+    auto f = [&] { return dot(einsum<"BLNK,BTNK->BNLT">(q, k), r); };
+    auto [dq, dk] = einsum_backward<"BLNK,BTNK->BNLT">(r, q, k);
+    worst = std::max({worst, fd_check(q, dq, f), fd_check(k, dk, f)});
+  }
+  {  // relu, softmax, RMS norm (the scale's gradient reduced over the ranks)
+    auto x = distribute<rows>(m, random_tensor<2, double>({2 * P, 6}, 7));
+    const auto r = random_like(x, 8);
+    auto frelu = [&] { return dot(relu(x), r); };
+    worst = std::max(worst, fd_check(x, relu_backward(r, x), frelu));
+    auto fsoft = [&] { return dot(softmax(x), r); };
+    worst = std::max(worst, fd_check(x, softmax_backward(r, softmax(x)), fsoft));
+    auto s = distribute<replicate>(m, random_tensor<1, double>({6}, 9));
+    auto fnorm = [&] { return dot(rms_norm(x, s), r); };
+    tensor<double, 1, grid1, sharding<partial<"x">>> ds(m, {6});
+    const auto dx = rms_norm_backward(r, x, s, ds.data());
+    const auto ds_full = reshard<replicate>(ds);
+    worst = std::max({worst, fd_check(x, dx, fnorm), fd_check(s, ds_full, fnorm)});
+  }
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+}
+
+TEST_CASE("autodiff: the attention block and the MoE layer, derived, match finite differences", "[autodiff][grad][moe]") {
+  const int P = world_size();
+  grid_de m(MPI_COMM_WORLD, {1, P});
+  double worst = 0;
+  {  // attention, batch split, weights replicated
+    model::config c;
+    c.model = 6, c.heads = 2, c.head_dim = 3, c.layers = 1;
+    parameters ps(m, 1);
+    const model::transformer<double, grid_de> tr(ps, c);
+    param<model::transformer<double, grid_de>::activation> h(ps, "h", {P, 5, 6}, init::normal(1.0));
+    const auto& a = tr.blocks()[0].attn;
+    const auto r = random_like(h.value(), 4);
+    auto loss = [&](tape& t) {
+      return reshard<replicate>(einsum<"BLM,BLM->">(tr.attention(t.use(h), a), t.constant(r)));
+    };
+    worst = std::max(worst, fd_check_params(ps, loss, h, a.wq, a.wk, a.wv, a.wo));
+  }
+  // The MoE layer, through the combine weights, the aux loss and the z-loss:
+  // GShard's top-2, SwiGLU experts, top-1 and top-4 with shared experts.
+  // With a binding capacity and random routing, the normalisation runs over
+  // every chosen expert, placed or not (the discrete choices do not move
+  // under the probes).
+  // And the all_to_alls pipelined with the experts (overlap_degree 3).
+  struct variant {
+    ffn_kind ffn;
+    int k, shared;
+    bool binding = false;
+    int overlap = 1;
+  };
+  for (const variant v : {variant{ffn_kind::relu, 2, 0}, variant{ffn_kind::swiglu, 2, 0}, variant{ffn_kind::relu, 1, 1},
+                          variant{ffn_kind::swiglu, 4, 2}, variant{ffn_kind::relu, 2, 0, true},
+                          variant{ffn_kind::swiglu, 2, 0, false, 3}}) {
+    INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == ffn_kind::relu ? "relu" : "swiglu")
+                << (v.binding ? ", binding capacity, random routing" : "") << ", overlap_degree " << v.overlap);
+    const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
+    parameters ps(m, 11);
+    const moe::layer<double, grid_de> layer(ps, "moe.", M, H, E,
+                                          moe::layer_options{v.ffn, v.shared, moe::balance_mode::aux, v.overlap});
+    param<named<double, "GSM", grid_de, moe::layer<double, grid_de>::at_tokens>> x(ps, "x", {G, S, M}, init::normal(1.0));
+    moe::gating_config cfg;
+    cfg.top_k = v.k;
+    cfg.capacity_factor = v.binding ? 0.5 : 8.0;
+    cfg.min_capacity = v.binding ? 1 : 4;
+    cfg.second = v.binding ? moe::second_policy::random : moe::second_policy::all;
+    const auto r = random_like(x.value(), 14);
+    auto loss_in = [&](tape& t, moe::dispatch_mode mode) {
+      auto out = layer(t.use(x), cfg, 1, mode);
+      return reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(r))) + 0.5 * out.aux + 0.03 * out.z_loss;
+    };
+    auto loss = [&](tape& t) { return loss_in(t, moe::dispatch_mode::index); };
+    double w = fd_check_params(ps, loss, x, layer.router, layer.expert_ffn.w1, layer.expert_ffn.w2);
+    if (layer.expert_ffn.w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.expert_ffn.w1_up));
+    if (layer.shared) {
+      w = std::max(w, fd_check_params(ps, loss, layer.shared->w1, layer.shared->w2));
+      if (layer.shared->w1_up) w = std::max(w, fd_check_params(ps, loss, *layer.shared->w1_up));
+    }
+    worst = std::max(worst, w);
+    {  // every parameter gets a gradient (a layer term left out would pass the FD check as 0 = 0)
+      tape tg(ps);
+      auto l = loss(tg);
+      tg.backward(l);
+      double least = 1e300;
+      auto norm = [](const auto& t) {
+        double n = 0;
+        for (index_t i = 0; i < t.local().size(); ++i) n += double(t.data()[i]) * double(t.data()[i]);
+        return gshard::testing::sum_all(n);
+      };
+      for (double n : {norm(layer.router.grad()), norm(layer.expert_ffn.w1.grad()), norm(layer.expert_ffn.w2.grad())}) least = std::min(least, n);
+      if (layer.shared) least = std::min({least, norm(layer.shared->w1.grad()), norm(layer.shared->w2.grad())});
+      GSHARD_REQUIRE(least > 0);
+      if (v.binding) {
+        tape tn(ps, tape::no_grad);
+        const auto out = layer(tn.use(x), cfg, 1);
+        GSHARD_REQUIRE(out.stats.total_dropped() > 0 && out.stats.skipped_at(1) > 0);
+      }
+    }
+    // The einsum form of dispatch and combine: the same gradients.
+    tape ti(ps), te(ps);
+    auto li = loss(ti);
+    ti.backward(li);
+    const auto gwi = layer.expert_ffn.w1.grad();
+    const auto ggate = layer.router.grad();
+    auto le = loss_in(te, moe::dispatch_mode::einsum);
+    te.backward(le);
+    double d = 0;
+    for (index_t i = 0; i < gwi.local().size(); ++i) d = std::max(d, std::abs(gwi.data()[i] - layer.expert_ffn.w1.grad().data()[i]));
+    for (index_t i = 0; i < ggate.local().size(); ++i)
+      d = std::max(d, std::abs(ggate.data()[i] - layer.router.grad().data()[i]));
+    GSHARD_REQUIRE(std::abs(loss_value(li) - loss_value(le)) < 1e-12 && d < 1e-12);
+  }
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+}
+

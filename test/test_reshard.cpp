@@ -83,7 +83,7 @@ template <int R>
 void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
   const auto g = global_tensor<R>(ge);
   // Layouts whose split dims divide: the others are refused when a tensor is
-  // built (tested in test_core.cpp), so no reshard can see them.
+  // built (tested in test_tensor.cpp), so no reshard can see them.
   std::vector<rlayout> layouts;
   for (const rlayout& l : all_layouts(R, m.naxes())) {
     bool divides = true;

@@ -109,7 +109,7 @@ inline counter_state& counters() {
 inline event_log<collective_event>& collective_log() { return counters().events; }
 // How many counted collectives are running on this thread (0 or 1; more
 // while the checked mode compares one). Every MPI communication call gshard
-// makes is made while this is positive: test_train proves it by
+// makes is made while this is positive: test_training proves it by
 // intercepting MPI through its profiling interface.
 inline int& counted_depth() {
   thread_local int depth = 0;

@@ -1,0 +1,823 @@
+// Training the model: the whole model's derived gradient (ReLU and SwiGLU
+// FFNs) against finite differences and the 1-rank result, rematerialisation,
+// the exact collectives, FLOPs and state of one step against the cost model,
+// determinism, axis roles, checkpoints, the sharded weight update, every MPI
+// call counted, stop signals and trace errors.
+#include <gshard/gshard.hpp>
+#include <gshard/model/train.hpp>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+
+#include <sys/resource.h>
+
+#include "gradcheck.hpp"
+#include "layouts.hpp"
+#include "pmpi.hpp"
+#include "testing.hpp"
+
+using namespace gshard;
+using gshard::testing::dot;
+using gshard::testing::fd_check;
+using gshard::testing::fd_check_params;
+using gshard::testing::random_tensor;
+using gshard::testing::sum_all;
+using gshard::testing::world_rank;
+using gshard::testing::world_size;
+
+namespace {
+
+using grid1 = mesh<axis<"x">>;
+using grid2 = mesh<axis<"data">, axis<"expert">>;
+using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;  // heads and FFN hidden units split over "model"
+using gshard::testing::data_expert_model_sizes;
+
+template <class V>
+double scalar(const V& v) {  // a replicated rank-0 var's value
+  return double(v.value().local()());
+}
+
+}  // namespace
+
+namespace {
+model::config tiny(int P, ffn_kind ffn = ffn_kind::relu) {
+  model::config c;
+  c.model = 8, c.heads = 2, c.head_dim = 4, c.hidden = 12, c.experts = P == 3 ? 6 : 8, c.layers = 2;
+  c.gating.capacity_factor = 4.0;
+  c.gating.second = moe::second_policy::all;
+  c.aux_coef = 0.1;
+  c.ffn = ffn;
+  return c;
+}
+local_tensor<std::int32_t, 2> some_tokens(index_t B, index_t L) {
+  local_tensor<std::int32_t, 2> tok(B, L + 1);
+  for (index_t i = 0; i < tok.size(); ++i) tok.data()[i] = std::int32_t((i * 37 + 11) % 256);
+  return tok;
+}
+
+// A model, its parameters and Adam's state on one mesh.
+// While it lives, rank's files may grow to `bytes` only (0: no limit
+// change); SIGXFSZ is ignored so a write past it fails with EFBIG, as a full
+// disk fails with ENOSPC.
+struct file_size_limit {
+  rlimit old{};
+  bool set = false;
+  void (*old_handler)(int) = nullptr;
+  explicit file_size_limit(rlim_t bytes) {
+    if (bytes == 0) return;
+    getrlimit(RLIMIT_FSIZE, &old);
+    old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit now = old;
+    now.rlim_cur = bytes;
+    set = setrlimit(RLIMIT_FSIZE, &now) == 0;
+  }
+  ~file_size_limit() {
+    if (!set) return;
+    setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, old_handler);
+  }
+};
+
+template <class T, class Mesh, class Roles = default_roles>
+struct trainer {
+  using model_t = model::transformer<T, Mesh, Roles>;
+  parameters<Mesh> ps;
+  model_t tr;
+  adam opt;
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac = {})
+      : ps(m, seed), tr(ps, c), opt(ac, ps) {}
+  template <class Axes>
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac, shard_weight_update<Axes> how)
+      : ps(m, seed, how), tr(ps, c), opt(ac, ps) {}
+  typename model_t::tokens_type tokens(const local_tensor<std::int32_t, 2>& tok) const {
+    return distribute<typename model_t::tokens_type>(ps.mesh(), tok);
+  }
+  std::vector<double> steps(const local_tensor<std::int32_t, 2>& tok, int from, int to) {
+    std::vector<double> losses;
+    for (int step = from; step < to; ++step)
+      losses.push_back(model::train_step(tr, ps, opt, tokens(tok), std::uint64_t(step)).loss);
+    return losses;
+  }
+  std::vector<checkpoint_part> parts() { return model::checkpoint_parts(ps, opt); }
+};
+}  // namespace
+
+TEST_CASE("the whole model's derived gradient matches finite differences and the 1-rank gradient", "[train][grad][model]") {
+  const int P = world_size();
+  for (auto ffn : {ffn_kind::relu, ffn_kind::swiglu}) {
+    const auto c = tiny(P, ffn);
+    const auto tok = some_tokens(2 * P, 6);
+    // The 1-rank gradients, computed on each rank alone.
+    std::map<std::string, local_tensor<double, 1>> ref;
+    {
+      grid2 self(MPI_COMM_SELF, {1, 1});
+      trainer<double, grid2> one(self, c, 3);
+      tape t(one.ps);
+      t.backward(one.tr.forward(t, one.tokens(tok), 0).loss);
+      for (std::size_t i = 0; i < one.ps.size(); ++i) {
+        auto g = one.ps.grads()[i].f64();
+        local_tensor<double, 1> flat(index_t(g.size()));
+        std::copy(g.begin(), g.end(), flat.data());
+        ref[one.ps.name(i)] = flat;
+      }
+    }
+    auto check = [&](const auto& m) {
+      using Mesh = std::remove_cvref_t<decltype(m)>;
+      trainer<double, Mesh> run(m, c, 3);
+      const auto tokens = run.tokens(tok);
+      auto loss = [&](tape& t) { return run.tr.forward(t, tokens, 0).loss; };
+      // Every parameter's gradient, gathered, equals the 1-rank one.
+      std::size_t tensors = 0;
+      auto vs_one_after_backward = [&](std::size_t bucket) {
+        run.ps.set_bucket_bytes(bucket);
+        {
+          tape t(run.ps);
+          t.backward(loss(t));
+        }
+        double vs_one = 0;
+        tensors = 0;
+        for (std::size_t i = 0; i < run.ps.size(); ++i) {
+          const std::vector<char> bytes = run.ps.grads()[i].gather_to_root();
+          if (run.ps.mesh().rank() != 0) continue;
+          const double* g = reinterpret_cast<const double*>(bytes.data());
+          const auto& r = ref.at(run.ps.name(i));
+          for (index_t k = 0; k < r.size(); ++k) vs_one = std::max(vs_one, std::abs(g[k] - r.data()[k]) / (1e-6 + std::abs(r.data()[k])));
+          ++tensors;
+        }
+        return sum_all(world_rank() == 0 ? vs_one : 0.0);
+      };
+      // Buckets of 1 KiB fill during the backward and travel while it
+      // computes (plans of one step and of several); the default's one
+      // bucket runs at its end. The same gradients either way.
+      const double vs_one_small_buckets = vs_one_after_backward(1024);
+      const double vs_one = std::max(vs_one_after_backward(default_bucket_bytes), vs_one_small_buckets);
+      // Finite differences of every parameter (two probes per shard).
+      double worst = 0;
+      auto f = [&] {
+        tape t(run.ps, tape::no_grad);
+        return scalar(loss(t));
+      };
+      const auto& b0 = run.tr.blocks()[0];
+      const auto& b1 = run.tr.blocks()[1];
+      for (const auto* b : {&b0, &b1}) {
+        for (const auto* w : {&b->norm1, &b->norm2}) worst = std::max(worst, fd_check(const_cast<std::remove_cvref_t<decltype(*w)>*>(w)->value(), w->grad(), f, 2));
+        for (const auto* w : {&b->attn.wq, &b->attn.wk, &b->attn.wv})
+          worst = std::max(worst, fd_check(const_cast<std::remove_cvref_t<decltype(*w)>*>(w)->value(), w->grad(), f, 2));
+        auto wo = b->attn.wo;
+        worst = std::max(worst, fd_check(wo.value(), wo.grad(), f, 2));
+        if (b->ffn) {
+          auto w1 = b->ffn->w1, w2 = b->ffn->w2;
+          worst = std::max({worst, fd_check(w1.value(), w1.grad(), f, 2), fd_check(w2.value(), w2.grad(), f, 2)});
+          if (b->ffn->w1_up) {
+            auto w = *b->ffn->w1_up;
+            worst = std::max(worst, fd_check(w.value(), w.grad(), f, 2));
+          }
+        }
+        if (b->moe) {
+          auto gate = b->moe->router, wi = b->moe->expert_ffn.w1, wo2 = b->moe->expert_ffn.w2;
+          worst = std::max({worst, fd_check(gate.value(), gate.grad(), f, 2), fd_check(wi.value(), wi.grad(), f, 2),
+                            fd_check(wo2.value(), wo2.grad(), f, 2)});
+          if (b->moe->expert_ffn.w1_up) {
+            auto w = *b->moe->expert_ffn.w1_up;
+            worst = std::max(worst, fd_check(w.value(), w.grad(), f, 2));
+          }
+        }
+      }
+      INFO((ffn == ffn_kind::relu ? "ReLU" : "SwiGLU") << " on " << m.describe() << ": worst relative error " << worst
+                                                              << ", worst difference from 1 rank " << vs_one << " over "
+                                                              << tensors << " tensors");
+      GSHARD_REQUIRE(worst < 1e-6 && vs_one < 1e-9);
+      GSHARD_REQUIRE(run.ps.size() == (ffn == ffn_kind::relu ? 20u : 22u));
+    };
+    check(grid2(MPI_COMM_WORLD, {1, P}));
+    if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
+    if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+  }
+}
+
+TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, move the router bias once", "[train][remat]") {
+  const int P = world_size();
+  // Every block rematerialised against none: the same gradients (double,
+  // 1e-12 relative), losses, routing and router bias after two steps; the
+  // recomputed forwards' FLOPs counted apart from the model's; the forward's
+  // collectives again in the backward.
+  auto check = [&](const auto& m, model::config c) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    const auto tok = some_tokens(2 * P, 6);
+    trainer<double, Mesh> kept(m, c, 3);
+    c.remat = {0, 1};
+    trainer<double, Mesh> re(m, c, 3);
+    struct run {
+      double loss, flops, recomputed;
+      std::size_t collectives;
+      std::vector<std::int64_t> load;
+    };
+    auto step = [&](auto& tr, int s) {
+      collective_recorder rec;
+      const double f0 = model_flops(), r0 = recomputed_flops();
+      const auto r = model::train_step(tr.tr, tr.ps, tr.opt, tr.tokens(tok), std::uint64_t(s));
+      return run{r.loss, model_flops() - f0, recomputed_flops() - r0, rec.events().size(), r.moe.at(0).expert_load};
+    };
+    // The blocks' forward FLOPs (this rank's share): a forward's, less the unembedding's 2·B·L·M·V.
+    const double blocks_forward = [&] {
+      const double f0 = model_flops();
+      tape t(kept.ps, tape::no_grad);
+      (void)kept.tr.forward(t, kept.tokens(tok), 0);
+      return model_flops() - f0 - 2.0 * double(2 * P * 6 * c.model * c.vocab) / double(P);
+    }();
+    double worst = 0;
+    for (int s = 0; s < 2; ++s) {
+      const run a = step(kept, s), b = step(re, s);
+      GSHARD_REQUIRE(a.loss == b.loss);
+      GSHARD_REQUIRE(a.load == b.load);
+      GSHARD_REQUIRE(a.flops == b.flops);
+      GSHARD_REQUIRE(a.recomputed == 0);
+      GSHARD_REQUIRE(std::abs(b.recomputed - blocks_forward) <= 1e-12 * blocks_forward);
+      GSHARD_REQUIRE(b.collectives > a.collectives);
+      for (std::size_t i = 0; i < kept.ps.size(); ++i) {  // the gradients of this step, gathered
+        const auto g1 = kept.ps.grads()[i].gather_to_root(), g2 = re.ps.grads()[i].gather_to_root();
+        const auto* x = reinterpret_cast<const double*>(g1.data());
+        const auto* y = reinterpret_cast<const double*>(g2.data());
+        for (std::size_t j = 0; j < g1.size() / sizeof(double); ++j)
+          worst = std::max(worst, std::abs(x[j] - y[j]) / std::max(1e-6, std::abs(x[j])));
+      }
+    }
+    worst = sum_all(worst);
+    INFO(m.describe() << ": worst relative gradient difference " << worst);
+    GSHARD_REQUIRE(worst < 1e-12);
+    const auto& b1 = kept.tr.blocks()[1].moe, &b2 = re.tr.blocks()[1].moe;
+    if (b1->bias) {
+      double moved = 0;
+      for (index_t e = 0; e < c.experts; ++e) {
+        GSHARD_REQUIRE(b1->bias->value().data()[e] == b2->bias->value().data()[e]);
+        moved += std::abs(b1->bias->value().data()[e]);
+      }
+      GSHARD_REQUIRE(moved > 0);
+    }
+  };
+  auto c = tiny(P);
+  check(grid2(MPI_COMM_WORLD, {1, P}), c);
+  c.gating.balance = moe::balance_mode::bias, c.gating.bias_rate = 0.01, c.gating.second = moe::second_policy::random;
+  check(grid2(MPI_COMM_WORLD, {1, P}), c);
+  if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P, ffn_kind::swiglu));
+  auto piped = tiny(P);  // the all_to_alls in flight, recomputed in the backward with their pipeline
+  piped.overlap_degree = 2;
+  check(grid2(MPI_COMM_WORLD, {1, P}), piped);
+
+  // Misuse: a block that does not exist; a function reading a tracked value
+  // it was not given.
+  {
+    auto bad = tiny(P);
+    bad.remat = {2};
+    grid2 m(MPI_COMM_WORLD, {1, P});
+    parameters<grid2> ps(m, 1);
+    GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid2>(ps, bad)), error,
+                               "gshard::model::transformer: config.remat names block 2 of a model with 2 blocks (0 to 1)");
+  }
+  {
+    grid1 m(MPI_COMM_WORLD);
+    parameters<grid1> ps(m, 1);
+    param<tensor<double, 1, grid1, replicate>> w(ps, "w", {3}, init::ones());
+    tape t(ps);
+    auto x = t.constant(distribute<replicate>(m, random_tensor<1, double>({3}, 4)));
+    auto wx = x * t.use(w);  // tracked
+    GSHARD_REQUIRE_THROWS_WITH(remat([wx](const auto& in) { return in * wx; }, x), error,
+                               "gshard::remat: the function uses a tracked value f64[3] that it was not given as an input");
+    auto y = remat([&w, &t](const auto& in) { return in * t.use(w); }, x);  // a parameter: declared, so allowed
+    const auto r = distribute<replicate>(m, random_tensor<1, double>({3}, 5));
+    t.backward(einsum<"i,i->">(y, t.constant(r)));
+    for (index_t i = 0; i < 3; ++i) GSHARD_REQUIRE(w.grad().local()(i) == x.value().local()(i) * r.local()(i));
+  }
+}
+
+TEST_CASE("one training step runs exactly the collectives, FLOPs and state the cost model counts", "[train][collectives][cost]") {
+  // gshard/model/cost.hpp counts a step from the config and the mesh's
+  // sizes alone; here a real step's counters must equal it: the calls and
+  // bytes of every collective per kind and axes, the model FLOPs, the
+  // declared weights and the bytes of parameters, gradients and Adam's state
+  // — for the replicated and the sharded weight update, on (data, expert)
+  // and (data, expert, model) meshes, with GShard's routing, with SwiGLU
+  // shared experts and top-1, and for a dense model.
+  const int P = world_size();
+  const index_t B = 2 * P, L = 6;
+  auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    trainer<float, Mesh> run = sharded ? trainer<float, Mesh>(m, c, 3, {}, shard_weight_update<default_roles::batch>{})
+                                       : trainer<float, Mesh>(m, c, 3);
+    run.ps.set_bucket_bytes(bucket);
+    const auto tokens = run.tokens(some_tokens(B, L));
+    collective_recorder rec;
+    const double f0 = model_flops();
+    model::train_step(run.tr, run.ps, run.opt, tokens, 0);
+    const double flops = model_flops() - f0;
+    std::map<std::string, std::pair<int, std::size_t>> seen;  // calls and bytes per kind(axes)
+    for (const auto& e : rec.events()) {
+      auto& s = seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+      ++s.first;
+      s.second += e.bytes;
+    }
+    const bool three = m.naxes() == 3;
+    const model::cost::mesh_sizes ms{m.size(0), m.size(1), three ? m.size(2) : 1, three};
+    const auto w = model::cost::count_step(c, ms, {B, L, sharded, int(sizeof(float)), bucket});
+    std::map<std::string, std::pair<int, std::size_t>> want;
+    for (const auto& x : w.collectives) {
+      std::string axes;
+      for (int a = 0; a < ms.naxes(); ++a)
+        if ((x.axes >> a) & 1u) axes += (axes.empty() ? "" : ",") + std::string(Mesh::names[std::size_t(a)].view());
+      auto& to = want[std::string(name_of(x.kind)) + "(" + axes + ")"];
+      to.first += x.calls, to.second += std::size_t(x.bytes);
+    }
+    auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
+      std::string t;
+      for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
+      return t;
+    };
+    // The declared weights, and the state's bytes on this rank.
+    const auto ws = model::cost::weights(c, three);
+    std::string weight_diff = ws.size() == run.ps.size() ? "" : "counted " + std::to_string(ws.size()) + " weights";
+    for (std::size_t i = 0; weight_diff.empty() && i < ws.size(); ++i)
+      if (ws[i].name != run.ps.name(i) || ws[i].extents != run.ps.values()[i].extents() ||
+          double(run.ps.values()[i].local_bytes()) != double(model::cost::local_elements(ws[i].layout, ws[i].extents, ms)) * sizeof(float))
+        weight_diff = "weight " + std::to_string(i) + ": declared " + run.ps.name(i) + " " + run.ps.values()[i].notation() +
+                      ", counted " + ws[i].name;
+    INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
+                      << ", buckets of " << bucket << " B"
+                      << "\nran: " << text(seen) << "\nwant: " << text(want) << "\nmodel FLOPs " << flops << " counted "
+                      << w.model_flops << "\n" << weight_diff);
+    GSHARD_REQUIRE(seen == want);
+    GSHARD_REQUIRE(std::abs(flops - w.model_flops) <= 1e-12 * w.model_flops);
+    GSHARD_REQUIRE(weight_diff.empty());
+    GSHARD_REQUIRE(double(run.ps.values().local_bytes()) == w.parameter_bytes);
+    GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
+    GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.adam_bytes);
+  };
+  auto shared_top1 = tiny(P, ffn_kind::swiglu);
+  shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
+  auto dense = tiny(P);
+  dense.experts = 0, dense.slot_hidden = 16;
+  auto piped = tiny(P);
+  piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
+  const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
+  for (const auto& c : {tiny(P), shared_top1, dense, piped})
+    for (bool sharded : {false, true}) {
+      ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded);
+      ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded);
+    }
+  // Gradients and gathers one collective per weight (0), and in buckets cut
+  // at 1 KiB (a few weights each: the tiny model's are 32 B to 8 KiB), where
+  // the order the gradients complete in decides the cuts (SwiGLU's two input
+  // projections, shared experts).
+  for (std::size_t bucket : {std::size_t(0), std::size_t(1024)})
+    for (bool sharded : {false, true})
+      for (const auto& c : {tiny(P), shared_top1}) {
+        ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded, bucket);
+        ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded, bucket);
+      }
+}
+
+TEST_CASE("the same seed gives the same losses at every rank count, and bit-identical reruns", "[train][determinism]") {
+  const int P = world_size();
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  adam_config ac;
+  ac.lr = 1e-2, ac.warmup_steps = 1;
+  auto run = [&](const auto& m, auto zero) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    trainer<decltype(zero), Mesh> t(m, c, 5, ac);
+    return t.steps(tok, 0, 4);
+  };
+  const auto one = run(grid2(MPI_COMM_SELF, {1, 1}), 0.0);
+  const auto many = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0);
+  const auto split_heads = run(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), 0.0);
+  double worst = 0;
+  for (std::size_t i = 0; i < one.size(); ++i)
+    worst = std::max({worst, std::abs(one[i] - many[i]) / std::abs(one[i]),
+                      std::abs(one[i] - split_heads[i]) / std::abs(one[i])});
+  INFO("1 rank vs " << P << " (also with heads split over \"model\"): worst relative difference " << worst);
+  GSHARD_REQUIRE(worst < 1e-10);
+  GSHARD_REQUIRE(many.back() < many.front());  // it learns
+  const auto f1 = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0f);
+  const auto f2 = run(grid2(MPI_COMM_WORLD, {1, P}), 0.0f);
+  GSHARD_REQUIRE(f1 == f2);  // bit-identical
+}
+
+TEST_CASE("axis roles are declared: a mesh named (dp, ep, tp) trains like (data, expert, model)", "[train][roles]") {
+  const int P = world_size();
+  using named_grid = mesh<axis<"dp">, axis<"ep">, axis<"tp">>;
+  using roles = axis_roles<batch_axes<"dp", "ep">, expert_axes<"ep">, model_axes<"tp">>;
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  const auto s = data_expert_model_sizes(P);
+  grid3 m3(MPI_COMM_WORLD, s);
+  named_grid mn(MPI_COMM_WORLD, s);
+  trainer<double, grid3> ref(m3, c, 9);
+  trainer<double, named_grid, roles> other(mn, c, 9);
+  static_assert(roles_on<named_grid, roles>::at_tokens::text == "B{dp,ep} G{dp,ep} H{tp} N{tp}");
+  const auto l1 = ref.steps(tok, 0, 3), l2 = other.steps(tok, 0, 3);
+  double worst = 0;
+  for (std::size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, std::abs(l1[i] - l2[i]));
+  INFO("worst loss difference " << worst);
+  GSHARD_REQUIRE(worst < 1e-12);
+}
+
+TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse damaged files", "[train][checkpoint]") {
+  const int P = world_size();
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_ckpt_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::string path = dir + "/model.ckpt";
+
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  auto fresh = [&](const auto& mesh) { return std::make_unique<trainer<float, std::remove_cvref_t<decltype(mesh)>>>(mesh, c, 7); };
+  const auto straight = fresh(m)->steps(tok, 0, 4);
+
+  auto t1 = fresh(m);
+  t1->steps(tok, 0, 2);
+  save_checkpoint(path, m, t1->parts(), {{"step", 2.0}});
+  {  // the same rank count: bit-identical continuation
+    auto t2 = fresh(m);
+    const auto meta = load_checkpoint(path, m, t2->parts());
+    t2->opt.step = int(meta.at("step"));
+    const auto resumed = t2->steps(tok, 2, 4);
+    GSHARD_REQUIRE(meta.at("step") == 2.0 && resumed[0] == straight[2] && resumed[1] == straight[3]);
+  }
+  {  // one rank (each rank alone): resharded on load, the same curve within float rounding
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    auto t3 = fresh(self);
+    t3->opt.step = int(load_checkpoint(path, self, t3->parts()).at("step"));
+    const auto resumed = t3->steps(tok, 2, 4);
+    GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
+  }
+  {  // another mesh: heads, hidden units and their moments split over "model" on load
+    grid3 m3(MPI_COMM_WORLD, data_expert_model_sizes(P));
+    auto t4 = fresh(m3);
+    t4->opt.step = int(load_checkpoint(path, m3, t4->parts()).at("step"));
+    // ... and saved from there (shards split over "model"), back onto (data, expert).
+    const std::string path3 = dir + "/model3.ckpt";
+    save_checkpoint(path3, m3, t4->parts(), {{"step", 2.0}});
+    const auto resumed = t4->steps(tok, 2, 4);
+    GSHARD_REQUIRE(std::abs(resumed[0] - straight[2]) < 1e-5 && std::abs(resumed[1] - straight[3]) < 1e-5);
+    auto t5 = fresh(m);
+    t5->opt.step = int(load_checkpoint(path3, m, t5->parts()).at("step"));
+    const auto back = t5->steps(tok, 2, 4);
+    GSHARD_REQUIRE(std::abs(back[0] - straight[2]) < 1e-5 && std::abs(back[1] - straight[3]) < 1e-5);
+  }
+  {  // a checkpoint written by the hand-written trainer before the autodiff
+     // rewrite (test/data/v1_tiny.ckpt, commit eaec8ac, 2 steps of a tiny
+     // model at 1 rank): the same names and format; the loaded weights give
+     // the loss that trainer recorded in the file's metadata.
+    model::config old = tiny(1);
+    old.experts = 4;
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    trainer<float, grid2> t6(self, old, 0);
+    const auto meta = load_checkpoint(std::string(GSHARD_TEST_DATA) + "/v1_tiny.ckpt", self, t6.parts());
+    tape t(t6.ps, tape::no_grad);
+    const auto out = t6.tr.forward(t, t6.tokens(some_tokens(4, 6)), 2);
+    INFO("loss " << scalar(out.loss) << " vs recorded " << meta.at("check_loss"));
+    GSHARD_REQUIRE(meta.at("step") == 2.0 && std::abs(scalar(out.loss) - meta.at("check_loss")) < 1e-5 &&
+                   std::abs(out.ce - meta.at("check_ce")) < 1e-5 && std::abs(out.aux - meta.at("check_aux")) < 1e-5);
+  }
+
+  // Damaged files: one clear error on every rank, naming the file and the problem.
+  auto damaged = [&](const std::string& name, auto&& damage) {
+    const std::string bad = dir + "/" + name;
+    if (world_rank() == 0) {
+      std::filesystem::copy_file(path, bad, std::filesystem::copy_options::overwrite_existing);
+      damage(bad);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    return bad;
+  };
+  auto tq = fresh(m);
+  const auto parts = tq->parts();
+  const auto flipped = damaged("flipped.ckpt", [](const std::string& f) {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(std::streamoff(std::filesystem::file_size(f) / 2));
+    io.put('\x5a');
+  });
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(flipped, m, parts), checkpoint_error, "checksum mismatch (corrupted)");
+  const auto cut = damaged("cut.ckpt", [](const std::string& f) {
+    std::filesystem::resize_file(f, std::filesystem::file_size(f) * 2 / 3);
+  });
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(cut, m, parts), checkpoint_error, "(truncated)");
+  const auto alien = damaged("alien.ckpt", [](const std::string& f) { std::ofstream(f, std::ios::binary) << "hello world"; });
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(alien, m, parts), checkpoint_error,
+                             "gshard::checkpoint: " + alien + ": not a gshard checkpoint");
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir + "/missing.ckpt", m, parts), checkpoint_error,
+                             "cannot open " + dir + "/missing.ckpt: No such file or directory");
+  // A directory: read(2) fails on rank 0 alone; every rank throws (a caught error must not leave the others waiting).
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(dir, m, parts), checkpoint_error, "cannot read " + dir + ": Is a directory");
+  // A header whose shape overflows (extent 2^62 - 1, bytes 2^64 - 4): refused, not read past the end.
+  const auto forged = damaged("forged.ckpt", [](const std::string& f) {
+    std::ofstream out(f, std::ios::binary | std::ios::trunc);
+    auto put = [&](const auto& v) { out.write(reinterpret_cast<const char*>(&v), sizeof v); };
+    out << "GSHARDCK";
+    put(std::uint32_t(1));
+    put(std::uint64_t(0));  // no metadata
+    put(std::uint64_t(1));  // one record
+    put(std::uint32_t(1));
+    out << 'x';
+    put(std::uint8_t(4));
+    put(std::uint32_t(1));
+    put(std::uint64_t(0x3FFFFFFFFFFFFFFFull));
+    put(std::uint32_t(0));
+    put(std::uint64_t(0xFFFFFFFFFFFFFFFCull));
+    out << std::string(16, '\0');
+  });
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(forged, m, parts), checkpoint_error, "record 'x' has a corrupted shape");
+  {  // a model of another shape
+    auto other = c;
+    other.model = 16;
+    trainer<float, grid2> to(m, other, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, to.parts()), checkpoint_error,
+                               "record 'param.embed' holds 32-bit [256,8] but the program has f32[V,M]");
+  }
+  {  // a model with more weights (shared experts) or fewer (without the router bias) than the file: named
+    auto more = c;
+    more.shared_experts = 1;
+    trainer<float, grid2> tm(m, more, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, tm.parts()), checkpoint_error, "no record 'param.block1.shared_w1'");
+    auto biased = c;
+    biased.gating.balance = moe::balance_mode::bias;
+    trainer<float, grid2> tb(m, biased, 7);
+    const std::string with_bias = dir + "/bias.ckpt";
+    save_checkpoint(with_bias, m, tb.parts(), {{"step", 0.0}});
+    trainer<float, grid2> plain(m, c, 7);
+    GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(with_bias, m, plain.parts()), checkpoint_error,
+                               "record 'buffer.block1.router_bias' is not in the program (saved by another model configuration?)");
+    load_checkpoint(with_bias, m, {{"param.", &plain.ps.values()}});  // the parameters alone: fine
+  }
+  {  // a save that fails while writing (the file size limit: EFBIG, as a full disk gives ENOSPC) leaves the
+     // previous checkpoint intact and no temporary file behind, and says why on every rank
+    auto t0 = fresh(m);
+    {
+      const file_size_limit small(world_rank() == 0 ? 4096 : 0);
+      GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(path, m, t0->parts(), {{"step", 4.0}}), checkpoint_error,
+                                 "failed: File too large");
+    }
+    GSHARD_REQUIRE_THROWS_WITH(save_checkpoint(dir, m, t0->parts(), {{"step", 4.0}}), checkpoint_error, dir + " is a directory");
+    auto t4 = fresh(m);
+    GSHARD_REQUIRE(load_checkpoint(path, m, t4->parts()).at("step") == 2.0);
+    int leftovers = 0;
+    if (world_rank() == 0)
+      for (const auto& e : std::filesystem::directory_iterator(dir)) leftovers += e.path().string().find(".tmp.") != std::string::npos;
+    GSHARD_REQUIRE(leftovers == 0);
+  }
+  {  // metadata travels in full precision, NaN and infinities included (the trainer refuses a NaN step)
+    auto t0 = fresh(m);
+    const std::map<std::string, double> meta{{"step", 3.0}, {"lr", 1.0 / 3.0}, {"bad", std::nan("")}, {"big", -1e300}};
+    save_checkpoint(path, m, t0->parts(), meta);
+    auto back = load_checkpoint(path, m, t0->parts());
+    GSHARD_REQUIRE(back.size() == 4 && back.at("step") == 3.0 && back.at("lr") == 1.0 / 3.0 && std::isnan(back.at("bad")) &&
+                   back.at("big") == -1e300);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Bytes a rank sends and receives in a ring implementation of each counted
+// collective (the counters hold this rank's send size): all_reduce 2(p-1)/p,
+// reduce_scatter (p-1)/p of its input, all_gather (p-1) of its block.
+double wire_bytes(const collective_event& e, const detail::mesh_base& m) {
+  index_t p = 1;
+  for (int a = 0; a < m.naxes(); ++a)
+    if (("," + e.axes + ",").find("," + std::string(m.axis_name(a)) + ",") != std::string::npos) p *= m.size(a);
+  const double n = double(e.bytes), f = double(p - 1) / double(p);
+  switch (e.kind) {
+    case collective::all_reduce: return 2 * f * n;
+    case collective::reduce_scatter: return f * n;
+    case collective::all_gather: return double(p - 1) * n;
+    default: return n;
+  }
+}
+}  // namespace
+
+TEST_CASE("a sharded weight update trains like the replicated one, with its bytes, a fraction of its memory, and its checkpoints",
+          "[train][zero]") {
+  const int P = world_size();
+  const auto c = tiny(P);
+  const auto tok = some_tokens(2 * P, 6);
+  adam_config ac;
+  ac.lr = 1e-2, ac.warmup_steps = 2, ac.weight_decay = 0.01;
+  const shard_weight_update<default_roles::batch> sharded;
+  const index_t d = P == 4 || P == 8 ? 2 : 1, e = P / d;
+  grid2 m(MPI_COMM_WORLD, {d, e});
+  grid2 self(MPI_COMM_SELF, {1, 1});
+
+  SECTION("double: the parameters of the 1-rank run within 1e-9 after 20 steps, on (data, expert) and (data, expert, model)") {
+    auto compare = [&](const auto& mesh, const auto& mesh1, std::size_t bucket) {
+      using Mesh = std::remove_cvref_t<decltype(mesh)>;
+      trainer<double, Mesh> ref(mesh1, c, 3, ac), sh(mesh, c, 3, ac, sharded);
+      sh.ps.set_bucket_bytes(bucket);
+      if (mesh.size(0) * mesh.size(1) > 1) {  // a weight replicated over the batch axes has a block of it per rank
+        std::size_t blocks = 0;
+        for (auto& g : sh.ps.grads()) blocks += g->as_sharded() != nullptr;
+        INFO(sh.ps.describe_update());
+        GSHARD_REQUIRE(blocks > 0);
+      }
+      const auto l1 = ref.steps(tok, 0, 20), l2 = sh.steps(tok, 0, 20);
+      double worst = 0, worst_loss = 0;
+      for (std::size_t i = 0; i < ref.ps.size(); ++i) {
+        const auto g1 = ref.ps.values()[i].gather_to_root(), g2 = sh.ps.values()[i].gather_to_root();
+        const auto* a = reinterpret_cast<const double*>(g1.data());
+        const auto* b = reinterpret_cast<const double*>(g2.data());
+        for (std::size_t j = 0; j < g2.size() / sizeof(double); ++j)  // (g2 is empty but on rank 0)
+          worst = std::max(worst, std::abs(a[j] - b[j]) / std::max(1e-3, std::abs(a[j])));
+      }
+      for (std::size_t i = 0; i < l1.size(); ++i) worst_loss = std::max(worst_loss, std::abs(l1[i] - l2[i]));
+      INFO("worst relative parameter difference " << worst << ", worst loss difference " << worst_loss);
+      GSHARD_REQUIRE(worst < 1e-9 && worst_loss < 1e-10 && l2.back() < l2.front());
+    };
+    // In one bucket at the backward's end (the default, for this small
+    // model), and in buckets of 1 KiB that travel while the backward and the
+    // update compute (reduce_scatters and all_gathers in flight, plans of
+    // several steps on three axes).
+    compare(m, self, default_bucket_bytes);
+    compare(m, self, 1024);
+    compare(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), grid3(MPI_COMM_SELF, {1, 1, 1}), 1024);
+  }
+
+  SECTION("float: the losses of the replicated update to 4 decimals; its bytes on the wire; the moments' memory") {
+    trainer<float, grid2> rep(m, c, 3, ac), sh(m, c, 3, ac, sharded);
+    std::vector<double> l1, l2;
+    double bytes_rep = 0, bytes_sh = 0;
+    for (int step = 0; step < 8; ++step) {
+      {
+        collective_recorder rec;
+        l1.push_back(model::train_step(rep.tr, rep.ps, rep.opt, rep.tokens(tok), std::uint64_t(step)).loss);
+        for (const auto& ev : rec.events()) bytes_rep += wire_bytes(ev, m);
+      }
+      collective_recorder rec;
+      l2.push_back(model::train_step(sh.tr, sh.ps, sh.opt, sh.tokens(tok), std::uint64_t(step)).loss);
+      for (const auto& ev : rec.events()) bytes_sh += wire_bytes(ev, m);
+    }
+    double worst = 0;
+    for (std::size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, std::abs(l1[i] - l2[i]));
+    INFO("worst loss difference " << worst << "; bytes on the wire per rank: replicated " << bytes_rep << ", sharded "
+                                  << bytes_sh);
+    GSHARD_REQUIRE(worst < 5e-5);
+    GSHARD_REQUIRE(std::abs(bytes_sh - bytes_rep) <= 0.05 * bytes_rep);
+    // Each sharded moment is the replicated one's local size over its block count.
+    for (std::size_t i = 0; i < sh.ps.size(); ++i) {
+      const std::size_t a = rep.opt.moment1()[i].f32().size(), b = sh.opt.moment1()[i].f32().size();
+      const index_t parts = sh.opt.moment1()[i].replication() == rep.opt.moment1()[i].replication()
+                                ? 1
+                                : rep.opt.moment1()[i].replication() / sh.opt.moment1()[i].replication();
+      INFO(sh.ps.name(i) << ": " << a << " vs " << b << " elements in " << parts << " blocks");
+      GSHARD_REQUIRE(std::size_t(parts) * b == a);
+      GSHARD_REQUIRE((parts > 1) == (sh.ps.grads()[i].as_sharded() != nullptr));
+    }
+    INFO("moments per rank: replicated " << rep.opt.moment1().local_bytes() << " B, sharded " << sh.opt.moment1().local_bytes() << " B");
+    if (P > 1) GSHARD_REQUIRE(sh.opt.moment1().local_bytes() < rep.opt.moment1().local_bytes());
+    // The gradient of a sharded weight is only blocks: grad() says so;
+    // gathered, every gradient is the replicated update's.
+    if (P > 1) {
+      const auto& w = sh.tr.blocks()[0].ffn->w1;  // [M,H]: one of M, H divides by the batch ranks at 2, 3, 4 and 8
+      GSHARD_REQUIRE_THROWS_WITH(w.grad(), error, "gshard::param::grad: 'block0.w1' has its gradient only as this rank's block");
+      const auto a = gather(w.gathered_grad()), b = gather(rep.tr.blocks()[0].ffn->w1.grad());
+      float diff = 0;
+      for (index_t i = 0; i < a.size(); ++i) diff = std::max(diff, std::abs(a.data()[i] - b.data()[i]));
+      GSHARD_REQUIRE(diff < 1e-6f);
+    }
+    float worst_grad = 0;
+    for (std::size_t i = 0; i < sh.ps.size(); ++i) {
+      const auto a = sh.ps.grads()[i].gather_to_root(), b = rep.ps.grads()[i].gather_to_root();
+      GSHARD_REQUIRE(a.size() == b.size());
+      for (std::size_t j = 0; j < a.size() / sizeof(float); ++j)
+        worst_grad = std::max(worst_grad, std::abs(reinterpret_cast<const float*>(a.data())[j] -
+                                                   reinterpret_cast<const float*>(b.data())[j]));
+    }
+    INFO("worst gradient difference " << worst_grad);
+    GSHARD_REQUIRE(worst_grad < 1e-4f);
+    // Misuse: an optimizer built for other parameters (its moments have other layouts); typed access to a block.
+    adam other({}, rep.ps);
+    GSHARD_REQUIRE_THROWS_WITH(other.update(sh.ps), error, "gshard::adam: these are not the parameters the optimizer was built for");
+    if (P == 2 || P == 4 || P == 8) {  // block0.norm1 [M=8] divides: held as a block
+      using norm_t = std::remove_cvref_t<decltype(sh.tr.blocks()[0].norm1.value())>;
+      GSHARD_REQUIRE_THROWS_WITH(sh.ps.grads().at<norm_t>(sh.tr.blocks()[0].norm1.index()), error,
+                                 "gshard::tensor_set::at: 'block0.norm1' is held in its weight's update layout");
+    }
+  }
+
+  SECTION("checkpoints: sharded at P ranks to replicated at 1, replicated at P to sharded at P") {
+    const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_zero_test_" + std::to_string(P))).string();
+    if (world_rank() == 0) std::filesystem::create_directories(dir);
+    MPI_Barrier(MPI_COMM_WORLD);
+    trainer<double, grid2> straight(m, c, 5, ac);
+    const auto want = straight.steps(tok, 0, 4);
+    trainer<double, grid2> a(m, c, 5, ac, sharded);
+    a.steps(tok, 0, 2);
+    save_checkpoint(dir + "/sharded.ckpt", m, a.parts(), {{"step", 2.0}});
+    trainer<double, grid2> b(self, c, 5, ac);  // each rank alone, replicated
+    b.opt.step = int(load_checkpoint(dir + "/sharded.ckpt", self, b.parts()).at("step"));
+    const auto lb = b.steps(tok, 2, 4);
+    trainer<double, grid2> r(m, c, 5, ac);
+    r.steps(tok, 0, 2);
+    save_checkpoint(dir + "/replicated.ckpt", m, r.parts(), {{"step", 2.0}});
+    trainer<double, grid2> s2(m, c, 5, ac, sharded);
+    s2.opt.step = int(load_checkpoint(dir + "/replicated.ckpt", m, s2.parts()).at("step"));
+    const auto ls = s2.steps(tok, 2, 4);
+    double worst = 0;
+    for (int i = 0; i < 2; ++i)
+      worst = std::max({worst, std::abs(lb[std::size_t(i)] - want[std::size_t(2 + i)]),
+                        std::abs(ls[std::size_t(i)] - want[std::size_t(2 + i)])});
+    INFO("worst resumed loss difference " << worst);
+    GSHARD_REQUIRE(worst < 1e-10);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) std::filesystem::remove_all(dir);
+  }
+}
+
+TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a stop check is a counted collective",
+          "[train][pmpi]") {
+  const int P = world_size();
+  auto c = tiny(P);
+  c.overlap_degree = 2;  // the MoE layers' all_to_alls started and finished later (MPI_Ialltoall)
+  const auto tok = some_tokens(2 * P, 6);
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_pmpi_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  barrier(world_group());
+  grid2 m(MPI_COMM_WORLD, {1, P});  // binding a mesh creates communicators: before the watch
+  trainer<float, grid2> run(m, c, 5, {}, shard_weight_update<default_roles::batch>{});  // the trainer's default
+  run.ps.set_bucket_bytes(1024);  // buckets fill during the backward: started there, tested between its rules
+  const auto tokens = run.tokens(tok);
+  const preemption stop;
+  collective_recorder rec;
+  gshard::testing::pmpi::watch w;
+  trace::start(dir + "/trace.json", m);
+  model::train_step(run.tr, run.ps, run.opt, tokens, 0);
+  const std::size_t events = trace::stop(m);
+  save_checkpoint(dir + "/m.ckpt", m, run.parts(), {{"step", 1.0}});
+  load_checkpoint(dir + "/m.ckpt", m, run.parts());
+  const int sig = stop.requested(m);
+  const std::string text = broadcast_text(world_group(), world_rank() == 0 ? "from the root" : "");
+  std::string uncounted;
+  for (const auto& fn : w.uncounted()) uncounted += fn + " ";
+  std::string calls;
+  for (const auto& [fn, n] : w.calls()) calls += fn + " x" + std::to_string(n) + " ";
+  INFO("intercepted: " << calls << "; outside a counted collective: " << uncounted);
+  // Each kind's MPI function ran exactly as often as the counters say it ran.
+  GSHARD_REQUIRE(w.uncounted().empty() && !w.calls().empty() && events > 0 && sig == 0 && text == "from the root" &&
+                 w.calls("MPI_Alltoall") + w.calls("MPI_Ialltoall") == int(rec.calls(collective::all_to_all)) &&
+                 w.calls("MPI_Ialltoall") > 0 &&
+                 w.calls("MPI_Allreduce") + w.calls("MPI_Iallreduce") == int(rec.calls(collective::all_reduce)) &&
+                 w.calls("MPI_Barrier") == int(rec.calls(collective::barrier)) &&
+                 w.calls("MPI_Allgather") + w.calls("MPI_Iallgather") == int(rec.calls(collective::all_gather)) &&
+                 // the sharded update's gradients: gshard's ring reduce_scatter over "expert", P-1 exchanges each,
+                 // the buckets' started (non-blocking, moved on by tests between the backward's rules)
+                 w.calls("MPI_Sendrecv") + w.calls("MPI_Isend") == int(rec.calls(collective::reduce_scatter)) * (P - 1) &&
+                 w.calls("MPI_Isend") == w.calls("MPI_Irecv") &&
+                 (P == 1 || (rec.calls(collective::reduce_scatter) > 0 && w.calls("MPI_Isend") > 0 &&
+                             w.calls("MPI_Iallgather") > 0 && w.calls("MPI_Test") + w.calls("MPI_Testall") > 0)) &&
+                 w.calls("MPI_Comm_split") + w.calls("MPI_Comm_dup") == 0);
+  barrier(world_group());
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a second ends the process", "[train][signals]") {
+  const int P = world_size();
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  {
+    const preemption stop;
+    GSHARD_REQUIRE(stop.requested(m) == 0);
+    if (world_rank() == P - 1) std::raise(SIGTERM);  // only the last rank receives it
+    GSHARD_REQUIRE(stop.requested(m) == SIGTERM && stop.requested(m) == SIGTERM);
+    GSHARD_REQUIRE_THROWS_WITH(preemption(), error, "gshard::preemption: one is already live in this process");
+  }
+  {  // a new one starts clear; SIGINT as well
+    const preemption stop;
+    GSHARD_REQUIRE(stop.requested(m) == 0);
+    if (world_rank() == 0) std::raise(SIGINT);
+    GSHARD_REQUIRE(stop.requested(m) == SIGINT);
+  }
+  // Outside a preemption the handlers are the previous ones again.
+  struct sigaction now{};
+  sigaction(SIGTERM, nullptr, &now);
+  GSHARD_REQUIRE(now.sa_handler != detail::on_stop_signal);
+}
+
+TEST_CASE("a trace that cannot be written is an error on every rank, and leaves no file", "[train][trace]") {
+  const int P = world_size();
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_trace_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  barrier(world_group());
+  trace::start(dir, m);  // a directory
+  GSHARD_REQUIRE_THROWS_WITH(trace::stop(m), io_error, "gshard::trace: " + dir + " is a directory");
+  const std::string path = dir + "/cut.json";
+  trace::start(path, m);
+  for (int i = 0; i < 200; ++i) trace::add("a span with a long name " + std::to_string(i), "user", 0, 1);
+  {
+    const file_size_limit small(world_rank() == 0 ? 1024 : 0);
+    GSHARD_REQUIRE_THROWS_WITH(trace::stop(m), io_error, "failed: File too large");
+  }
+  GSHARD_REQUIRE(world_rank() != 0 || std::filesystem::is_empty(dir));
+  barrier(world_group());
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
