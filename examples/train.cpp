@@ -9,6 +9,7 @@
 // the FMA peak measured at start, the time left), the held-out loss every
 // --eval-every steps and at the end, and a sampled continuation of a held-out prompt.
 #include <gshard/gshard.hpp>
+#include <gshard/model/cost.hpp>
 #include <gshard/model/train.hpp>
 
 #include <algorithm>
@@ -304,26 +305,33 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
   return prompt;
 }
 
-// Peak memory of one rank's step, estimated from measurement of this
-// example's model (M 128, 4 blocks, E 8, H 256; glibc heap kept warm):
-// 42 MB, and per token 30.5 KB + 78 B x the window length (attention's
-// [N, L, T] terms), within 4% at (B, L) = (16, 128) ... (64, 256) on 1 rank.
-// Other FFN widths scale the per-token term by their widest FFN's hidden
-// units per token against the fitted model's (top-2 of H 256: 512); a rough
-// bound, not a fit. With --attention recompute the attention's term is
-// gone and 7 KB per token stays (measured at 8192 tokens, L = 256, 512 and
-// 1024: 351-356 MB peak against 494, 625 and 876 MB kept).
-double step_bytes(double tokens_per_rank, double L, double ffn_scale, attention_memory attention) {
-  const double per_l = attention == attention_memory::keep_probabilities ? 78.0 * L : std::min(78.0 * L, 7e3);
-  return 42e6 + tokens_per_rank * (30.5e3 * std::max(1.0, ffn_scale) + per_l);
+// Peak memory of one rank's step, from the cost model's count for this
+// configuration and mesh (model/cost.hpp): the parameters, gradients and
+// Adam's state on this rank, exact, and the activations the backward keeps,
+// over the process's base and the text every rank holds. Against the peak
+// resident memory of 11 runs (1 and 2 ranks; batch, seq, experts, hidden,
+// layers, shared experts, attention recompute) this is 0.99 to 1.06 times
+// the peak (docs/12_scale.md); the state's extra share is the gradient
+// buckets' and the update's buffers.
+struct memory_estimate {
+  double base = 0, state = 0, activations = 0;
+  double total() const { return base + state_factor * state + activations; }
+  static constexpr double process_bytes = 42e6, state_factor = 1.15;
+};
+memory_estimate step_memory(const model::config& c, const model::cost::mesh_sizes& ms, const options& o, std::size_t text_bytes) {
+  const auto w = model::cost::count_step(c, ms, {o.batch, o.seq, o.sharded_update, int(sizeof(float)),
+                                                 o.bucket_kib >= 0 ? std::size_t(o.bucket_kib) << 10 : default_bucket_bytes});
+  return {memory_estimate::process_bytes + double(text_bytes), w.parameter_bytes + w.gradient_bytes + w.adam_bytes,
+          w.activation_bytes};
 }
 
 // Everything about the options that can be checked before step 1, on rank 0
 // (where the files are written): "" or what is wrong.
-// `batch_ranks`: the ranks the batch is split over (data x expert).
-std::string preflight(const options& o, const std::string& text, std::size_t split, int batch_ranks) {
+// `ms`: the mesh's sizes, as the cost model takes them.
+std::string preflight(const options& o, const model::config& c, const model::cost::mesh_sizes& ms, const std::string& text,
+                      std::size_t split) {
   const double L = double(o.seq), held = double(text.size() - split), train = double(split);
-  char b[400];
+  char b[640];
   if (held < L + 1 || train < L + 1) {
     std::snprintf(b, sizeof b, "--seq %ld needs windows of %ld bytes, but the text's %s part has %.0f bytes; "
                   "give a longer text or --seq %.0f at most", long(o.seq), long(o.seq + 1), held < L + 1 ? "held-out" : "training",
@@ -335,18 +343,23 @@ std::string preflight(const options& o, const std::string& text, std::size_t spl
   if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
   const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
-  const double k = o.experts > 0 ? double(o.model.gating.top_k) : 1.0;  // dropless: loads near the mean, as top-k
-  const double scale = std::max({double(o.hidden), k * double(o.hidden), double(o.slot_hidden)}) / 512.0;
-  const double need = step_bytes(double(o.batch) * L / batch_ranks, L, scale, o.model.attention);
-  if (need > 0.8 * memory) {
-    const double per_sequence = step_bytes(L / batch_ranks, L, scale, o.model.attention) - step_bytes(0, L, scale, o.model.attention);
-    const double fits = std::floor((0.8 * memory - step_bytes(0, L, scale, o.model.attention)) / per_sequence);
-    char most[80];
-    if (fits >= 1) std::snprintf(most, sizeof most, "at this --seq, --batch %.0f at most", fits);
-    else std::snprintf(most, sizeof most, "give a smaller --seq");
-    std::snprintf(b, sizeof b, "--batch %ld --seq %ld needs about %.1f GiB per rank (estimated), but this host has %.1f GiB "
-                  "for each of its %.0f ranks; %s", long(o.batch), long(o.seq), need / (1 << 30), memory / (1 << 30),
-                  ranks_here, most);
+  const memory_estimate need = step_memory(c, ms, o, text.size());
+  if (need.total() > 0.8 * memory) {
+    // What dominates, and the options that move it: the activations grow
+    // with the batch (so name the largest that fits), the state with the model.
+    const double state = memory_estimate::state_factor * need.state, per_sequence = need.activations / double(o.batch);
+    char advice[200];
+    if (state >= need.activations)
+      std::snprintf(advice, sizeof advice, "the parameters and Adam's state grow with --experts, --hidden, --layers and "
+                    "--shared-experts");
+    else if (const double fits = std::floor((0.8 * memory - need.base - state) / per_sequence); fits >= 1)
+      std::snprintf(advice, sizeof advice, "at this --seq, --batch %.0f at most", fits);
+    else
+      std::snprintf(advice, sizeof advice, "one sequence's activations do not fit: give a smaller --seq, --layers or --hidden");
+    std::snprintf(b, sizeof b, "--batch %ld --seq %ld needs about %.1f GiB per rank (estimated: parameters, gradients and "
+                  "Adam %.1f GiB, activations %.1f GiB), but this host has %.1f GiB for each of its %.0f ranks; %s",
+                  long(o.batch), long(o.seq), need.total() / (1 << 30), state / (1 << 30), need.activations / (1 << 30),
+                  memory / (1 << 30), ranks_here, advice);
     return b;
   }
   // The files it will write: found out now, not after training.
@@ -387,8 +400,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   const std::string& text = corpus.text;
   const std::size_t split = corpus.split;
   constexpr int model_axis = Mesh::index_of("model");
-  const int batch_ranks = m.nranks() / int(model_axis >= 0 ? m.size(model_axis) : 1);
-  if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, text, split, batch_ranks) : ""); !p.empty())
+  const model::cost::mesh_sizes ms{m.size(0), m.size(1), model_axis >= 0 ? m.size(model_axis) : 1, model_axis >= 0};
+  if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, c, ms, text, split) : ""); !p.empty())
     throw error("gshard train: " + p);
   parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})
                                           : parameters<Mesh>(m, o.seed);
@@ -425,6 +438,9 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
                 long(o.seq));
     std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
                 gshard::detail::gemm_backend());
+    const memory_estimate mem = step_memory(c, ms, o, text.size());
+    std::printf("memory per rank: about %.0f MB at its peak (parameters, gradients and Adam %.0f MB, activations kept for "
+                "the backward %.0f MB)\n", mem.total() * 1e-6, mem.state * 1e-6, mem.activations * 1e-6);
     if (!c.remat.empty()) {
       std::string list;
       for (int b : c.remat) list += (list.empty() ? "" : ", ") + std::to_string(b);

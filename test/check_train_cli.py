@@ -171,6 +171,7 @@ def main() -> int:
         (["--weight-update", "zero"], "--weight-update is sharded or replicated, not 'zero'"),
         (["--attention", "flash"], "--attention is keep or recompute, not 'flash'"),
         (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
+        (["--shared-experts", "100000"], "the parameters and Adam's state grow with --experts, --hidden, --layers and --shared-experts"),
         (["--save-every", "5"], "--save-every needs --save FILE"),
         (["--stop-after", "3"], "--stop-after needs --save FILE"),
         (["--save", "/nonexistent/x.ckpt"], "--save /nonexistent/x.ckpt: cannot write /nonexistent/x.ckpt: /nonexistent: No such file or directory"),

@@ -5,7 +5,7 @@
 // element-wise traffic, the memory per rank; and, from a machine's GEMM rate,
 // memory bandwidth and each collective's α–β, the step's predicted time.
 // So a job can be sized before it runs (examples/cost.cpp), and the count is
-// checked against the counters of real steps (test_train.cpp).
+// checked against the counters of real steps (test_training.cpp).
 #pragma once
 
 #include <algorithm>
@@ -59,7 +59,7 @@ struct weight {
 
 // Every weight the transformer declares for `c`, in its order, on a mesh
 // with or without a model axis: transformer::declare_blocks, moe::layer's
-// constructor and ffn_weights declare them; test_train's "[cost]" case
+// constructor and ffn_weights declare them; test_training's "[cost]" case
 // compares this list with their declarations (names, extents, shards).
 inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = true) {
   std::vector<weight> w;
@@ -359,6 +359,12 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
       stream += 2 * (xe + 4 * double(k) * act + 4 * xe + (2 + 3 * gated) * slots * Hl);  // dispatch, combine, packing, activation
       exps += double(Tl * E) + 2 * gated * slots * Hl;
       keep += 2 * xe + ffn_inputs * slots * Hl + slots * double(M);
+      if (c.shared_experts > 0) {  // the shared experts: a dense FFN of shared_experts · H hidden units over every token
+        const double Hs = double(c.hidden * c.shared_experts / mm);
+        stream += 2 * (2 + 3 * gated) * double(Tl) * Hs;
+        exps += 2 * gated * double(Tl) * Hs;
+        keep += ffn_inputs * double(Tl) * Hs + act;
+      }
     } else {
       const double Hl = double(c.ffn_hidden(l) / mm);
       stream += 2 * (2 + 3 * gated) * double(Tl) * Hl;
