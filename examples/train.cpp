@@ -80,6 +80,8 @@ constexpr const char* usage =
     "  --hidden H         hidden units of the dense FFNs and of each expert (256)\n"
     "  --slot-hidden H    with --experts 0: hidden units of the FFNs in the MoE layers' blocks (--hidden)\n"
     "  --layers N         Transformer blocks (4); blocks 1, 3, ... have the MoE layers\n"
+    "  --positions none|sinusoidal|learned  positions added to the byte embeddings (none: causal attention\n"
+    "                     alone tells them apart)\n"
     "  --remat none|all|LIST  blocks (LIST: 0,2,3) that keep only their input and recompute their forward in\n"
     "                     the backward: less memory for one more forward of each (none)\n"
     "  --attention keep|recompute  attention's probabilities [B,N,L,T] kept for the backward, or two numbers\n"
@@ -87,6 +89,9 @@ constexpr const char* usage =
     "routing (docs/05_moe.md):\n"
     "  --top-k K          experts per token (2: GShard; 1: Switch)\n"
     "  --second all|random  later choices always kept, or GShard's random routing (random for K = 2, else all)\n"
+    "  --placement by-choice|by-token  the order choices take capacity slots: GShard's (every first choice,\n"
+    "                     then every second), or each token's choices before the next token's, so that no\n"
+    "                     token's output depends on later tokens (by-choice)\n"
     "  --shared-experts N experts every token passes through, beside the routed ones (0)\n"
     "  --dropless         capacity = the largest load over the mesh: no token dropped\n"
     "  --capacity-factor F          C = F * (K/2) * S/E (2: each expert twice its mean load;\n"
@@ -133,7 +138,7 @@ options parse(int argc, char** argv) {
   std::string routing_given;  // the first routing option given (no effect in a dense model)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    for (const char* r : {"--top-k", "--second", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
+    for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
                           "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree"})
       if (a == r && routing_given.empty()) routing_given = a;
     if (a == "--help" || a == "-h") {
@@ -178,13 +183,20 @@ options parse(int argc, char** argv) {
     else if (a == "--z-loss") g.z_loss_coef = real();
     else if (a == "--bias-rate") g.bias_rate = real(), bias_rate_given = true;
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
-    else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention") {
+    else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
+             a == "--placement" || a == "--positions") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
         o.model.attention = v == "keep" ? attention_memory::keep_probabilities : attention_memory::recompute_probabilities;
+      else if (a == "--positions" && (v == "none" || v == "sinusoidal" || v == "learned"))
+        o.model.positions = v == "none"         ? model::position_kind::none
+                            : v == "sinusoidal" ? model::position_kind::sinusoidal
+                                                : model::position_kind::learned;
+      else if (a == "--placement" && (v == "by-choice" || v == "by-token"))
+        g.order = v == "by-choice" ? moe::placement::by_choice : moe::placement::by_token;
       else if (a == "--second" && (v == "all" || v == "random"))
         g.second = v == "all" ? moe::second_policy::all : moe::second_policy::random, o.second_given = true;
       else
@@ -193,6 +205,8 @@ options parse(int argc, char** argv) {
                      : a == "--ffn"       ? "relu or swiglu"
                      : a == "--second"    ? "all or random"
                      : a == "--attention" ? "keep or recompute"
+                     : a == "--placement" ? "by-choice or by-token"
+                     : a == "--positions" ? "none, sinusoidal or learned"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
@@ -254,7 +268,8 @@ std::map<std::string, double> routing_meta(const model::config& c) {
           {"balance_bias", c.gating.balance == moe::balance_mode::bias},
           {"bias_rate", c.gating.bias_rate},
           {"shared_experts", c.shared_experts},
-          {"swiglu", c.ffn == ffn_kind::swiglu}};
+          {"swiglu", c.ffn == ffn_kind::swiglu},
+          {"placement_by_token", c.gating.order == moe::placement::by_token}};
 }
 
 // A prompt from the held-out text: the start of the first paragraph that
@@ -345,13 +360,14 @@ std::string preflight(const options& o, const model::config& c, const model::cos
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
   const memory_estimate need = step_memory(c, ms, o, text.size());
   if (need.total() > 0.8 * memory) {
-    // What dominates, and the options that move it: the activations grow
-    // with the batch (so name the largest that fits), the state with the model.
+    // What does not fit, and the options that move it: the state alone (the
+    // model's size), or the activations, which grow with the batch (so name
+    // the largest batch that fits).
     const double state = memory_estimate::state_factor * need.state, per_sequence = need.activations / double(o.batch);
-    char advice[200];
-    if (state >= need.activations)
+    char advice[160];
+    if (need.base + state > 0.8 * memory)
       std::snprintf(advice, sizeof advice, "the parameters and Adam's state grow with --experts, --hidden, --layers and "
-                    "--shared-experts");
+                    "--shared-experts, and alone do not fit");
     else if (const double fits = std::floor((0.8 * memory - need.base - state) / per_sequence); fits >= 1)
       std::snprintf(advice, sizeof advice, "at this --seq, --batch %.0f at most", fits);
     else
@@ -395,7 +411,7 @@ template <class Mesh>
 int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
   const bool root = m.rank() == 0;
   model::config c = o.model;
-  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = o.layers;
+  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = o.layers, c.max_len = o.seq;
   c.hidden = o.hidden, c.experts = o.experts, c.slot_hidden = o.slot_hidden;
   const std::string& text = corpus.text;
   const std::size_t split = corpus.split;
@@ -465,10 +481,11 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
                   c.gating.eval_capacity_factor > 0 ? c.gating.eval_capacity_factor : c.gating.capacity_factor);
     std::snprintf(aux, sizeof aux, c.gating.balance == moe::balance_mode::aux ? "aux loss x %g" : "bias (rate %g)",
                   c.gating.balance == moe::balance_mode::aux ? c.aux_coef : c.gating.bias_rate);
-    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s\n",
-                c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux, c.gating.z_loss_coef, c.shared_experts,
-                c.ffn == ffn_kind::relu ? "relu" : "swiglu",
-                c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "");
+    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s%s\n",
+                c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux,
+                c.gating.z_loss_coef, c.shared_experts, c.ffn == ffn_kind::relu ? "relu" : "swiglu",
+                c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "",
+                c.gating.order == moe::placement::by_token ? ", each token's choices placed before the next token's" : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step

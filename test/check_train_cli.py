@@ -170,6 +170,7 @@ def main() -> int:
         (["--aux-coef", "inf"], "--aux-coef takes a finite number >= 0, not 'inf'"),
         (["--weight-update", "zero"], "--weight-update is sharded or replicated, not 'zero'"),
         (["--attention", "flash"], "--attention is keep or recompute, not 'flash'"),
+        (["--placement", "causal"], "--placement is by-choice or by-token, not 'causal'"),
         (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
         (["--shared-experts", "100000"], "the parameters and Adam's state grow with --experts, --hidden, --layers and --shared-experts"),
         (["--save-every", "5"], "--save-every needs --save FILE"),
