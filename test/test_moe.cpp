@@ -29,7 +29,8 @@ using grid2r = mesh<axis<"expert">, axis<"data">>;  // axis order must not chang
 // Checks GShard's invariants on one routing (docs/05_moe.md); returns "" or what broke:
 // each slot holds at most one token; a token reaches at most k distinct
 // experts; its combine weights sum to at most 1; the slots used in each
-// expert of a group are 0..count-1, the j-th choices after every (j-1)-th.
+// expert of a group are 0..count-1, and in the routing's placement order:
+// the j-th choices after every (j-1)-th (by choice), or by token.
 template <class T>
 std::string check_invariants(const moe::routing<T>& r) {
   const index_t G = r.groups, S = r.tokens, E = r.experts, C = r.capacity;
@@ -64,8 +65,10 @@ std::string check_invariants(const moe::routing<T>& r) {
         if (owner[at] < 0) hole = true;
         else if (hole) return "an unused slot before a used one";
         if (owner[at] >= 0) {
-          if (kind[at] < last_kind) return "a choice placed before an earlier choice";
-          last_kind = kind[at];
+          const bool by_choice = r.order == moe::placement::by_choice;
+          if (by_choice && kind[at] < last_kind) return "a choice placed before an earlier choice";
+          if (!by_choice && owner[at] < last_kind) return "a token's choice placed before an earlier token's";
+          last_kind = by_choice ? kind[at] : owner[at];
         }
       }
     }
@@ -612,6 +615,102 @@ TEST_CASE("balancing: the router bias follows the load's sign, is checkpointed; 
     GSHARD_REQUIRE(plain(eval.constant(x), c, 0).stats.capacity == moe::capacity(S, E, c, 1.0));
     GSHARD_REQUIRE(moe::capacity(S, E, c, 8.0) != moe::capacity(S, E, c, 1.0));
   }
+}
+
+TEST_CASE("gating: placement by token puts each token's choices before the next token's", "[moe][gating][causal]") {
+  // One group of 4 tokens over 2 experts, capacity 2, top-2: every token
+  // wants both experts, expert 0 first. By choice (GShard) tokens 0 and 1
+  // take expert 0's slots with their first choices and token 0's second
+  // choice gets expert 1's first slot; by token, token 0 places both its
+  // choices, then token 1 — tokens 2 and 3 are dropped entirely.
+  const index_t S = 4, E = 2;
+  std::vector<float> logits;
+  for (index_t s = 0; s < S; ++s) logits.insert(logits.end(), {1.0f, 0.0f});
+  moe::gating_config cfg;
+  cfg.second = moe::second_policy::all, cfg.min_capacity = 2, cfg.capacity_factor = 1.0;
+  moe::routing<float> r;
+  auto st = moe::route_tokens<float>(logits.data(), 1, S, E, 0, 0, cfg, r);
+  GSHARD_REQUIRE(r.capacity == 2 && check_invariants(r).empty());
+  GSHARD_REQUIRE(r.slot[r.choice(0, 0, 0)] == 0 && r.slot[r.choice(0, 1, 0)] == 1 && r.expert[r.choice(0, 2, 0)] == -1);
+  GSHARD_REQUIRE(r.slot[r.choice(0, 0, 1)] == 0 && r.slot[r.choice(0, 1, 1)] == 1);  // seconds: expert 1, tokens 0, 1
+  GSHARD_REQUIRE(st.dropped_at(0) == 2 && st.dropped_at(1) == 2);
+  cfg.order = moe::placement::by_token;
+  st = moe::route_tokens<float>(logits.data(), 1, S, E, 0, 0, cfg, r);
+  GSHARD_REQUIRE(check_invariants(r).empty());
+  for (index_t s = 0; s < 2; ++s)
+    GSHARD_REQUIRE(r.expert[r.choice(0, s, 0)] == 0 && r.slot[r.choice(0, s, 0)] == s && r.expert[r.choice(0, s, 1)] == 1 &&
+                   r.slot[r.choice(0, s, 1)] == s);
+  GSHARD_REQUIRE(r.expert[r.choice(0, 2, 0)] == -1 && r.expert[r.choice(0, 3, 1)] == -1);
+  GSHARD_REQUIRE(st.dropped_at(0) == 2 && st.dropped_at(1) == 2 && st.expert_load == std::vector<std::int64_t>{2, 2});
+  // A token's second choice can take the slot a later token's first choice
+  // wanted: token 0 wants (1, 0), tokens 1, 2 want (0, 1). Capacity 2.
+  logits = {0.0f, 1.0f, 1.0f, 0.0f, 1.0f, 0.0f};
+  st = moe::route_tokens<float>(logits.data(), 1, 3, E, 0, 0, cfg, r);
+  GSHARD_REQUIRE(r.slot[r.choice(0, 0, 1)] == 0 && r.slot[r.choice(0, 1, 0)] == 1 && r.expert[r.choice(0, 2, 0)] == -1);
+  GSHARD_REQUIRE(check_invariants(r).empty());
+}
+
+namespace {
+// The MoE layer's output [G,S,M] gathered, for the input of seed 7 whose
+// tokens after position `t` of every group are replaced by those of
+// `other_seed` (none when t >= S).
+template <class Mesh>
+local_tensor<double, 3> layer_with_tail(const Mesh& m, shape<3> gsm, index_t H, index_t E, const moe::gating_config& cfg,
+                                        index_t t, std::uint64_t other_seed) {
+  parameters ps(m, 42);
+  const moe::layer<double, Mesh> layer(ps, "moe.", gsm[2], H, E);
+  using X = named<double, "GSM", Mesh, typename moe::layer<double, Mesh>::at_tokens>;
+  X x(m, gsm), other(m, gsm);
+  fill_normal(x, 1.0, 7, 99);
+  fill_normal(other, 3.0, other_seed, 98);
+  const auto le = x.local_extents();
+  for (index_t g = 0; g < le[0]; ++g)
+    for (index_t s = t + 1; s < le[1]; ++s)
+      for (index_t k = 0; k < le[2]; ++k) x.local()(g, s, k) = other.local()(g, s, k);
+  tape tp(ps, tape::no_grad);
+  return gather(layer(tp.constant(x), cfg, 5).y.value());
+}
+}  // namespace
+
+TEST_CASE("causal routing: with placement by token no output depends on a later token of its group", "[moe][layer][causal]") {
+  // Binding capacity (factor 1), k = 1, 2 (GShard's random routing) and 4:
+  // the tokens after t replaced by others leave every output at or before
+  // t bit-identical. GShard's order (by choice) leaks: some earlier output
+  // changes — the size is reported, and docs/05_moe.md quotes it.
+  const int P = world_size();
+  const index_t G = 2 * P, S = 16, M = 8, H = 12, E = P == 3 ? 6 : 8;
+  int meshes = 0;
+  double leak = 0;
+  auto check = [&](const auto& m, const char* name) {
+    ++meshes;
+    for (int k : {1, 2, 4}) {
+      moe::gating_config cfg;
+      cfg.top_k = k, cfg.capacity_factor = 1.0, cfg.min_capacity = 1;
+      cfg.second = k == 2 ? moe::second_policy::random : moe::second_policy::all;
+      for (auto order : {moe::placement::by_token, moe::placement::by_choice}) {
+        cfg.order = order;
+        const auto base = layer_with_tail(m, {G, S, M}, H, E, cfg, S, 0);
+        for (index_t t : {index_t(0), index_t(5), S - 2}) {
+          const auto y = layer_with_tail(m, {G, S, M}, H, E, cfg, t, 11 + std::uint64_t(t));
+          double changed = 0;
+          for (index_t g = 0; g < G; ++g)
+            for (index_t s = 0; s <= t; ++s)
+              for (index_t i = 0; i < M; ++i) changed = std::max(changed, std::abs(y(g, s, i) - base(g, s, i)));
+          INFO(name << ", k = " << k << ", t = " << t << (order == moe::placement::by_token ? ", by token" : ", by choice")
+                    << ": largest change at or before t " << changed);
+          if (order == moe::placement::by_token) GSHARD_REQUIRE(changed == 0.0);
+          else leak = std::max(leak, changed);
+        }
+      }
+    }
+  };
+  check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
+  if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}), "mesh (2,P/2)");
+  check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
+  GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 3 : 2));
+  INFO("GShard's order: the largest change of an output at or before t " << leak);
+  if (world_rank() == 0) std::printf("causal routing: GShard's placement changed an earlier output by up to %.3g\n", leak);
+  GSHARD_REQUIRE(leak > 0.0);
 }
 
 TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", "[moe][layer][errors]") {

@@ -30,6 +30,16 @@ enum class second_policy : std::uint8_t {
   random,  // kept where uniform(0,1) < weight / threshold (GShard: 2·g2 > rnd)
 };
 
+// The order in which a group's choices take their experts' capacity slots.
+// GShard's places every token's first choice, then every second choice, and
+// so on: under a binding capacity a later token's first choice can take the
+// slot an earlier token's second choice needed, so a token's output depends
+// on later tokens of its group — a leak from the future in a decoder, and
+// routing that training and incremental decoding do not share. by_token
+// places each token's k choices, in order, before the next token places any:
+// token t then depends only on tokens up to t.
+enum class placement : std::uint8_t { by_choice, by_token };
+
 // How the router is kept balanced: GShard's aux loss (a loss term), or
 // DeepSeek-V3's aux-loss-free per-expert bias (added to the scores for the
 // choice only, moved by the sign of each expert's load error every step).
@@ -46,6 +56,7 @@ struct gating_config {
   double z_loss_coef = 0;         // router z-loss: coef · mean over tokens of logsumexp(logits)²
   balance_mode balance = balance_mode::aux;
   double bias_rate = 1e-3;        // γ of balance_mode::bias
+  placement order = placement::by_choice;  // by_token for decoders (causal routing)
   std::uint64_t seed = 0;
 };
 
@@ -85,6 +96,7 @@ template <class T>
 struct routing {
   index_t groups = 0, tokens = 0, experts = 0, capacity = 0;
   int k = 2;
+  placement order = placement::by_choice;  // how place_choices fills the slots
   index_t group_offset = 0;          // global index of this rank's first group
   std::vector<std::int32_t> expert;
   std::vector<std::int32_t> slot;
@@ -155,7 +167,7 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
   static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::choose_experts: gating runs in float or double");
   validate(cfg, E);
   const int k = cfg.top_k;
-  r.groups = G, r.tokens = S, r.experts = E, r.k = k, r.group_offset = group_offset, r.capacity = 0;
+  r.groups = G, r.tokens = S, r.experts = E, r.k = k, r.group_offset = group_offset, r.capacity = 0, r.order = cfg.order;
   r.expert.assign(std::size_t(k * G * S), -1);
   r.slot.assign(std::size_t(k * G * S), -1);
   r.weight.assign(std::size_t(k * G * S), T(0));
@@ -236,29 +248,37 @@ index_t largest_load(const routing<T>& r) {
   return most;
 }
 
-// Step 2: slots with capacity C. In each group the j-th choices take slots
-// in token order after every (j-1)-th choice; over capacity they drop.
+// Step 2: slots with capacity C, in r.order: by_choice (GShard's), the
+// j-th choices of a group in token order after every (j-1)-th choice;
+// by_token, each token's choices in order before the next token's. Over
+// capacity a choice drops.
 template <class T>
 void place_choices(routing<T>& r, index_t C, gating_stats& st) {
   r.capacity = C;
   st.capacity = C;
   std::vector<index_t> count(static_cast<std::size_t>(r.experts));
+  const auto place = [&](index_t g, index_t s, int j) {
+    const std::size_t c = r.choice(g, s, j);
+    const int e = r.expert[c];
+    if (e < 0) return;
+    if (count[std::size_t(e)] < C) {
+      r.slot[c] = std::int32_t(count[std::size_t(e)]++);
+      ++st.expert_load[std::size_t(e)];
+    } else {
+      r.expert[c] = -1;
+      r.weight[c] = T(0);
+      ++st.dropped[std::size_t(j)];
+    }
+  };
   for (index_t g = 0; g < r.groups; ++g) {
     std::fill(count.begin(), count.end(), 0);
-    for (int j = 0; j < r.k; ++j)
-      for (index_t s = 0; s < r.tokens; ++s) {
-        const std::size_t c = r.choice(g, s, j);
-        const int e = r.expert[c];
-        if (e < 0) continue;
-        if (count[std::size_t(e)] < C) {
-          r.slot[c] = std::int32_t(count[std::size_t(e)]++);
-          ++st.expert_load[std::size_t(e)];
-        } else {
-          r.expert[c] = -1;
-          r.weight[c] = T(0);
-          ++st.dropped[std::size_t(j)];
-        }
-      }
+    if (r.order == placement::by_choice) {
+      for (int j = 0; j < r.k; ++j)
+        for (index_t s = 0; s < r.tokens; ++s) place(g, s, j);
+    } else {
+      for (index_t s = 0; s < r.tokens; ++s)
+        for (int j = 0; j < r.k; ++j) place(g, s, j);
+    }
   }
 }
 
