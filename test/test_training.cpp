@@ -108,7 +108,8 @@ struct trainer {
 TEST_CASE("the whole model's derived gradient matches finite differences and the 1-rank gradient", "[train][grad][model]") {
   const int P = world_size();
   for (auto ffn : {ffn_kind::relu, ffn_kind::swiglu}) {
-    const auto c = tiny(P, ffn);
+    auto c = tiny(P, ffn);  // with sinusoidal positions (ReLU) and learned ones (SwiGLU)
+    c.positions = ffn == ffn_kind::relu ? model::position_kind::sinusoidal : model::position_kind::learned, c.max_len = 7;
     const auto tok = some_tokens(2 * P, 6);
     // The 1-rank gradients, computed on each rank alone.
     std::map<std::string, local_tensor<double, 1>> ref;
@@ -160,6 +161,10 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
         tape t(run.ps, tape::no_grad);
         return scalar(loss(t));
       };
+      if (c.positions == model::position_kind::learned) {
+        auto table = *run.tr.learned_positions();
+        worst = std::max(worst, fd_check(table.value(), table.grad(), f, 2));
+      }
       const auto& b0 = run.tr.blocks()[0];
       const auto& b1 = run.tr.blocks()[1];
       for (const auto* b : {&b0, &b1}) {
@@ -190,7 +195,7 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
                                                               << ", worst difference from 1 rank " << vs_one << " over "
                                                               << tensors << " tensors");
       GSHARD_REQUIRE(worst < 1e-6 && vs_one < 1e-9);
-      GSHARD_REQUIRE(run.ps.size() == (ffn == ffn_kind::relu ? 20u : 22u));
+      GSHARD_REQUIRE(run.ps.size() == (ffn == ffn_kind::relu ? 20u : 23u));  // SwiGLU: two w1_up and the positions
     };
     check(grid2(MPI_COMM_WORLD, {1, P}));
     if (P == 4) check(grid2(MPI_COMM_WORLD, {2, 2}));
@@ -356,6 +361,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   };
   auto shared_top1 = tiny(P, ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
+  shared_top1.positions = model::position_kind::learned, shared_top1.max_len = 6;  // one more weight, reduced like embed
   auto dense = tiny(P);
   dense.experts = 0, dense.slot_hidden = 16;
   auto piped = tiny(P);

@@ -222,6 +222,36 @@ auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
   return y;
 }
 
+// Positions. The sinusoids of "Attention Is All You Need" as a table
+// [P, M] (replicated): channel 2i of position p is sin(p / 10000^(2i/M)),
+// channel 2i+1 its cos. Added to token embeddings by looking the table up
+// with positions_of(tokens) — embedding(t, positions_of(tok), t.constant(table))
+// — or, for learned positions, a declared table of the same shape.
+template <class T, mesh_type Mesh>
+tensor<T, 2, Mesh, replicate, "PM"> sinusoidal_positions(const Mesh& m, index_t P, index_t M) {
+  tensor<T, 2, Mesh, replicate, "PM"> table(m, {P, M});
+  for (index_t p = 0; p < P; ++p)
+    for (index_t i = 0; i < M; ++i) {
+      const double angle = double(p) / std::pow(10000.0, double(i - i % 2) / double(M));
+      table.data()[p * M + i] = T(i % 2 == 0 ? std::sin(angle) : std::cos(angle));
+    }
+  return table;
+}
+
+// The position of every token of `tokens` [B, L] (offset + l), sharded and
+// labelled like them: the rows to look up in a positions table.
+template <sharded_tensor Tok>
+Tok positions_of(const Tok& tokens, index_t offset = 0) {
+  static_assert(std::is_same_v<typename Tok::value_type, std::int32_t> && Tok::rank == 2,
+                "gshard::positions_of: the tokens are an int32 tensor [B, L]");
+  Tok pos(tokens.mesh(), tokens.extents());
+  const auto le = pos.local_extents();
+  const index_t first = pos.offsets()[1];
+  for (index_t b = 0; b < le[0]; ++b)
+    for (index_t l = 0; l < le[1]; ++l) pos.data()[b * le[1] + l] = std::int32_t(offset + first + l);
+  return pos;
+}
+
 // The feed-forward network: GShard's relu(x·w1)·w2, or the gated SwiGLU
 // (silu(x·w1) ⊙ (x·w1_up))·w2 of PaLM and Llama.
 enum class ffn_kind : std::uint8_t { relu, swiglu };

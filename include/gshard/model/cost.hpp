@@ -72,6 +72,7 @@ inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = tr
   };
   const index_t M = c.model, N = c.heads, K = c.head_dim, E = c.experts;
   add("embed", {c.vocab, M}, {});
+  if (c.positions == position_kind::learned) add("positions", {c.max_len, M}, {});
   for (int l = 0; l < c.layers; ++l) {
     const std::string b = "block" + std::to_string(l) + ".";
     const index_t H = c.ffn_hidden(l);

@@ -27,6 +27,11 @@
 
 namespace gshard::model {
 
+// Where a token's position enters: nowhere (causal attention alone tells
+// positions apart), the sinusoids of "Attention Is All You Need", or a
+// learned table of max_len rows; either is added to the token embedding.
+enum class position_kind : std::uint8_t { none, sinusoidal, learned };
+
 struct config {
   index_t vocab = 256;    // bytes
   index_t model = 64;     // M
@@ -34,6 +39,8 @@ struct config {
   index_t head_dim = 16;  // K
   index_t hidden = 128;   // H, of the dense FFNs and of each expert
   index_t experts = 8;    // E; 0: a dense model (every block a dense FFN)
+  position_kind positions = position_kind::none;
+  index_t max_len = 1024;  // the longest sequence positions cover (sinusoidal, learned)
   int layers = 4;         // blocks; blocks 1, 3, ... have an MoE FFN
   // A dense model's (experts = 0) FFNs in blocks 1, 3, ...: their hidden
   // units (0: hidden). top_k · hidden matches the MoE model's FLOPs per
@@ -92,12 +99,20 @@ class transformer {
   transformer(parameters<Mesh>& ps, const config& c)
       : c_(checked(ps.mesh(), c)),
         embed_(ps, "embed", {c.vocab, c.model}, init::normal(1.0)),
+        learned_positions_(c.positions == position_kind::learned
+                               ? std::optional<weight<"PM">>(std::in_place, ps, "positions", shape<2>{c.max_len, c.model},
+                                                             init::normal(1.0 / std::sqrt(double(c.model))))
+                               : std::nullopt),
+        sinusoids_(c.positions == position_kind::sinusoidal
+                       ? std::optional<named<T, "PM", Mesh, at_tokens>>(sinusoidal_positions<T>(ps.mesh(), c.max_len, c.model))
+                       : std::nullopt),
         blocks_(declare_blocks(ps, c)),
         final_norm_(ps, "final_norm", {c.model}, init::ones()),
         unembed_(ps, "unembed", {c.model, c.vocab}, init::normal(1.0 / std::sqrt(double(c.model)))) {}
 
   const config& cfg() const { return c_; }
   const std::vector<block_params>& blocks() const { return blocks_; }
+  const std::optional<weight<"PM">>& learned_positions() const { return learned_positions_; }
 
   struct output {
     var<tensor<double, 0, Mesh, replicate>> loss;  // cross-entropy + aux_coef · Σ aux + z_loss_coef · Σ z
@@ -114,6 +129,13 @@ class transformer {
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
     auto x = embedding(t, inputs, embed_);  // [B{data,expert},L,M]
+    if (c_.positions != position_kind::none) {
+      if (inputs.extent(1) > c_.max_len)
+        throw shape_error("gshard::model::forward: sequences of " + std::to_string(inputs.extent(1)) +
+                          " tokens are longer than config.max_len = " + std::to_string(c_.max_len) + " positions");
+      const auto pos = positions_of(inputs);
+      x = learned_positions_ ? x + embedding(t, pos, *learned_positions_) : x + embedding(t, pos, t.constant(*sinusoids_));
+    }
     std::vector<var<tensor<double, 0, Mesh, replicate>>> aux, z;
     std::vector<moe::gating_stats> stats;
     for (int layer = 0; layer < c_.layers; ++layer) {
@@ -187,6 +209,8 @@ class transformer {
     if (c.experts > 0) moe::validate(c.gating, c.experts);
     if (c.shared_experts < 0)
       throw error("gshard::model::transformer: config.shared_experts = " + std::to_string(c.shared_experts) + " is negative");
+    if (c.positions != position_kind::none && c.max_len < 1)
+      throw error("gshard::model::transformer: config.max_len = " + std::to_string(c.max_len) + " positions; at least 1");
     for (int l : c.remat)
       if (l < 0 || l >= c.layers)
         throw error("gshard::model::transformer: config.remat names block " + std::to_string(l) + " of a model with " +
@@ -254,6 +278,8 @@ class transformer {
 
   config c_;
   weight<"VM"> embed_;
+  std::optional<weight<"PM">> learned_positions_;             // [max_len, M]: position_kind::learned
+  std::optional<named<T, "PM", Mesh, at_tokens>> sinusoids_;  // [max_len, M]: position_kind::sinusoidal
   std::vector<block_params> blocks_;
   weight<"M"> final_norm_;
   weight<"MV"> unembed_;
