@@ -426,6 +426,57 @@ TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[
   GSHARD_REQUIRE(std::abs(uniform - std::log(double(V))) < 1e-12);
 }
 
+TEST_CASE("autodiff: a scalar added to or subtracted from a var or a tensor", "[autodiff][grad]") {
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  parameters ps(m, 3);
+  param<tensor<double, 2, grid1, rows>> x(ps, "x", {2 * P, 3}, init::normal(1.0));
+  tensor<double, 2, grid1, rows> c(m, {2 * P, 3});
+  fill_normal(c, 1.0, 4, 5);
+  // Plain tensors: every element shifted, on each rank's shard.
+  const auto& xv = x.value();
+  const auto a = xv + 2.0, b = 3.0 - xv, d = xv - 0.5, e = 1.5 + xv;
+  bool values = true;
+  for (index_t i = 0; i < xv.local().size(); ++i) {
+    const double v = xv.data()[i];
+    values = values && a.data()[i] == v + 2.0 && b.data()[i] == 3.0 - v && d.data()[i] == v - 0.5 && e.data()[i] == 1.5 + v;
+  }
+    tape t(ps);
+  auto y = 3.0 - (t.use(x) + 2.0);
+  auto l = reshard<replicate>(einsum<"ij,ij->">(y - 1.0, t.constant(c)));
+  t.backward(l);
+  bool grads = true;  // d/dx <3 - (x + 2) - 1, c> = -c
+  const auto g = x.grad();
+  for (index_t i = 0; i < g.local().size(); ++i) grads = grads && g.data()[i] == -c.data()[i];
+  for (index_t i = 0; i < y.value().local().size(); ++i) values = values && y.value().data()[i] == 3.0 - (xv.data()[i] + 2.0);
+  GSHARD_REQUIRE(values);
+  GSHARD_REQUIRE(grads);
+  tape t2(ps);
+  auto l2 = reshard<replicate>(einsum<"ij,ij->">(0.5 + t2.use(x), t2.constant(c)));  // d/dx = c
+  t2.backward(l2);
+  bool grads2 = true;
+  for (index_t i = 0; i < g.local().size(); ++i) grads2 = grads2 && x.grad().data()[i] == c.data()[i];
+  GSHARD_REQUIRE(grads2);
+}
+
+TEST_CASE("positions: the sinusoid table and each token's position, sharded like the tokens", "[autodiff][positions]") {
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks(), L = 5, M = 6;
+  const auto table = sinusoidal_positions<double>(m, L, M);
+  bool ok = true;  // channel 2i: sin(p / 10000^(2i/M)); 2i+1: its cos
+  for (index_t p = 0; p < L; ++p)
+    for (index_t i = 0; i < M; i += 2) {
+      const long double rate = std::pow(10000.0L, -(long double)i / (long double)M);
+      ok = ok && std::abs(table.data()[p * M + i] - double(std::sin((long double)p * rate))) < 1e-15 &&
+           std::abs(table.data()[p * M + i + 1] - double(std::cos((long double)p * rate))) < 1e-15;
+    }
+  GSHARD_REQUIRE(table.data()[0] == 0.0 && table.data()[1] == 1.0);
+  tensor<std::int32_t, 2, grid1, rows, "BL"> tok(m, {2 * P, L});
+  const auto pos = positions_of(tok, 3);
+  for (index_t i = 0; i < pos.local().size(); ++i) ok = ok && pos.data()[i] == std::int32_t(3 + i % L);
+  GSHARD_REQUIRE(ok);
+}
+
 TEST_CASE("autodiff: uses of one value are summed while pending and reduced once", "[autodiff][collectives]") {
   const int P = world_size();
   const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};

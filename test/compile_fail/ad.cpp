@@ -13,6 +13,16 @@ using pend = sharding<partial<"data">>;
 
 #if defined(GSHARD_CASE_plain_tensor_with_var)
 void f(const var<t<2, rep>>& a, const t<2, rep>& w) { (void)einsum<"ij,jk->ik">(a, w); }
+#elif defined(GSHARD_CASE_var_plus_tensor)
+void f(const var<t<2, rep>>& a, const t<2, rep>& b) { (void)(a + b), (void)(b - a); }
+#elif defined(GSHARD_CASE_var_labels_differ)
+void f(const var<t<2, rows, "BM">>& a, const var<t<2, rows>>& b) { (void)(a + b); }
+#elif defined(GSHARD_CASE_var_shards_differ)
+void f(const var<t<2, rows>>& a, const var<t<2, rep>>& b) { (void)(a * b); }
+#elif defined(GSHARD_CASE_var_scalar_pending)
+void f(const var<t<1, pend>>& a) { (void)(a + 1.0); }
+#elif defined(GSHARD_CASE_positions_tokens)
+void f(const t<2, rows>& x) { (void)positions_of(x); }
 #elif defined(GSHARD_CASE_chunk_dim)
 void f(const var<t<2, rows>>& a) { (void)chunk<2>(a, 2); }
 #elif defined(GSHARD_CASE_chunk_split)

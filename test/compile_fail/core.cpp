@@ -86,6 +86,14 @@ void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)relu(
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) {
   (void)gelu(t), (void)silu(t), (void)sigmoid(t), (void)exp(t), (void)log(t), (void)tanh(t), (void)sqrt(t);
 }
+#elif defined(GSHARD_CASE_plain_kinds_differ)
+void f(const tensor<float, 2, grid, replicate>& a, const tensor<double, 2, grid, replicate>& b) { (void)(a + b); }
+#elif defined(GSHARD_CASE_plain_labels_differ)
+void f(const tensor<float, 2, grid, replicate, "BM">& a, const tensor<float, 2, grid, replicate, "BN">& b) { (void)(a - b); }
+#elif defined(GSHARD_CASE_plain_shards_differ)
+void f(const tensor<float, 2, grid, replicate>& a, const tensor<float, 2, grid, sharding<split<0, "data">>>& b) { (void)(a * b); }
+#elif defined(GSHARD_CASE_plain_scalar_pending)
+void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)(t + 1.0f); }
 #elif defined(GSHARD_CASE_plain_product_pending)
 void f(const tensor<float, 1, grid, sharding<partial<"data">>>& t) { (void)(t * t); }
 #elif defined(GSHARD_CASE_scalar_not_rank0)

@@ -67,6 +67,36 @@ auto scale(V&& x, double s) {
   return y;
 }
 
+// y = x + s (s added to every element).
+template <class V>
+auto shift(V&& x, double s) {
+  using X = tensor_of<V>;
+  using T = typename X::value_type;
+  static_assert(!has_pending_sums<X>(),
+                "gshard::operator+: the tensor has pending sums; a scalar added to each summand is added once per rank: "
+                "all_reduce it first");
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  X v = value_of(std::forward<V>(x));
+  v.local() = v.local() + T(s);
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (dy) tp->slot<X>(xs).add(std::move(*dy));
+    });
+  return y;
+}
+
+// A var with a plain tensor in +, - or *: a compile error naming both.
+template <class A, class B>
+struct var_with_tensor {
+  static_assert(sizeof(A) == 0,
+                "gshard::elementwise: a var with a plain tensor in +, - or *; pass tape.constant(t) to use the tensor as a "
+                "constant, or declare it as a gshard::param to train it");
+  static constexpr bool ok = true;
+};
+
 // a ± b (sign +1 or -1) for two vars of one type.
 template <class X>
 var<X> add(var<X> a, const var<X>& b, int sign) {
@@ -235,6 +265,52 @@ template <class X>
 var<X> operator-(var<X> a, const var<X>& b) {
   return detail::add(std::move(a), b, -1);
 }
+// Vars of different types, or a var with a plain tensor: the compile error
+// names both types and the fix (gshard/tensor/ops.hpp's elementwise_operands).
+#define GSHARD_MISMATCHED_(op)                                                         \
+  template <class X, class Y>                                                          \
+    requires(!std::is_same_v<X, Y>)                                                    \
+  var<X> operator op(var<X> a, const var<Y>&) {                                        \
+    static_assert(detail::elementwise_operands<X, Y>::ok);                             \
+    return a;                                                                          \
+  }                                                                                    \
+  template <class X, sharded_tensor Y>                                                 \
+  var<X> operator op(var<X> a, const Y&) {                                             \
+    static_assert(detail::var_with_tensor<X, Y>::ok);                                  \
+    return a;                                                                          \
+  }                                                                                    \
+  template <sharded_tensor Y, class X>                                                 \
+  var<X> operator op(const Y&, var<X> a) {                                             \
+    static_assert(detail::var_with_tensor<X, Y>::ok);                                  \
+    return a;                                                                          \
+  }
+GSHARD_MISMATCHED_(+)
+GSHARD_MISMATCHED_(-)
+GSHARD_MISMATCHED_(*)
+#undef GSHARD_MISMATCHED_
+
+// x + s, s + x, x − s and s − x: s added to every element.
+template <class V>
+  requires var_type<V>
+auto operator+(V&& x, double s) {
+  return detail::shift(std::forward<V>(x), s);
+}
+template <class V>
+  requires var_type<V>
+auto operator+(double s, V&& x) {
+  return detail::shift(std::forward<V>(x), s);
+}
+template <class V>
+  requires var_type<V>
+auto operator-(V&& x, double s) {
+  return detail::shift(std::forward<V>(x), -s);
+}
+template <class V>
+  requires var_type<V>
+auto operator-(double s, V&& x) {
+  return detail::shift(detail::scale(std::forward<V>(x), -1.0), s);
+}
+
 template <class V>
   requires var_type<V>
 auto operator*(double s, V&& x) {

@@ -187,6 +187,20 @@ DY relu_backward(DY dy, const X& x) {
 }
 
 namespace detail {
+// Two operands of an element-wise +, - or * that are not of one tensor type:
+// instantiated with both, so the compiler's message names them.
+template <class A, class B>
+struct elementwise_operands {
+  static constexpr bool same_kind = std::is_same_v<typename A::value_type, typename B::value_type> && A::rank == B::rank &&
+                                    std::is_same_v<typename A::mesh_type, typename B::mesh_type>;
+  static_assert(same_kind, "gshard::elementwise: the operands of +, - or * differ in element type, rank or mesh type");
+  static_assert(!same_kind || A::labels == B::labels,
+                "gshard::elementwise: the operands of +, - or * carry different labels; relabel<\"...\">(x) one to the other's");
+  static_assert(!same_kind || A::labels != B::labels || std::is_same_v<typename A::sharding_type, typename B::sharding_type>,
+                "gshard::elementwise: the operands of +, - or * are sharded differently; reshard one to the other's sharding");
+  static constexpr bool ok = true;
+};
+
 template <class X>
 void same_extents(const X& a, const X& b, const char* op) {
   if (a.extents() != b.extents())
@@ -212,6 +226,49 @@ template <sharded_tensor X>
 X operator-(X a) {
   a.local() = -a.local();
   return a;
+}
+
+// Two tensors of different types: the compile error names both and the fix.
+template <sharded_tensor A, sharded_tensor B>
+  requires(!std::is_same_v<A, B>)
+A operator+(A a, const B&) {
+  static_assert(detail::elementwise_operands<A, B>::ok);
+  return a;
+}
+template <sharded_tensor A, sharded_tensor B>
+  requires(!std::is_same_v<A, B>)
+A operator-(A a, const B&) {
+  static_assert(detail::elementwise_operands<A, B>::ok);
+  return a;
+}
+template <sharded_tensor A, sharded_tensor B>
+  requires(!std::is_same_v<A, B>)
+A operator*(A a, const B&) {
+  static_assert(detail::elementwise_operands<A, B>::ok);
+  return a;
+}
+
+// a + s and a − s: s added to every element. Refused on pending sums (s
+// added to each rank's summand would be added once per rank).
+template <sharded_tensor X>
+X operator+(X a, typename X::value_type s) {
+  static_assert(!detail::has_pending_sums<X>(),
+                "gshard::operator+: the tensor has pending sums; a scalar added to each summand is added once per rank: "
+                "all_reduce it first");
+  a.local() = a.local() + s;
+  return a;
+}
+template <sharded_tensor X>
+X operator+(typename X::value_type s, X a) {
+  return std::move(a) + s;
+}
+template <sharded_tensor X>
+X operator-(X a, typename X::value_type s) {
+  return std::move(a) + (-s);
+}
+template <sharded_tensor X>
+X operator-(typename X::value_type s, X a) {
+  return -std::move(a) + s;
 }
 
 // a ⊙ b, element-wise, for two tensors of one type without pending sums.
