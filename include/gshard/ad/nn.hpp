@@ -279,8 +279,6 @@ struct ffn_weights {
                   ? std::optional<param<W1>>(std::in_place, ps, names[1], in, init::normal(1.0 / std::sqrt(double(in[W1::rank - 2]))))
                   : std::nullopt),
         w2(ps, names[2], out, init::normal(1.0 / std::sqrt(double(out[W2::rank - 2])))) {}
-
-  ffn_kind kind() const { return w1_up ? ffn_kind::swiglu : ffn_kind::relu; }
 };
 
 namespace detail {
