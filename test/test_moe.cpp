@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include <cmath>
 #include <set>
@@ -711,6 +712,261 @@ TEST_CASE("causal routing: with placement by token no output depends on a later 
   INFO("GShard's order: the largest change of an output at or before t " << leak);
   if (world_rank() == 0) std::printf("causal routing: GShard's placement changed an earlier output by up to %.3g\n", leak);
   GSHARD_REQUIRE(leak > 0.0);
+}
+
+TEST_CASE("gating: paddings leave a position out of the choices, the slots and the aux loss, as Lingvo's", "[moe][gating][paddings]") {
+  // Lingvo's Top2GatingOnLogits with paddings, written out here on two
+  // groups with padding at the end and inside: mask_1 and mask_2 zero on
+  // padded positions, exclusive cumsums over them for the slots, the gates
+  // normalised before capacity (legacy_mtf_behavior), and the densities
+  // divided by the share of real positions (its density_denom, whose 1e-6
+  // bounds the tolerance). The padded positions hold NaN logits: never read.
+  const index_t G = 2, S = 8, E = 4, C = 2;
+  std::vector<float> logits(std::size_t(G * S * E)), pads(std::size_t(G * S), 0.0f);
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::sin(1.7 * double(i) + 0.3) * 2.0);
+  for (index_t s : {5, 6, 7}) pads[std::size_t(s)] = 1.0f;  // group 0: 5 tokens, then padding
+  for (index_t s : {0, 3}) pads[std::size_t(S + s)] = 1.0f;  // group 1: padding among the tokens
+  for (std::size_t i = 0; i < pads.size(); ++i)
+    if (pads[i] != 0.0f) std::fill_n(logits.begin() + std::ptrdiff_t(i) * E, E, std::numeric_limits<float>::quiet_NaN());
+  moe::gating_config cfg;
+  cfg.second = moe::second_policy::all, cfg.capacity_factor = 0, cfg.min_capacity = C;
+  moe::routing<float> r;
+  const auto st = moe::route_tokens<float>(logits.data(), G, S, E, 0, 0, cfg, r, -1, pads.data());
+  GSHARD_REQUIRE(r.capacity == C && check_invariants(r).empty());
+  GSHARD_REQUIRE(st.padded == 5 && st.tokens == 11 && st.invalid == 0 && r.real == std::vector<index_t>{5, 6});
+  double aux = 0, z = 0;
+  for (index_t g = 0; g < G; ++g) {
+    std::vector<int> count1(std::size_t(E), 0), count2(std::size_t(E), 0);
+    std::vector<double> density(std::size_t(E), 0.0), proxy(std::size_t(E), 0.0);
+    std::vector<int> e1(std::size_t(S), -1), e2(std::size_t(S), -1);
+    std::vector<double> w1(std::size_t(S), 0.0), w2(std::size_t(S), 0.0);
+    double real = 0;
+    for (index_t s = 0; s < S; ++s) {
+      if (pads[std::size_t(g * S + s)] != 0.0f) continue;
+      real += 1;
+      const float* l = logits.data() + (g * S + s) * E;
+      double mx = l[0], sum = 0, gates[4];
+      for (index_t e = 1; e < E; ++e) mx = std::max(mx, double(l[e]));
+      for (index_t e = 0; e < E; ++e) sum += gates[e] = std::exp(double(l[e]) - mx);
+      for (index_t e = 0; e < E; ++e) gates[e] /= sum, proxy[std::size_t(e)] += gates[e];
+      z += std::pow(mx + std::log(sum), 2);
+      int a = 0, b = -1;
+      for (int e = 1; e < E; ++e)
+        if (gates[e] > gates[a]) a = e;
+      for (int e = 0; e < E; ++e)
+        if (e != a && (b < 0 || gates[e] > gates[b])) b = e;
+      e1[std::size_t(s)] = a, e2[std::size_t(s)] = b, density[std::size_t(a)] += 1;
+      w1[std::size_t(s)] = gates[a] / (gates[a] + gates[b] + 1e-9), w2[std::size_t(s)] = gates[b] / (gates[a] + gates[b] + 1e-9);
+    }
+    for (index_t s = 0; s < S; ++s) {  // first choices: position_in_expert_1 = exclusive cumsum of mask_1
+      const std::size_t c = r.choice(g, s, 0);
+      if (e1[std::size_t(s)] < 0) {
+        GSHARD_REQUIRE(r.expert[c] == -1 && r.expert[c + 1] == -1 && r.weight[c] == 0.0f);
+        continue;
+      }
+      const int pos = count1[std::size_t(e1[std::size_t(s)])]++;
+      INFO("group " << g << " position " << s);
+      GSHARD_REQUIRE(r.expert[c] == (pos < C ? e1[std::size_t(s)] : -1));
+      if (pos < C) GSHARD_REQUIRE(r.slot[c] == pos && std::abs(r.weight[c] - w1[std::size_t(s)]) < 1e-6);
+    }
+    for (index_t s = 0; s < S; ++s) {  // seconds: after every kept first choice (mask_1_count)
+      if (e2[std::size_t(s)] < 0) continue;
+      const std::size_t c = r.choice(g, s, 1);
+      const int e = e2[std::size_t(s)];
+      const int pos = std::min(count1[std::size_t(e)], int(C)) + count2[std::size_t(e)]++;
+      INFO("group " << g << " position " << s << ", second choice");
+      GSHARD_REQUIRE(r.expert[c] == (pos < C ? e : -1));
+      if (pos < C) GSHARD_REQUIRE(r.slot[c] == pos && std::abs(r.weight[c] - w2[std::size_t(s)]) < 1e-6);
+    }
+    const double denom = real / double(S) + 1e-6;  // Lingvo's density_denom
+    for (index_t e = 0; e < E; ++e)
+      aux += (density[std::size_t(e)] / double(S) / denom) * (proxy[std::size_t(e)] / double(S) / denom) * double(E * E);
+  }
+  aux /= double(G * E);  // reduce_mean over [G, E]
+  INFO("aux " << st.aux_sum / double(G) << " against Lingvo's " << aux);
+  GSHARD_REQUIRE(std::abs(st.aux_sum / double(G) - aux) < 1e-5 * aux);
+  GSHARD_REQUIRE(std::abs(st.z_sum - z) < 1e-5 * z);
+  GSHARD_REQUIRE(st.placed() + st.total_dropped() == 2 * st.tokens);
+  // Paddings of zeros route as none, bit for bit.
+  for (auto& l : logits)
+    if (std::isnan(l)) l = 0.5f;
+  moe::routing<float> a, b;
+  const std::vector<float> zeros(std::size_t(G * S), 0.0f);
+  const auto sa = moe::route_tokens<float>(logits.data(), G, S, E, 0, 0, cfg, a);
+  const auto sb = moe::route_tokens<float>(logits.data(), G, S, E, 0, 0, cfg, b, -1, zeros.data());
+  GSHARD_REQUIRE(a.expert == b.expert && a.slot == b.slot && a.weight == b.weight && sa.aux_sum == sb.aux_sum &&
+                 sa.z_sum == sb.z_sum && sb.padded == 0);
+}
+
+namespace {
+// Whether position s of global group g is padding in the paddings tests:
+// every fourth group all padding, the others 0, 5 or 10 positions at the
+// end, the odd ones also position 1.
+bool padded_at(index_t g, index_t s, index_t S) {
+  if (g % 4 == 3) return true;
+  return s >= S - 5 * (g % 4) || (g % 2 == 1 && s == 1);
+}
+
+struct padded_run {
+  local_tensor<double, 3> y;
+  moe::gating_stats stats;
+  std::vector<double> grads;  // of x, the router and the experts, gathered
+  std::size_t collectives = 0;
+  std::string broken;
+};
+// The layer of seed 42 on x of seed 7 with the padding of padded_at, the
+// padded rows of x holding finite garbage (0), NaN, Inf and 1e300 (1), or
+// no paddings given at all (-1). With `grads`, the gradients of
+// Σ y·c + aux/2 + z/10 too. `collectives` counts the forward's as run_variant.
+template <class Mesh>
+padded_run run_padded(const Mesh& m, shape<3> gsm, index_t H, index_t E, const moe::gating_config& cfg,
+                      const moe::layer_options& opt, int garbage, bool grads) {
+  using L = moe::layer<double, Mesh>;
+  using X = named<double, "GSM", Mesh, typename L::at_tokens>;
+  parameters ps(m, 42);
+  const L layer(ps, "moe.", gsm[2], H, E, opt);
+  if (layer.bias)
+    for (index_t e = 0; e < E; ++e) layer.bias->value().data()[e] = 0.2 * double(e % 3) - 0.2;
+  param<X> x(ps, "x", gsm, init::normal(1.0));
+  typename L::paddings_type pads(m, {gsm[0], gsm[1]});
+  const auto le = x.value().local_extents();
+  const index_t g0 = x.value().offsets()[0];
+  for (index_t g = 0; g < le[0]; ++g)
+    for (index_t s = 0; s < le[1]; ++s) {
+      const bool pad = padded_at(g0 + g, s, gsm[1]);
+      pads.local()(g, s) = pad ? 1.0 : 0.0;
+      if (pad && garbage >= 0)
+        for (index_t i = 0; i < le[2]; ++i)
+          x.value().local()(g, s, i) = garbage == 0 ? 40.0 * std::sin(double(17 * g + 5 * s + i))
+                                       : i % 3 == 0 ? std::numeric_limits<double>::quiet_NaN()
+                                       : i % 3 == 1 ? std::numeric_limits<double>::infinity()
+                                                    : 1e300;
+    }
+  X c(m, gsm);
+  fill_normal(c, 1.0, 8, 98);
+  collective_recorder rec;
+  std::optional<tape> tp;
+  if (grads) tp.emplace(ps);
+  else tp.emplace(ps, tape::no_grad);
+  tape& t = *tp;
+  auto out = garbage >= 0 ? layer(t.use(x), pads, cfg, 3) : layer(t.use(x), cfg, 3);
+  padded_run r;
+  const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
+  r.collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
+  r.y = gather(out.y.value());
+  r.stats = out.stats;
+  r.broken = check_invariants(*out.route);
+  if (grads) {
+    t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))) + 0.5 * out.aux + 0.1 * out.z_loss);
+    auto add = [&](const auto& p) {
+      const auto whole = gather(p.grad());
+      r.grads.insert(r.grads.end(), whole.data(), whole.data() + whole.size());
+    };
+    add(x), add(layer.router), add(layer.expert_ffn.w1), add(layer.expert_ffn.w2);
+    if (layer.shared) add(layer.shared->w1), add(layer.shared->w2);
+  }
+  return r;
+}
+}  // namespace
+
+TEST_CASE("MoE layer: padded positions are routed nowhere, output 0, and change nothing else, at every mesh", "[moe][layer][paddings]") {
+  // Every routing variant, at every mesh: what padded positions hold
+  // (finite garbage, or NaN, Inf and 1e300) leaves every output, counter
+  // and gradient bit-identical; padded outputs and their gradients are 0;
+  // the counters and losses skip them; each mesh equals the 1-rank result;
+  // the paddings cost no collective.
+  const int P = world_size();
+  const index_t G = 4 * P, S = 24, M = 16, H = 24, E = P == 3 ? 6 : 8;
+  struct variant {
+    std::string name;
+    moe::gating_config cfg;
+    moe::layer_options opt;
+  };
+  auto cfg_k = [](int k, bool dropless) {
+    moe::gating_config c;
+    c.capacity_factor = 1.5, c.top_k = k, c.dropless = dropless;
+    c.second = k == 2 ? moe::second_policy::random : moe::second_policy::all;
+    return c;
+  };
+  std::vector<variant> variants;
+  for (int k : {1, 2, 4}) variants.push_back({"top-" + std::to_string(k), cfg_k(k, false), {}});
+  variants.push_back({"dropless top-2", cfg_k(2, true), {}});
+  variants.push_back({"top-2 + 1 shared SwiGLU expert", cfg_k(2, false), {ffn_kind::swiglu, 1, moe::balance_mode::aux}});
+  auto biased = cfg_k(2, false);
+  biased.balance = moe::balance_mode::bias;
+  variants.push_back({"top-2, bias balancing", biased, {ffn_kind::relu, 0, moe::balance_mode::bias}});
+  auto causal = cfg_k(2, false);
+  causal.order = moe::placement::by_token;
+  variants.push_back({"top-2, placement by token", causal, {}});
+
+  index_t padded = 0;
+  for (index_t g = 0; g < G; ++g)
+    for (index_t s = 0; s < S; ++s) padded += padded_at(g, s, S);
+  grid2 self(MPI_COMM_SELF, {1, 1});
+  for (const auto& v : variants) {
+    INFO(v.name);
+    const auto ref = run_padded(self, {G, S, M}, H, E, v.cfg, v.opt, 0, true);
+    GSHARD_REQUIRE_MSG(ref.broken.empty(), ref.broken);
+    GSHARD_REQUIRE(ref.stats.padded == padded && ref.stats.tokens == G * S - padded && ref.stats.invalid == 0);
+    GSHARD_REQUIRE(ref.stats.placed() + ref.stats.total_dropped() + ref.stats.skipped_at(1) == v.cfg.top_k * ref.stats.tokens);
+    std::int64_t demand = 0;
+    for (auto d : ref.stats.expert_demand) demand += d;
+    GSHARD_REQUIRE(demand == ref.stats.placed() + ref.stats.total_dropped());
+    for (index_t g = 0; g < G; ++g)
+      for (index_t s = 0; s < S; ++s)
+        if (padded_at(g, s, S))
+          for (index_t i = 0; i < M; ++i) {
+            GSHARD_REQUIRE(ref.y(g, s, i) == 0.0);
+            GSHARD_REQUIRE(ref.grads[std::size_t((g * S + s) * M + i)] == 0.0);  // x's gradient comes first
+          }
+    auto check = [&](const auto& m, const char* mesh_name) {
+      using Mesh = std::remove_cvref_t<decltype(m)>;
+      INFO(mesh_name);
+      const auto a = run_padded(m, {G, S, M}, H, E, v.cfg, v.opt, 0, true);
+      const auto b = run_padded(m, {G, S, M}, H, E, v.cfg, v.opt, 1, true);
+      GSHARD_REQUIRE_MSG(a.broken.empty(), a.broken);
+      GSHARD_REQUIRE(a.y.size() == b.y.size() && std::equal(a.y.data(), a.y.data() + a.y.size(), b.y.data()));
+      GSHARD_REQUIRE(a.grads == b.grads);
+      GSHARD_REQUIRE(a.stats.expert_load == b.stats.expert_load && a.stats.dropped == b.stats.dropped &&
+                     a.stats.aux_sum == b.stats.aux_sum && a.stats.z_sum == b.stats.z_sum && b.stats.invalid == 0);
+      const std::size_t model_reductions = Mesh::index_of("model") >= 0 ? 1 + (v.opt.shared_experts > 0) : 0;
+      GSHARD_REQUIRE(a.collectives == 2 + 10 * model_reductions + 100 * (1 + v.cfg.dropless));
+      GSHARD_REQUIRE(max_rel_diff(a.y, ref.y) < 1e-12);
+      double gd = a.grads.size() == ref.grads.size() ? 0.0 : 1e300;
+      for (std::size_t i = 0; gd < 1e300 && i < a.grads.size(); ++i)
+        gd = std::max(gd, std::abs(a.grads[i] - ref.grads[i]) / (1 + std::abs(ref.grads[i])));
+      INFO("gradients against 1 rank: " << gd);
+      GSHARD_REQUIRE(gd < 1e-12);
+      GSHARD_REQUIRE(a.stats.expert_load == ref.stats.expert_load && a.stats.padded == padded &&
+                     std::abs(a.stats.aux_sum - ref.stats.aux_sum) < 1e-9);
+    };
+    check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
+    if (P == 4 || P == 8) check(grid2(MPI_COMM_WORLD, {2, P / 2}), "mesh (2,P/2)");
+    check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
+  }
+  // Without padding, the layer with paddings of zeros is the layer without paddings, bit for bit.
+  {
+    grid2 m(MPI_COMM_WORLD, {1, P});
+    using L = moe::layer<double, grid2>;
+    parameters ps(m, 42);
+    const L layer(ps, "moe.", M, H, E);
+    named<double, "GSM", grid2, L::at_tokens> x(m, {G, S, M});
+    fill_normal(x, 1.0, 7, 99);
+    L::paddings_type zeros(m, {G, S});
+    tape t(ps, tape::no_grad);
+    const auto y0 = gather(layer(t.constant(x), moe::gating_config{}, 3).y.value());
+    const auto y1 = gather(layer(t.constant(x), zeros, moe::gating_config{}, 3).y.value());
+    GSHARD_REQUIRE(std::equal(y0.data(), y0.data() + y0.size(), y1.data()));
+    // Paddings other than 0 and 1, on one rank only: refused on every rank.
+    L::paddings_type bad(m, {G, S});
+    if (world_rank() == 0) bad.data()[1] = 0.5;
+    GSHARD_REQUIRE_THROWS_WITH(layer(t.constant(x), bad, moe::gating_config{}, 3), error,
+                               "gshard::moe::gate: 1 of the " + std::to_string(G * S) +
+                                   " paddings are neither 0 (a token) nor 1 (padding)");
+    L::paddings_type short_pads(m, {G, S - 1});
+    GSHARD_REQUIRE_THROWS_WITH(layer(t.constant(x), short_pads, moe::gating_config{}, 3), shape_error,
+                               "gshard::moe::layer: the paddings ");
+  }
 }
 
 TEST_CASE("MoE layer: zero tokens, NaN inputs, and experts that do not divide", "[moe][layer][errors]") {

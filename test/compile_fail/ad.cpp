@@ -96,6 +96,10 @@ void f(const var<t<2, pend>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) {
 void f(const var<t<2, rows>>& lg, const tensor<float, 1, grid, rows>& y) { (void)cross_entropy(lg, y); }
 #elif defined(GSHARD_CASE_ce_targets_sharding)
 void f(const var<t<2, rows>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_mask_padding_shards)
+void f(const var<t<3, rows>>& x, const t<2, rep>& p) { (void)mask_padding(x, p); }
+#elif defined(GSHARD_CASE_gate_paddings)
+void f(const var<t<3, rows>>& lg, const t<2, rep>& p) { (void)moe::gate(lg, p, moe::gating_config{}, 0); }
 #elif defined(GSHARD_CASE_gate_logits)
 void f(const var<t<3, sharding<split<2, "expert">>>>& lg) { (void)moe::gate(lg, {}, 0); }
 #elif defined(GSHARD_CASE_dispatch_tokens)

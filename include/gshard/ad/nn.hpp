@@ -252,6 +252,45 @@ Tok positions_of(const Tok& tokens, index_t offset = 0) {
   return pos;
 }
 
+// x [.., S, M] with every row whose `paddings` [.., S] value is nonzero set
+// to 0 — selected, not multiplied, so whatever a padded row held (NaN
+// included) is gone — and its gradient 0. `paddings` is sharded like x's
+// dims before the last and in x's element type (1: padding, as Lingvo's).
+template <class V, sharded_tensor P>
+  requires var_type<V>
+auto mask_padding(V&& x, const P& paddings) {
+  using X = detail::tensor_of<V>;
+  using T = typename X::value_type;
+  static_assert(P::rank + 1 == X::rank && std::is_same_v<typename P::value_type, T> && P::resolved.partial == 0 &&
+                    [] {
+                      for (int d = 0; d < P::rank; ++d)
+                        if (!(P::resolved.dims[d] == X::resolved.dims[d])) return false;
+                      return true;
+                    }(),
+                "gshard::mask_padding: the paddings are x's dims but the last, sharded like them, in x's element type "
+                "and without pending sums");
+  for (int d = 0; d < P::rank; ++d)
+    if (paddings.extent(d) != x.extent(d))
+      throw shape_error("gshard::mask_padding: the paddings " + paddings.notation() + " do not fit " + x.notation());
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  X v = detail::value_of(std::forward<V>(x));
+  const index_t rows = paddings.local().size(), width = rows > 0 ? v.local().size() / rows : 0;
+  auto keep = std::make_shared<std::vector<char>>(std::size_t(rows));
+  for (index_t r = 0; r < rows; ++r)
+    if (((*keep)[std::size_t(r)] = paddings.data()[r] == T(0)) == 0) std::fill_n(v.data() + r * width, width, T(0));
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, keep, width] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      for (std::size_t r = 0; r < keep->size(); ++r)
+        if (!(*keep)[r]) std::fill_n(dy->data() + index_t(r) * width, width, T(0));
+      tp->slot<X>(xs).add(std::move(*dy));
+    });
+  return y;
+}
+
 // The feed-forward network: GShard's relu(x·w1)·w2, or the gated SwiGLU
 // (silu(x·w1) ⊙ (x·w1_up))·w2 of PaLM and Llama.
 enum class ffn_kind : std::uint8_t { relu, swiglu };

@@ -28,9 +28,9 @@ namespace detail {
 template <class T>
 gating_stats route_local_groups(const T* logits, index_t Gl, index_t S, index_t E, index_t group_offset,
                                 std::uint64_t stream, const gating_config& cfg, const double* bias, bool training,
-                                const gshard::detail::axis_group& groups, routing<T>& route) {
+                                const gshard::detail::axis_group& groups, routing<T>& route, const T* paddings) {
   trace::span s("gating", "moe");
-  gating_stats local = choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route);
+  gating_stats local = choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route, paddings);
   index_t C = 0;
   if (cfg.dropless) {
     std::vector<double> most{double(largest_load(route))};
@@ -63,18 +63,11 @@ struct gate_output {
   index_t groups = 0;  // global G
 };
 
-// Top-k gating of router logits [G,S,E] (groups split, S and E whole;
-// computed in T, at least float). `bias` (E values, or null) shifts the
-// scores for the choice only (balance_mode::bias); `training` false selects
-// the evaluation capacity factor. One all_reduce over the axes that split
-// the groups sums the counters, the aux loss and the z-loss; dropless
-// routing first agrees the capacity — the largest load of any group —
-// with one all_reduce of a maximum over the same axes, so every rank moves
-// tensors of one shape.
+namespace detail {
+// gate() with this rank's paddings (G_local·S values, or null).
 template <class V>
-  requires var_type<V>
-auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr,
-          bool training = true) {
+auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value_type* paddings, const gating_config& cfg,
+               std::uint64_t stream, const double* bias, bool training) {
   using X = gshard::detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
@@ -85,19 +78,28 @@ auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const d
   const X& lg = logits.value();
   const index_t G = lg.extent(0), S = lg.extent(1), E = lg.extent(2), Gl = lg.local_extents()[0];
   const auto& groups = lg.mesh().group(X::resolved.split_mask());  // the ranks that hold different groups
+  // Paddings other than 0 and 1, counted here and refused on every rank
+  // once the counters' all_reduce has summed them.
+  double bad_paddings = 0;
+  if (paddings)
+    for (index_t i = 0; i < Gl * S; ++i) bad_paddings += paddings[i] != T(0) && paddings[i] != T(1) ? 1.0 : 0.0;
   auto route = std::make_shared<routing<T>>();
-  const gating_stats local =
-      detail::route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training, groups, *route);
+  const gating_stats local = route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training,
+                                                   groups, *route, paddings);
   using weights_t = typename gate_output<X>::weights_type;
   using scalar_t = tensor<double, 0, Mesh, replicate>;
   const int k = route->k;
   weights_t w(lg.mesh(), {G, S, k});
   std::copy(route->weight.begin(), route->weight.end(), w.data());
   // One all_reduce over the ranks that hold different groups.
-  const std::vector<double> sv = detail::stats_vector(local);
+  std::vector<double> sv = detail::stats_vector(local);
+  sv.push_back(bad_paddings);
   typename gshard::detail::sum_over_shards<X, 1, double>::type partial(lg.mesh(), {index_t(sv.size())});
   std::copy(sv.begin(), sv.end(), partial.data());
   const auto total = reshard<replicate>(std::move(partial));
+  if (const double bad = total.data()[sv.size() - 1]; bad > 0)
+    throw error("gshard::moe::gate: " + std::to_string(std::int64_t(bad)) + " of the " + std::to_string(G * S) +
+                " paddings are neither 0 (a token) nor 1 (padding)");
   gating_stats stats = detail::stats_from(total.data(), std::size_t(E), std::size_t(k), route->capacity);
   const double valid = double(stats.tokens - stats.invalid);
   scalar_t aux(lg.mesh(), {}), z(lg.mesh(), {});
@@ -119,6 +121,40 @@ auto gate(V&& logits_in, const gating_config& cfg, std::uint64_t stream, const d
       tp->slot<X>(ls).add(std::move(dlogits));
     });
   return out;
+}
+}  // namespace detail
+
+// Top-k gating of router logits [G,S,E] (groups split, S and E whole;
+// computed in T, at least float). `bias` (E values, or null) shifts the
+// scores for the choice only (balance_mode::bias); `training` false selects
+// the evaluation capacity factor. One all_reduce over the axes that split
+// the groups sums the counters, the aux loss and the z-loss; dropless
+// routing first agrees the capacity — the largest load of any group —
+// with one all_reduce of a maximum over the same axes, so every rank moves
+// tensors of one shape.
+template <class V>
+  requires var_type<V>
+auto gate(V&& logits, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr, bool training = true) {
+  return detail::gate_impl(std::forward<V>(logits), nullptr, cfg, stream, bias, training);
+}
+
+// The same with `paddings` [G,S], split like the logits' groups: 1 marks a
+// padded position, 0 a token (Lingvo's paddings). A padded position chooses
+// no expert, takes no slot, adds nothing to the losses or the counters
+// (moe/gating.hpp); any other value is refused on every rank.
+template <class V, class P>
+  requires var_type<V> && sharded_tensor<P>
+auto gate(V&& logits, const P& paddings, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr,
+          bool training = true) {
+  using X = gshard::detail::tensor_of<V>;
+  static_assert(P::rank == 2 && std::is_same_v<typename P::value_type, typename X::value_type> &&
+                    P::resolved.dims[0] == X::resolved.dims[0] && P::resolved.dims[1].n == 0 && P::resolved.partial == 0,
+                "gshard::moe::gate: the paddings are [G,S] in the logits' element type, with G split as the logits' "
+                "groups and nothing else split or pending");
+  if (paddings.extent(0) != logits.extent(0) || paddings.extent(1) != logits.extent(1))
+    throw shape_error("gshard::moe::gate: the paddings " + paddings.notation() + " do not fit the router logits " +
+                      logits.notation() + " ([G,S] of [G,S,E])");
+  return detail::gate_impl(std::forward<V>(logits), paddings.data(), cfg, stream, bias, training);
 }
 
 }  // namespace gshard::moe

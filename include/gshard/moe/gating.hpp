@@ -3,8 +3,9 @@
 // loss, random routing of the later choices keyed by the global group index
 // (so any number of ranks reproduces the 1-rank routing), and capacity with
 // exclusive-cumsum positions, every j-th choice placed after all (j-1)-th
-// choices. Routing is two steps — choose, then place with a capacity — so
-// that dropless routing can agree the capacity across ranks in between.
+// choices; padded tokens left out of every step, as Lingvo's paddings.
+// Routing is two steps — choose, then place with a capacity — so that
+// dropless routing can agree the capacity across ranks in between.
 // Produces index routing (expert, slot, weight per token and choice). No MPI.
 #pragma once
 
@@ -89,7 +90,7 @@ inline index_t capacity(index_t S, index_t E, const gating_config& cfg, double f
 
 // Where each token of this rank's groups goes. Token t = g·S + s; choice j
 // (0: first) at index k·t + j. expert = -1: not routed (dropped, skipped by
-// random routing, fewer than k unmasked experts, or an invalid token). A
+// random routing, fewer than k unmasked experts, an invalid or a padded token). A
 // choice placed with weight 0 (its gate underflowed to 0) holds its slot,
 // as in Lingvo, but is not dispatched.
 template <class T>
@@ -104,6 +105,7 @@ struct routing {
   std::vector<T> gates;              // softmax, [G·S·E] (zeros for invalid tokens)
   std::vector<std::int32_t> wanted;  // the k chosen experts before capacity and random routing (-1: none)
   std::vector<double> lse;           // logsumexp of each token's logits (for the z-loss)
+  std::vector<index_t> real;         // per group: the tokens that are not padding (the aux loss's denominators)
 
   std::size_t choice(index_t g, index_t s, int j) const { return std::size_t(k * (g * tokens + s) + j); }
   bool dispatched(std::size_t c) const { return expert[c] >= 0 && weight[c] != T(0); }
@@ -161,9 +163,16 @@ int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std:
 // statistics (with the demand, without loads and drops). Weights, the aux
 // sums, random routing and the demand accumulate per group in one pass over
 // its tokens.
+//
+// `paddings` ([G,S], or null: none) marks padded tokens with a nonzero
+// value, as Lingvo's: a padded token chooses no expert and adds nothing to
+// the aux loss, the z-loss or the counters, whose means run over the real
+// tokens of each group (Lingvo's density_denom without legacy_mtf_behavior:
+// with no padding, GShard's means over S). Its logits are never read, so
+// whatever a padded position holds changes no other token's routing.
 template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
-                            const gating_config& cfg, const double* bias, routing<T>& r) {
+                            const gating_config& cfg, const double* bias, routing<T>& r, const T* paddings = nullptr) {
   static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::choose_experts: gating runs in float or double");
   validate(cfg, E);
   const int k = cfg.top_k;
@@ -174,19 +183,23 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
   r.gates.assign(std::size_t(G * S * E), T(0));
   r.wanted.assign(std::size_t(k * G * S), -1);
   r.lse.assign(std::size_t(G * S), 0.0);
+  r.real.assign(std::size_t(G), S);
   gating_stats st;
   st.expert_load.assign(std::size_t(E), 0);
   st.expert_demand.assign(std::size_t(E), 0);
   st.dropped.assign(std::size_t(k), 0);
   st.skipped.assign(std::size_t(k), 0);
-  st.tokens = G * S;
-
   std::vector<double> density(static_cast<std::size_t>(E)), proxy(static_cast<std::size_t>(E)), score(static_cast<std::size_t>(E));
   std::vector<char> taken(static_cast<std::size_t>(E));
   for (index_t g = 0; g < G; ++g) {
     std::fill(density.begin(), density.end(), 0.0);
     std::fill(proxy.begin(), proxy.end(), 0.0);
     for (index_t s = 0; s < S; ++s) {
+      if (paddings && paddings[g * S + s] != T(0)) {
+        ++st.padded;
+        --r.real[std::size_t(g)];
+        continue;
+      }
       const T* l = logits + (g * S + s) * E;
       T* gates = r.gates.data() + (g * S + s) * E;
       const double lse = detail::token_softmax(l, E, gates);
@@ -224,10 +237,12 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
       for (int j = 0; j < chosen; ++j)
         if (r.expert[c0 + std::size_t(j)] >= 0) ++st.expert_demand[std::size_t(r.expert[c0 + std::size_t(j)])];
     }
+    const double n = double(r.real[std::size_t(g)]);
     double aux = 0;
-    for (index_t e = 0; e < E; ++e) aux += (density[std::size_t(e)] / double(S)) * (proxy[std::size_t(e)] / double(S));
-    st.aux_sum += S > 0 ? aux * double(E * E) / double(E) : 0.0;
+    for (index_t e = 0; e < E; ++e) aux += (density[std::size_t(e)] / n) * (proxy[std::size_t(e)] / n);
+    st.aux_sum += n > 0 ? aux * double(E * E) / double(E) : 0.0;
   }
+  st.tokens = G * S - st.padded;
   return st;
 }
 
@@ -283,11 +298,12 @@ void place_choices(routing<T>& r, index_t C, gating_stats& st) {
 }
 
 // Both steps with the configuration's capacity (`factor`: the capacity
-// factor to use, e.g. at evaluation); no bias.
+// factor to use, e.g. at evaluation; the capacity counts every position of
+// a group, padded or not, as Lingvo's); no bias.
 template <class T>
 gating_stats route_tokens(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
-                          const gating_config& cfg, routing<T>& r, double factor = -1) {
-  gating_stats st = choose_experts<T>(logits, G, S, E, group_offset, stream, cfg, nullptr, r);
+                          const gating_config& cfg, routing<T>& r, double factor = -1, const T* paddings = nullptr) {
+  gating_stats st = choose_experts<T>(logits, G, S, E, group_offset, stream, cfg, nullptr, r, paddings);
   place_choices(r, capacity(S, E, cfg, factor), st);
   return st;
 }
@@ -298,8 +314,9 @@ gating_stats route_tokens(const T* logits, index_t G, index_t S, index_t E, inde
 // none flows through the discrete choices (top-k, capacity, random
 // routing), as in GShard. For k ≥ 2, w_j = g_j / D with D = Σ_i g_i + 1e-9
 // over the chosen (wanted) experts; for k = 1, w = g. aux = (E / G_total) ·
-// Σ_g Σ_e (count1_e / S) · mean_S(gates_e), so ∂aux/∂gates[g,s,e] =
-// E · count1_e[g] / (G_total · S²); ∂lse/∂logits = gates.
+// Σ_g Σ_e (count1_e / n_g) · (Σ_s gates_e / n_g) over the n_g real tokens
+// of group g, so ∂aux/∂gates[g,s,e] = E · count1_e[g] / (G_total · n_g²);
+// ∂lse/∂logits = gates. Invalid and padded tokens get none.
 template <class T>
 void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double aux_grad, index_t G_total, double z_grad,
                      double z_tokens, T* dlogits) {
@@ -313,16 +330,17 @@ void gating_backward(const routing<T>& r, const std::vector<T>& dweight, double 
       const int e1 = r.wanted[r.choice(g, s, 0)];
       if (e1 >= 0) count1[std::size_t(e1)] += 1.0;
     }
+    const double n = double(r.real[std::size_t(g)]);
     for (index_t s = 0; s < S; ++s) {
       T* dl = dlogits + (g * S + s) * E;
       const std::size_t c0 = r.choice(g, s, 0);
-      if (r.wanted[c0] < 0) {  // an invalid token: no gradient
+      if (r.wanted[c0] < 0) {  // an invalid or padded token: no gradient
         std::fill(dl, dl + E, T(0));
         continue;
       }
       const T* gates = r.gates.data() + (g * S + s) * E;
       for (index_t e = 0; e < E; ++e)
-        dg[std::size_t(e)] = T(aux_grad * double(E) * count1[std::size_t(e)] / (double(G_total) * double(S) * double(S)));
+        dg[std::size_t(e)] = T(aux_grad * double(E) * count1[std::size_t(e)] / (double(G_total) * n * n));
       if (k == 1) {
         dg[std::size_t(r.wanted[c0])] += dweight[c0];
       } else {

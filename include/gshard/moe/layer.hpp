@@ -96,6 +96,10 @@ struct layer {
     std::shared_ptr<const routing<T>> route;         // this rank's groups
   };
 
+  // 1 where a position of x is padding, 0 where it holds a token ([G,S],
+  // split like x's groups).
+  using paddings_type = named<T, "GS", Mesh, at_tokens>;
+
   // x: [G,S,M] at the groups (labelled "GSM", at_tokens). `stream` keys the
   // random routing (the layer and the step). On a recording tape, with
   // balance_mode::bias, the router bias moves when the step's tape ends
@@ -104,6 +108,29 @@ struct layer {
     requires var_type<V>
   auto operator()(const V& x, const gating_config& cfg, std::uint64_t stream,
                   dispatch_mode mode = dispatch_mode::index) const {
+    return apply(x, nullptr, cfg, stream, mode);
+  }
+  // The same with paddings, as Lingvo's: a padded position is routed
+  // nowhere, adds nothing to the losses and counters (moe::gate), and
+  // leaves the layer as 0 (the shared experts see it as 0); what it held
+  // reaches no other position's output or any gradient.
+  template <class V>
+    requires var_type<V>
+  auto operator()(const V& x, const paddings_type& paddings, const gating_config& cfg, std::uint64_t stream,
+                  dispatch_mode mode = dispatch_mode::index) const {
+    return apply(x, &paddings, cfg, stream, mode);
+  }
+
+ private:
+  template <class V>
+  auto apply(const V& x_in, const paddings_type* paddings, const gating_config& cfg, std::uint64_t stream,
+             dispatch_mode mode) const {
+    if (paddings && (paddings->extent(0) != x_in.extent(0) || paddings->extent(1) != x_in.extent(1)))
+      throw shape_error("gshard::moe::layer: the paddings " + paddings->notation() + " do not fit the input " +
+                        x_in.notation() + " ([G,S] of [G,S,M])");
+    // With paddings the layer reads x with its padded rows cleared: no
+    // padded value reaches the router's or any expert's GEMM, or a gradient.
+    const V x = paddings ? V(mask_padding(x_in, *paddings)) : x_in;
     static_assert(std::is_same_v<typename V::tensor_type, named<T, "GSM", Mesh, at_tokens>>,
                   "gshard::moe::layer: the input is named<T, \"GSM\", Mesh, at_tokens> (groups over the batch axes)");
     if (x.extent(2) != router.value().extent(0))
@@ -114,8 +141,10 @@ struct layer {
                   (cfg.balance == balance_mode::bias ? "bias" : "aux") + " but the layer was declared with " +
                   (bias ? "balance_mode::bias" : "balance_mode::aux") + " (layer_options::balance)");
     const bool training = x.on_tape().recording();
-    auto route = moe::gate(einsum<"GSM,ME->GSE">(x, router), cfg, stream, bias ? bias->value().data() : nullptr,
-                           training);  // router logits: local
+    const double* b = bias ? bias->value().data() : nullptr;
+    auto logits = einsum<"GSM,ME->GSE">(x, router);  // local
+    auto route = paddings ? moe::gate(std::move(logits), *paddings, cfg, stream, b, training)
+                          : moe::gate(std::move(logits), cfg, stream, b, training);
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
@@ -146,7 +175,6 @@ struct layer {
     return output<decltype(out)>{std::move(out), route.aux, route.z_loss, route.stats, route.route};
   }
 
- private:
   // Each expert's FFN on its tokens: [E{expert},G{data},C,M] |->
   // [E{expert},G{data},C,M], with model axes one all_reduce over them at the end.
   template <class XE>

@@ -23,7 +23,8 @@ namespace gshard::moe {
 struct gating_stats {
   std::vector<std::int64_t> expert_load;    // choices placed in each expert (at most C per group)
   std::vector<std::int64_t> expert_demand;  // choices that chose each expert, before capacity (placed + dropped)
-  std::int64_t tokens = 0;
+  std::int64_t tokens = 0;                  // the tokens routed: every position that is not padding
+  std::int64_t padded = 0;                  // padded positions: routed nowhere, in no other counter
   std::vector<std::int64_t> dropped;      // per choice: over capacity
   std::vector<std::int64_t> skipped;      // per choice: not kept by random routing
   std::int64_t invalid = 0;               // tokens whose router logits had NaN or +Inf: routed nowhere
@@ -38,7 +39,7 @@ struct gating_stats {
       for (std::size_t i = 0; i < b.size(); ++i) a[i] += b[i];
     };
     add(expert_load, o.expert_load), add(expert_demand, o.expert_demand), add(dropped, o.dropped), add(skipped, o.skipped);
-    tokens += o.tokens, invalid += o.invalid, aux_sum += o.aux_sum, z_sum += o.z_sum;
+    tokens += o.tokens, padded += o.padded, invalid += o.invalid, aux_sum += o.aux_sum, z_sum += o.z_sum;
     capacity = std::max(capacity, o.capacity);
     return *this;
   }
@@ -76,7 +77,7 @@ struct gating_stats {
 };
 
 namespace detail {
-// The gating counters, the aux loss and the z-loss as one vector (2E + 4 + 2k
+// The gating counters, the aux loss and the z-loss as one vector (2E + 5 + 2k
 // doubles), for one all_reduce.
 inline std::vector<double> stats_vector(const gating_stats& s) {
   std::vector<double> v(s.expert_load.begin(), s.expert_load.end());
@@ -84,7 +85,7 @@ inline std::vector<double> stats_vector(const gating_stats& s) {
   v.push_back(double(s.tokens));
   v.insert(v.end(), s.dropped.begin(), s.dropped.end());
   v.insert(v.end(), s.skipped.begin(), s.skipped.end());
-  v.insert(v.end(), {double(s.invalid), s.aux_sum, s.z_sum});
+  v.insert(v.end(), {double(s.invalid), s.aux_sum, s.z_sum, double(s.padded)});
   return v;
 }
 inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, index_t capacity) {
@@ -96,6 +97,7 @@ inline gating_stats stats_from(const double* v, std::size_t E, std::size_t k, in
   for (std::size_t j = 0; j < k; ++j) r.dropped.push_back(std::int64_t(v[1 + j]));
   for (std::size_t j = 0; j < k; ++j) r.skipped.push_back(std::int64_t(v[1 + k + j]));
   r.invalid = std::int64_t(v[1 + 2 * k]), r.aux_sum = v[2 + 2 * k], r.z_sum = v[3 + 2 * k];
+  r.padded = std::int64_t(v[4 + 2 * k]);
   r.capacity = capacity;
   return r;
 }
@@ -114,15 +116,16 @@ inline std::string json_array(const std::vector<std::int64_t>& values) {
 }
 }  // namespace detail
 
-// {"tokens":..,"capacity":..,"load":[per expert],"demand":[per expert],
+// {"tokens":..,"padded":..,"capacity":..,"load":[per expert],"demand":[per expert],
 //  "max_over_mean":..,"dead_experts":..,"dropped":[per choice],
 //  "skipped":[per choice],"dropped_share":..,"invalid":..} — "load" counts
 // the choices placed in each expert, "demand" those that chose it before
 // capacity, "dropped" those over capacity, "skipped" the later choices
-// random routing did not keep; "max_over_mean" is max_over_mean() (of the demand).
+// random routing did not keep; "max_over_mean" is max_over_mean() (of the
+// demand); "tokens" counts the routed positions, "padded" the others.
 inline std::string to_json(const gating_stats& s) {
   using detail::json_array, detail::json_number;
-  return "{\"tokens\":" + std::to_string(s.tokens) + ",\"capacity\":" + std::to_string(s.capacity) +
+  return "{\"tokens\":" + std::to_string(s.tokens) + ",\"padded\":" + std::to_string(s.padded) + ",\"capacity\":" + std::to_string(s.capacity) +
          ",\"load\":" + json_array(s.expert_load) + ",\"demand\":" + json_array(s.expert_demand) +
          ",\"max_over_mean\":" + json_number(s.max_over_mean()) + ",\"dead_experts\":" + std::to_string(s.dead_experts()) +
          ",\"dropped\":" + json_array(s.dropped) + ",\"skipped\":" + json_array(s.skipped) +
@@ -131,7 +134,7 @@ inline std::string to_json(const gating_stats& s) {
 
 // Two counter tracks in the trace: `name` + " load" (choices per expert) and
 // `name` + " routing" (drops per choice, skips, invalid tokens, dead
-// experts, max/mean demand). Nothing when tracing is off.
+// experts, padded positions, max/mean demand). Nothing when tracing is off.
 inline void trace_counters(const std::string& name, const gating_stats& s) {
   if (!trace::enabled()) return;
   std::vector<std::pair<std::string, double>> load, routing;
@@ -139,6 +142,7 @@ inline void trace_counters(const std::string& name, const gating_stats& s) {
   for (std::size_t j = 0; j < s.dropped.size(); ++j) routing.emplace_back("dropped " + std::to_string(j + 1), double(s.dropped[j]));
   for (std::size_t j = 1; j < s.skipped.size(); ++j) routing.emplace_back("skipped " + std::to_string(j + 1), double(s.skipped[j]));
   routing.emplace_back("invalid", double(s.invalid));
+  routing.emplace_back("padded", double(s.padded));
   routing.emplace_back("dead experts", double(s.dead_experts()));
   routing.emplace_back("max/mean demand", s.max_over_mean());
   trace::counter(name + " load", "moe", load);
