@@ -65,6 +65,7 @@ void train(const grid& m, std::string_view mode) {
 //   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
 //   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
 //   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
+//   key_length    one rank's key_lengths holds a length beyond T
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
   const std::string_view mode = argc > 1 ? argv[1] : "throw";
@@ -78,6 +79,14 @@ int main(int argc, char** argv) {
   all_reduce<double>(m.group<"expert">(), v);
 
   if (mode == "throw" && odd) throw shape_error("gshard::test: deliberate failure on the last rank");
+  if (mode == "key_length") {
+    using rows = sharding<split<0, "expert">>;
+    tensor<float, 4, grid, rows> q(m, {2 * P, 3, 1, 4});
+    tensor<std::int32_t, 1, grid, rows> lengths(m, {2 * P});
+    lengths.data()[1] = odd ? 4 : 3;
+    (void)dot_product_attention(q, q, q, lengths, 0.5);
+    all_reduce<double>(m.group<"expert">(), v);
+  }
   if (mode == "bad_shard") {
     using rows = sharding<split<0, "expert">>;
     tensor<double, 2, grid, rows> t(m, {2 * P, 4}, local_tensor<double, 2>(odd ? 3 : 2, 4));

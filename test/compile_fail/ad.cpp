@@ -96,6 +96,8 @@ void f(const var<t<2, pend>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) {
 void f(const var<t<2, rows>>& lg, const tensor<float, 1, grid, rows>& y) { (void)cross_entropy(lg, y); }
 #elif defined(GSHARD_CASE_ce_targets_sharding)
 void f(const var<t<2, rows>>& lg, const tensor<std::int32_t, 1, grid, rep>& y) { (void)cross_entropy(lg, y); }
+#elif defined(GSHARD_CASE_attention_key_lengths)
+void f(const var<t<4, rows>>& q, const t<1, rep>& len) { (void)dot_product_attention(q, q, q, len, 1.0); }
 #elif defined(GSHARD_CASE_mask_padding_shards)
 void f(const var<t<3, rows>>& x, const t<2, rep>& p) { (void)mask_padding(x, p); }
 #elif defined(GSHARD_CASE_gate_paddings)

@@ -1,5 +1,6 @@
 // gshard/ad/nn.hpp — the layers a Transformer is built of, on the tape: the
-// embedding lookup, the RMS norm, causal attention, the feed-forward network
+// embedding lookup, the RMS norm, attention (causal, bidirectional, cross,
+// with key padding), the feed-forward network
 // (relu or SwiGLU; the dense blocks', each expert's and the shared experts')
 // and the mean cross-entropy of next-token predictions.
 //   auto h = rms_norm(x, scale);
@@ -8,6 +9,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -148,39 +150,74 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   return y;
 }
 
-// Causal self-attention (gshard/tensor/attention.hpp): q [B, L, N, K], k and v
-// [B, T, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
-// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
-// the einsums and softmax it stands for keep them; not the logits), or with
-// attention_memory::recompute_probabilities two numbers per row instead.
-template <class Q, class K, class V>
-  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
-auto causal_attention(const Q& q_in, const K& k_in, const V& v_in, double scale,
-                      attention_memory memory = attention_memory::keep_probabilities) {
-  tape& t = detail::tape_of(q_in, k_in, v_in);
-  const auto q = detail::as_var(t, q_in);
-  const auto k = detail::as_var(t, k_in);
-  const auto v = detail::as_var(t, v_in);
-  using XQ = detail::tensor_of<decltype(q)>;
-  using XK = detail::tensor_of<decltype(k)>;
-  using XV = detail::tensor_of<decltype(v)>;
-  static_assert(detail::check_attention<XQ, XK, XV>());
+namespace detail {
+// Attention on the tape over the keys `keys` gives each row, and with
+// key_lengths (or null) each sequence's valid keys; `what` names the function.
+template <class Q, class K, class V, class Len = std::nullptr_t>
+auto attention_on_tape(const char* what, const Q& q_in, const K& k_in, const V& v_in, double scale, attention_keys keys,
+                       attention_memory memory, const Len* key_lengths = nullptr) {
+  tape& t = tape_of(q_in, k_in, v_in);
+  const auto q = as_var(t, q_in);
+  const auto k = as_var(t, k_in);
+  const auto v = as_var(t, v_in);
+  using XQ = tensor_of<decltype(q)>;
+  using XK = tensor_of<decltype(k)>;
+  using XV = tensor_of<decltype(v)>;
+  static_assert(check_attention<XQ, XK, XV>());
+  std::vector<index_t> lengths;
+  if constexpr (!std::is_same_v<Len, std::nullptr_t>) {
+    static_assert(check_key_lengths<XQ, Len>());
+    lengths = checked_key_lengths(q.value(), *key_lengths, k.value().extent(1));
+  }
   using T = typename XQ::value_type;
   const bool track = q.tracked() || k.tracked() || v.tracked();
-  auto kept = track && t.recording() ? std::make_shared<detail::attention_kept<T>>() : nullptr;
-  auto y = t.output(detail::attention_forward<XQ>(q.value(), k.value(), v.value(), scale, kept.get(), memory), track);
+  auto kept = track && t.recording() ? std::make_shared<attention_kept<T>>() : nullptr;
+  auto y = t.output(attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(lengths), kept.get(),
+                                          memory),
+                    track);
   if (y.tracked())
     t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
               kv = v.shared(), kept, scale] {
       auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
       if (!dy) return;
-      auto [dq, dk, dv] = detail::attention_backward<detail::gradient_of<XQ>, detail::gradient_of<XK>, detail::gradient_of<XV>>(
-          *dy, *kq, *kk, *kv, *kept, scale);
+      auto [dq, dk, dv] =
+          attention_backward<gradient_of<XQ>, gradient_of<XK>, gradient_of<XV>>(*dy, *kq, *kk, *kv, *kept, scale);
       if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
       if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
       if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));
     });
   return y;
+}
+}  // namespace detail
+
+// Causal self-attention (gshard/tensor/attention.hpp): q, k and v
+// [B, L, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
+// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
+// the einsums and softmax it stands for keep them; not the logits), or with
+// attention_memory::recompute_probabilities two numbers per row instead.
+template <class Q, class K, class V>
+  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
+auto causal_attention(const Q& q, const K& k, const V& v, double scale,
+                      attention_memory memory = attention_memory::keep_probabilities) {
+  return detail::attention_on_tape("causal_attention", q, k, v, scale, {}, memory);
+}
+
+// dot_product_attention on the tape (gshard/tensor/attention.hpp): every
+// key, or a causal prefix at a query offset, per `opts`; with key_lengths
+// (int32 [B], split like the batch) each sequence's valid keys only. Keeps
+// what causal_attention keeps; a row that sees no key gets 0 and no gradient.
+//   auto ctx = dot_product_attention(q, enc_k, enc_v, src_lengths, scale);            // cross-attention
+//   auto o = dot_product_attention(q, k_cache, v_cache, scale, {.causal = true, .query_offset = t});
+template <class Q, class K, class V>
+  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
+auto dot_product_attention(const Q& q, const K& k, const V& v, double scale, attention_options opts = {}) {
+  return detail::attention_on_tape("dot_product_attention", q, k, v, scale, detail::keys_of(opts), opts.memory);
+}
+template <class Q, class K, class V, sharded_tensor Len>
+  requires(detail::ad_operand<Q> && detail::ad_operand<K> && detail::ad_operand<V>)
+auto dot_product_attention(const Q& q, const K& k, const V& v, const Len& key_lengths, double scale,
+                           attention_options opts = {}) {
+  return detail::attention_on_tape("dot_product_attention", q, k, v, scale, detail::keys_of(opts), opts.memory, &key_lengths);
 }
 
 // Vars mixed with plain tensors: a tensor nobody declared would silently
@@ -190,7 +227,7 @@ template <class Q, class K, class V>
            (sharded_tensor<Q> || sharded_tensor<K> || sharded_tensor<V>))
 auto causal_attention(const Q&, const K&, const V&, double, attention_memory = attention_memory::keep_probabilities) {
   static_assert(sizeof(Q) == 0,
-                "gshard::causal_attention: some operands are vars or parameters, others plain tensors; declare the "
+                "gshard::attention: some operands are vars or parameters, others plain tensors; declare the "
                 "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
 }
 

@@ -1,12 +1,17 @@
-// gshard/tensor/attention.hpp — causal self-attention in one operation:
+// gshard/tensor/attention.hpp — attention in one operation:
 //   o = causal_attention(q, k, v, scale)
 // is einsum<"BNLT,BTNK->BLNK">(causal_softmax(einsum<"BLNK,BTNK->BNLT">(q, k),
-// scale), v), computed per sequence and head in blocks of rows
-// (kernels/attention.hpp): the [B, N, L, T] logits never go through memory
-// whole and the blocks above the diagonal are not computed.
+// scale), v), and dot_product_attention(q, k, v, [key_lengths,] scale, opts)
+// the same with the keys each row sees chosen: all (an encoder's
+// self-attention, cross-attention), a causal prefix at a query offset
+// (decoding with a cache), and each sequence's valid keys (key padding).
+// Computed per sequence and head in blocks of rows (kernels/attention.hpp):
+// the [B, N, L, T] logits never go through memory whole and the columns no
+// row sees are not computed.
 #pragma once
 
 #include <concepts>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -17,6 +22,7 @@
 #include "gshard/core/error.hpp"
 #include "gshard/tensor/ops.hpp"
 #include "gshard/tensor/tensor.hpp"
+#include "gshard/runtime/mpi.hpp"
 #include "gshard/runtime/trace.hpp"
 
 namespace gshard {
@@ -42,35 +48,35 @@ constexpr bool attention_labels_agree(bool position) {
            (!position || A::labels[1] == B::labels[1]);
 }
 
-// The compile-time checks on causal_attention's operands (one message, the
-// first that fails).
+// The compile-time checks on attention's operands (one message, the first
+// that fails).
 template <class Q, class K, class V>
 constexpr bool check_attention() {
   if constexpr (Q::rank != 4 || K::rank != 4 || V::rank != 4) {
     static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4,
-                  "gshard::causal_attention: q, k and v are rank-4 tensors [B, L, N, K] (batch, position, head, head dim)");
+                  "gshard::attention: q, k and v are rank-4 tensors [B, L, N, K] (batch, position, head, head dim)");
     return false;
   } else if constexpr (!std::is_same_v<typename Q::value_type, typename K::value_type> ||
                        !std::is_same_v<typename Q::value_type, typename V::value_type> ||
                        !std::floating_point<typename Q::value_type>) {
-    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v hold one floating-point element type");
+    static_assert(sizeof(Q) == 0, "gshard::attention: q, k and v hold one floating-point element type");
     return false;
   } else if constexpr (!std::is_same_v<typename Q::mesh_type, typename K::mesh_type> ||
                        !std::is_same_v<typename Q::mesh_type, typename V::mesh_type> || !(Q::resolved == K::resolved) ||
                        !(Q::resolved == V::resolved)) {
-    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v are sharded differently; reshard them to one sharding");
+    static_assert(sizeof(Q) == 0, "gshard::attention: q, k and v are sharded differently; reshard them to one sharding");
     return false;
   } else if constexpr (has_pending_sums<Q>()) {
-    static_assert(sizeof(Q) == 0, "gshard::causal_attention: q, k and v have pending sums; all_reduce them first");
+    static_assert(sizeof(Q) == 0, "gshard::attention: q, k and v have pending sums; all_reduce them first");
     return false;
   } else if constexpr (Q::resolved.dims[1].n != 0 || Q::resolved.dims[3].n != 0) {
     static_assert(sizeof(Q) == 0,
-                  "gshard::causal_attention: the position or head dim (1 or 3) is split; attention needs them whole on each rank");
+                  "gshard::attention: the position or head dim (1 or 3) is split; attention needs them whole on each rank");
     return false;
   } else if constexpr (!attention_labels_agree<Q, K>(false) || !attention_labels_agree<Q, V>(false) ||
                        !attention_labels_agree<K, V>(true)) {
     static_assert(sizeof(Q) == 0,
-                  "gshard::causal_attention: the labels disagree; k and v carry the same ones, and q shares their batch, "
+                  "gshard::attention: the labels disagree; k and v carry the same ones, and q shares their batch, "
                   "head and head dim (\"BLNK\", \"BTNK\", \"BTNK\")");
     return false;
   } else {
@@ -84,17 +90,40 @@ std::string shape_text(const X& x) {
   return X::labels.empty() ? x.notation() : x.notation() + " = " + extents_string(x.extents());
 }
 
-// The operands' extents checked against each other (the same on every rank:
-// global extents), and this rank's.
+// The operands' extents checked against each other and against the keys
+// each row sees (the same on every rank: global extents), and this rank's.
+// `what` names the function in the messages.
 template <class Q, class K, class V>
-attention_extents attention_shape(const Q& q, const K& k, const V& v) {
-  if (&q.mesh() != &k.mesh() || &q.mesh() != &v.mesh())
-    throw shape_error("gshard::causal_attention: q, k and v are placed on different meshes");
+attention_extents attention_shape(const char* what, const Q& q, const K& k, const V& v, const attention_keys& keys) {
+  const std::string at = std::string("gshard::") + what + ": ";
+  if (&q.mesh() != &k.mesh() || &q.mesh() != &v.mesh()) throw shape_error(at + "q, k and v are placed on different meshes");
   if (k.extents() != v.extents() || q.extent(0) != k.extent(0) || q.extent(2) != k.extent(2) || q.extent(3) != k.extent(3))
-    throw shape_error("gshard::causal_attention: q " + shape_text(q) + ", k " + shape_text(k) + ", v " + shape_text(v) +
+    throw shape_error(at + "q " + shape_text(q) + ", k " + shape_text(k) + ", v " + shape_text(v) +
                       ": k and v have equal extents [B, T, N, K], and q [B, L, N, K] the same B, N and K");
+  if (keys.causal && (keys.offset < 0 || keys.offset + q.extent(1) != k.extent(1)))
+    throw shape_error(at + "causal attention of L = " + std::to_string(q.extent(1)) + " queries at query_offset " +
+                      std::to_string(keys.offset) + " over T = " + std::to_string(k.extent(1)) +
+                      " keys; the last query must sit at the last key (query_offset + L = T, as when L new queries "
+                      "follow T - L cached keys), or drop causal for cross-attention");
   const auto lq = q.local_extents(), lk = k.local_extents();
-  return {lq[0], lq[1], lk[1], lq[2], lq[3]};
+  return {lq[0], lq[1], lk[1], lq[2], lq[3], keys};
+}
+
+// This rank's valid key counts from key_lengths [B] (int32, sharded like
+// the batch): each in [0, T], or the job ends naming it — a fact of this
+// rank's data alone.
+template <class Len>
+std::vector<index_t> key_lengths_of(const char* what, const Len& lengths, index_t T) {
+  std::vector<index_t> out(std::size_t(lengths.local().size()));
+  for (std::size_t b = 0; b < out.size(); ++b) {
+    const index_t n = lengths.data()[b];
+    if (n < 0 || n > T)
+      mpi::abort_job(("gshard::" + std::string(what) + ": key_lengths holds " + std::to_string(n) + " (sequence " +
+                      std::to_string(lengths.offsets()[0] + index_t(b)) + "), outside [0, T = " + std::to_string(T) + "]")
+                         .c_str());
+    out[b] = n;
+  }
+  return out;
 }
 
 // The FLOPs of the dense einsums over the global extents, this rank's share
@@ -124,15 +153,28 @@ struct attention_kept {
   attention_memory memory = attention_memory::keep_probabilities;
   aligned_buffer<T> probs;
   std::vector<softmax_row_stats<T>> stats;
+  attention_keys keys;          // the rows' keys, lengths pointing into
+  std::vector<index_t> lengths;  // ... these
+  const char* what = "";        // the function, for messages and the trace
 };
 
-// o = causal attention of q, k, v (checked), keeping in `kept` (unless null)
-// what `memory` says.
+// o = attention of q, k, v (checked) over the keys `keys` gives each row
+// (`lengths`: this rank's valid key counts, or empty), keeping in `kept`
+// (unless null) what `memory` says.
 template <class Q, class K, class V>
-Q attention_forward(const Q& q, const K& k, const V& v, double scale, attention_kept<typename Q::value_type>* kept,
+Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double scale, attention_keys keys,
+                    std::vector<index_t> lengths, attention_kept<typename Q::value_type>* kept,
                     attention_memory memory = attention_memory::keep_probabilities) {
   using T = typename Q::value_type;
-  const attention_extents e = attention_shape(q, k, v);
+  if (kept) {
+    kept->lengths = std::move(lengths);
+    keys.lengths = kept->lengths.empty() ? nullptr : kept->lengths.data();
+    kept->keys = keys;
+    kept->what = what;
+  } else {
+    keys.lengths = lengths.empty() ? nullptr : lengths.data();
+  }
+  const attention_extents e = attention_shape(what, q, k, v, keys);
   typename Q::local_type o(q.local_extents());
   T* probs = nullptr;
   softmax_row_stats<T>* stats = nullptr;
@@ -145,9 +187,9 @@ Q attention_forward(const Q& q, const K& k, const V& v, double scale, attention_
     stats = kept->stats.data();
   }
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  causal_attention_forward<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats);
+  attention_forward_blocks<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats);
   add_model_flops(attention_model_flops(q, k));
-  trace_attention("causal_attention", t0, e, 1.0);
+  trace_attention(what, t0, e, 1.0);
   return Q(q.mesh(), q.extents(), std::move(o));
 }
 
@@ -157,28 +199,57 @@ template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
 std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
                                           const attention_kept<typename Q::value_type>& kept, double scale) {
   using T = typename Q::value_type;
-  const attention_extents e = attention_shape(q, k, v);
+  const attention_extents e = attention_shape(kept.what, q, k, v, kept.keys);
   typename DQ::local_type dq(q.local_extents());
   typename DK::local_type dk(k.local_extents());
   typename DV::local_type dv(v.local_extents());
   const bool again = kept.memory != attention_memory::keep_probabilities;  // as the forward kept
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  causal_attention_backward<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
+  attention_backward_blocks<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
                                dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr);
   add_model_flops(2 * attention_model_flops(q, k));  // the four einsums of the two's backward
   if (again) {  // the logits computed again: work the hardware repeats, not the model's
     recomputing_flops r;
     add_model_flops(attention_model_flops(q, k) / 2);
   }
-  trace_attention("causal_attention backward", t0, e, again ? 2.5 : 2.0);
+  trace_attention((std::string(kept.what) + " backward").c_str(), t0, e, again ? 2.5 : 2.0);
   return {DQ(q.mesh(), q.extents(), std::move(dq)), DK(k.mesh(), k.extents(), std::move(dk)),
           DV(v.mesh(), v.extents(), std::move(dv))};
 }
 
 }  // namespace detail
 
+// Which keys each query row sees in dot_product_attention, and what its
+// tape keeps. causal: row l sees the keys t <= query_offset + l (a decoder;
+// query_offset + L = T, e.g. the keys cached before L new queries); else
+// every key (an encoder's self-attention, cross-attention).
+struct attention_options {
+  bool causal = false;
+  index_t query_offset = 0;
+  attention_memory memory = attention_memory::keep_probabilities;
+};
+
+namespace detail {
+// key_lengths' type checked against q's: int32 [B], the batch split as q's.
+template <class Q, class Len>
+constexpr bool check_key_lengths() {
+  static_assert(Len::rank == 1 && std::is_same_v<typename Len::value_type, std::int32_t> &&
+                    Len::resolved.dims[0] == Q::resolved.dims[0] && Len::resolved.partial == 0,
+                "gshard::attention: key_lengths is an int32 tensor [B], its batch split as q's");
+  return true;
+}
+template <class Q, class Len>
+std::vector<index_t> checked_key_lengths(const Q& q, const Len& lengths, index_t T) {
+  if (lengths.extent(0) != q.extent(0))
+    throw shape_error("gshard::dot_product_attention: key_lengths " + lengths.notation() + " for q " + shape_text(q) +
+                      ": one length per sequence of the batch");
+  return key_lengths_of("dot_product_attention", lengths, T);
+}
+inline attention_keys keys_of(const attention_options& o) { return {o.causal, o.query_offset, nullptr}; }
+}  // namespace detail
+
 // Causal self-attention: softmax(causal_mask(scale · q·kᵀ))·v per sequence
-// and head, q [B, L, N, K], k and v [B, T, N, K] (batch, position, head, head
+// and head, q [B, L, N, K], k and v [B, L, N, K] (batch, position, head, head
 // dim), row l attending to positions t <= l. Returns q's type. No
 // communication: q, k and v share one sharding, which may split the batch and
 // the heads but not the positions or the head dim.
@@ -186,7 +257,27 @@ template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
 std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, double scale) {
   using XQ = std::remove_cvref_t<Q>;
   static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>());
-  return detail::attention_forward<XQ>(q, k, v, scale, nullptr);
+  return detail::attention_forward<XQ>("causal_attention", q, k, v, scale, {}, {}, nullptr);
+}
+
+// softmax(scale · q·kᵀ)·v over the keys `opts` gives each row — all, or a
+// causal prefix — and, with key_lengths (int32 [B], split like the batch),
+// only the first key_lengths[b] keys of sequence b (the rest padding). A
+// row that sees no key gives 0. q [B, L, N, K], k and v [B, T, N, K].
+template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
+std::remove_cvref_t<Q> dot_product_attention(const Q& q, const K& k, const V& v, double scale, attention_options opts = {}) {
+  using XQ = std::remove_cvref_t<Q>;
+  static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>());
+  return detail::attention_forward<XQ>("dot_product_attention", q, k, v, scale, detail::keys_of(opts), {}, nullptr);
+}
+template <sharded_tensor Q, sharded_tensor K, sharded_tensor V, sharded_tensor Len>
+std::remove_cvref_t<Q> dot_product_attention(const Q& q, const K& k, const V& v, const Len& key_lengths, double scale,
+                                              attention_options opts = {}) {
+  using XQ = std::remove_cvref_t<Q>;
+  static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>() &&
+                detail::check_key_lengths<XQ, Len>());
+  return detail::attention_forward<XQ>("dot_product_attention", q, k, v, scale, detail::keys_of(opts),
+                                       detail::checked_key_lengths(q, key_lengths, k.extent(1)), nullptr);
 }
 
 }  // namespace gshard
