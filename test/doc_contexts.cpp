@@ -16,6 +16,7 @@
 #include <utility>
 
 #include <gshard/gshard.hpp>
+#include <gshard/model/seq2seq.hpp>
 
 using namespace gshard;
 
@@ -180,3 +181,12 @@ void fragment(Parameters& ps, tape& t, const X& x, std::uint64_t step) {
 using dp_ep = mesh<axis<"dp", 2>, axis<"ep", 4>>;
 using dp_ep_tokens = roles_on<dp_ep, axis_roles<batch_axes<"dp", "ep">, expert_axes<"ep">>>::at_tokens;
 template void fragment(parameters<dp_ep>&, tape&, const named<float, "GSM", dp_ep, dp_ep_tokens>&, std::uint64_t);
+
+// context: seq2seq_use
+// docs/13: training and decoding an encoder–decoder.
+using s2s_grid = mesh<axis<"data">, axis<"expert">>;
+using s2s_net = model::seq2seq<float, s2s_grid>;
+inline void fragment(const s2s_grid& m, const s2s_net::tokens_type& src, const s2s_net::lengths_type& src_lengths,
+                     const s2s_net::tokens_type& tgt, int steps) {
+//@fragment
+}

@@ -260,8 +260,8 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     const double xe = double((E)*Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
     add(cs, collective::all_to_all, expert_bit, 4 * moe_layers * chunks, 4.0 * moe_layers * xe,
         "MoE dispatch and combine, forward and backward");
-    // The gating counters, aux loss and z-loss: 2E + 4 + 2k doubles per MoE layer.
-    add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * double(2 * E + 4 + 2 * k) * 8, "MoE statistics");
+    // The gating counters, aux loss and z-loss: 2E + 2k + 6 doubles per MoE layer (with the padded positions and a check of the paddings).
+    add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * double(2 * E + 2 * k + 6) * 8, "MoE statistics");
     if (c.gating.dropless) add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * 8, "dropless capacity");
   }
   add(cs, collective::all_reduce, batch, 1, 2 * 8, "cross-entropy's sum and count");

@@ -28,18 +28,28 @@ namespace detail {
 template <class T>
 gating_stats route_local_groups(const T* logits, index_t Gl, index_t S, index_t E, index_t group_offset,
                                 std::uint64_t stream, const gating_config& cfg, const double* bias, bool training,
-                                const gshard::detail::axis_group& groups, routing<T>& route, const T* paddings) {
+                                const gshard::detail::axis_group& groups, routing<T>& route, const T* paddings,
+                                routing_state* state) {
   trace::span s("gating", "moe");
-  gating_stats local = choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route, paddings);
+  if (state && cfg.order != placement::by_token)
+    throw error("gshard::moe::gate: a routing_state carries on placement::by_token routing; this gating places by_choice");
+  if (state && index_t(state->filled.size()) != Gl * E)
+    throw error("gshard::moe::gate: the routing_state counts " + std::to_string(state->filled.size()) +
+                " group-expert pairs; these logits hold " + std::to_string(Gl) + " groups of " + std::to_string(E) +
+                " experts on this rank (moe::start_routing(cfg, E, length, groups))");
+  gating_stats local =
+      choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route, paddings, state ? state->position : 0);
   index_t C = 0;
-  if (cfg.dropless) {
+  if (state) {  // this call's slots: at most one choice per token and expert
+    C = state->capacity > 0 ? std::min(S, state->capacity) : S;
+  } else if (cfg.dropless) {
     std::vector<double> most{double(largest_load(route))};
     all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank
     C = std::max<index_t>(index_t(most[0]), 1);
   } else {
     C = capacity(S, E, cfg, !training && cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
   }
-  place_choices(route, C, local);
+  place_choices(route, C, local, state);
   return local;
 }
 
@@ -67,7 +77,7 @@ namespace detail {
 // gate() with this rank's paddings (G_local·S values, or null).
 template <class V>
 auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value_type* paddings, const gating_config& cfg,
-               std::uint64_t stream, const double* bias, bool training) {
+               std::uint64_t stream, const double* bias, bool training, routing_state* state = nullptr) {
   using X = gshard::detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
@@ -85,7 +95,7 @@ auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value
     for (index_t i = 0; i < Gl * S; ++i) bad_paddings += paddings[i] != T(0) && paddings[i] != T(1) ? 1.0 : 0.0;
   auto route = std::make_shared<routing<T>>();
   const gating_stats local = route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training,
-                                                   groups, *route, paddings);
+                                                   groups, *route, paddings, state);
   using weights_t = typename gate_output<X>::weights_type;
   using scalar_t = tensor<double, 0, Mesh, replicate>;
   const int k = route->k;
@@ -136,6 +146,16 @@ template <class V>
   requires var_type<V>
 auto gate(V&& logits, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr, bool training = true) {
   return detail::gate_impl(std::forward<V>(logits), nullptr, cfg, stream, bias, training);
+}
+
+// Routing the next positions of sequences routed before (incremental
+// decoding): `state` (moe::start_routing) carries the capacity and each
+// expert's count from the earlier calls, so the calls together route as one
+// call over the whole sequences would with placement::by_token.
+template <class V>
+  requires var_type<V>
+auto gate(V&& logits, routing_state& state, const gating_config& cfg, std::uint64_t stream, const double* bias = nullptr) {
+  return detail::gate_impl(std::forward<V>(logits), nullptr, cfg, stream, bias, false, &state);
 }
 
 // The same with `paddings` [G,S], split like the logits' groups: 1 marks a

@@ -113,6 +113,34 @@ struct routing {
   index_t slot_row(std::size_t c, index_t g) const { return (index_t(expert[c]) * groups + g) * capacity + slot[c]; }
 };
 
+// What routing a sequence a few positions at a time carries from one call
+// to the next (incremental decoding), so that the calls route each position
+// as one call over the whole sequence would with placement::by_token: the
+// whole sequence's capacity, the choices each expert of each group has
+// taken so far, and the position the next call starts at (random routing's
+// key). Each call's slots are its own (at most min(S, capacity) per
+// expert); only the drops count the earlier calls' choices.
+struct routing_state {
+  index_t capacity = 0;          // the whole sequence's C; 0: dropless (none)
+  index_t position = 0;          // the first position of the next call
+  std::vector<index_t> filled;   // [local groups · E]: choices placed so far
+};
+
+// The state for `groups` local groups of sequences of `length` positions:
+// the capacity one call over them would use at evaluation (eval capacity
+// factor), none when dropless.
+inline routing_state start_routing(const gating_config& cfg, index_t E, index_t length, index_t groups) {
+  validate(cfg, E);
+  if (cfg.order != placement::by_token)
+    throw error("gshard::moe::start_routing: routing a sequence a few positions at a time needs gating_config::order = "
+                "placement::by_token (GShard's by_choice places a later token's first choice before an earlier token's "
+                "second, which a call cannot know)");
+  routing_state st;
+  st.capacity = cfg.dropless ? 0 : capacity(length, E, cfg, cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
+  st.filled.assign(std::size_t(groups * E), 0);
+  return st;
+}
+
 namespace detail {
 // The random number deciding whether choice j ≥ 1 of token s of global group
 // g is kept: for j = 1 GShard's (seed, stream, group, token).
@@ -159,7 +187,8 @@ int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std:
 // [G,S,E] row-major, in T = float or double): softmax; the k best experts
 // by gate (+ `bias`, for the choice only, if given: balance_mode::bias);
 // normalisation (k ≥ 2); the aux loss and z-loss terms; random routing of
-// the later choices. Fills r (without slots) and returns this rank's
+// the later choices (keyed by the group and the position: first_position +
+// s). Fills r (without slots) and returns this rank's
 // statistics (with the demand, without loads and drops). Weights, the aux
 // sums, random routing and the demand accumulate per group in one pass over
 // its tokens.
@@ -172,7 +201,8 @@ int top_k(const T* l, const T* gates, const double* bias, index_t E, int k, std:
 // whatever a padded position holds changes no other token's routing.
 template <class T>
 gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, index_t group_offset, std::uint64_t stream,
-                            const gating_config& cfg, const double* bias, routing<T>& r, const T* paddings = nullptr) {
+                            const gating_config& cfg, const double* bias, routing<T>& r, const T* paddings = nullptr,
+                            index_t first_position = 0) {
   static_assert(std::is_floating_point_v<T> && sizeof(T) >= 4, "gshard::moe::choose_experts: gating runs in float or double");
   validate(cfg, E);
   const int k = cfg.top_k;
@@ -227,7 +257,7 @@ gating_stats choose_experts(const T* logits, index_t G, index_t S, index_t E, in
       if (cfg.second == second_policy::random)
         for (int j = 1; j < chosen; ++j) {
           const std::size_t c = c0 + std::size_t(j);
-          if (!(detail::keep_draw(cfg.seed, stream, std::uint64_t(group_offset + g), std::uint64_t(s), j) <
+          if (!(detail::keep_draw(cfg.seed, stream, std::uint64_t(group_offset + g), std::uint64_t(first_position + s), j) <
                 double(r.weight[c]) / std::max(cfg.threshold, 1e-9))) {
             r.expert[c] = -1;
             r.weight[c] = T(0);
@@ -266,18 +296,23 @@ index_t largest_load(const routing<T>& r) {
 // Step 2: slots with capacity C, in r.order: by_choice (GShard's), the
 // j-th choices of a group in token order after every (j-1)-th choice;
 // by_token, each token's choices in order before the next token's. Over
-// capacity a choice drops.
+// capacity a choice drops. With `state` (by_token), a choice drops when its
+// expert has taken state->capacity choices of the group over this and the
+// earlier calls, and takes the next of this call's C slots otherwise.
 template <class T>
-void place_choices(routing<T>& r, index_t C, gating_stats& st) {
+void place_choices(routing<T>& r, index_t C, gating_stats& st, routing_state* state = nullptr) {
   r.capacity = C;
   st.capacity = C;
   std::vector<index_t> count(static_cast<std::size_t>(r.experts));
+  index_t* filled = nullptr;
   const auto place = [&](index_t g, index_t s, int j) {
     const std::size_t c = r.choice(g, s, j);
     const int e = r.expert[c];
     if (e < 0) return;
-    if (count[std::size_t(e)] < C) {
+    const bool fits = filled ? state->capacity == 0 || filled[e] < state->capacity : count[std::size_t(e)] < C;
+    if (fits) {
       r.slot[c] = std::int32_t(count[std::size_t(e)]++);
+      if (filled) ++filled[e];
       ++st.expert_load[std::size_t(e)];
     } else {
       r.expert[c] = -1;
@@ -287,6 +322,7 @@ void place_choices(routing<T>& r, index_t C, gating_stats& st) {
   };
   for (index_t g = 0; g < r.groups; ++g) {
     std::fill(count.begin(), count.end(), 0);
+    if (state) filled = state->filled.data() + g * r.experts;
     if (r.order == placement::by_choice) {
       for (int j = 0; j < r.k; ++j)
         for (index_t s = 0; s < r.tokens; ++s) place(g, s, j);
@@ -295,6 +331,7 @@ void place_choices(routing<T>& r, index_t C, gating_stats& st) {
         for (int j = 0; j < r.k; ++j) place(g, s, j);
     }
   }
+  if (state) state->position += r.tokens;
 }
 
 // Both steps with the configuration's capacity (`factor`: the capacity

@@ -120,11 +120,19 @@ struct layer {
                   dispatch_mode mode = dispatch_mode::index) const {
     return apply(x, &paddings, cfg, stream, mode);
   }
+  // The next positions of sequences routed before (incremental decoding;
+  // moe::start_routing makes `state`): routed as one call over the whole
+  // sequences would route them with placement::by_token.
+  template <class V>
+    requires var_type<V>
+  auto operator()(const V& x, routing_state& state, const gating_config& cfg, std::uint64_t stream) const {
+    return apply(x, nullptr, cfg, stream, dispatch_mode::index, &state);
+  }
 
  private:
   template <class V>
   auto apply(const V& x_in, const paddings_type* paddings, const gating_config& cfg, std::uint64_t stream,
-             dispatch_mode mode) const {
+             dispatch_mode mode, routing_state* state = nullptr) const {
     if (paddings && (paddings->extent(0) != x_in.extent(0) || paddings->extent(1) != x_in.extent(1)))
       throw shape_error("gshard::moe::layer: the paddings " + paddings->notation() + " do not fit the input " +
                         x_in.notation() + " ([G,S] of [G,S,M])");
@@ -143,8 +151,9 @@ struct layer {
     const bool training = x.on_tape().recording();
     const double* b = bias ? bias->value().data() : nullptr;
     auto logits = einsum<"GSM,ME->GSE">(x, router);  // local
-    auto route = paddings ? moe::gate(std::move(logits), *paddings, cfg, stream, b, training)
-                          : moe::gate(std::move(logits), cfg, stream, b, training);
+    auto route = state      ? moe::gate(std::move(logits), *state, cfg, stream, b)
+                 : paddings ? moe::gate(std::move(logits), *paddings, cfg, stream, b, training)
+                            : moe::gate(std::move(logits), cfg, stream, b, training);
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);

@@ -1,0 +1,588 @@
+// gshard/model/seq2seq.hpp — GShard's own model in the small: a Transformer
+// encoder–decoder with an MoE layer in place of every other FFN of both
+// stacks (arXiv 2006.16668, the M4 model), sinusoidal positions, sources
+// and targets of different lengths padded in one batch, and decoding with a
+// cache — greedy and beam search, every rank in lockstep. Written
+// forward-only: its backward is derived on a tape.
+//   model::seq2seq<float, grid> m(ps, c);
+//   auto out = m.forward(t, src, src_lengths, tgt, step);             // training
+//   auto best = m.beam_search(src, src_lengths, {.width = 4}, step);  // decoding
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gshard/ad/communication.hpp"
+#include "gshard/ad/nn.hpp"
+#include "gshard/ad/ops.hpp"
+#include "gshard/moe/layer.hpp"
+#include "gshard/runtime/roles.hpp"
+#include "gshard/state/parameters.hpp"
+
+namespace gshard::model {
+
+struct seq2seq_config {
+  index_t vocab = 256;    // tokens of both sides, the begin and end tokens among them
+  index_t model = 64;     // M
+  index_t heads = 4;      // N
+  index_t head_dim = 16;  // K
+  index_t hidden = 128;   // H, of the dense FFNs and of each expert
+  index_t experts = 8;    // E; 0: a dense model
+  int encoder_layers = 2;  // blocks of each stack; blocks 1, 3, ... have an MoE FFN
+  int decoder_layers = 2;
+  index_t max_len = 256;  // the longest source or target the sinusoids cover
+  std::int32_t bos = 1;   // starts every target; decoding feeds it first
+  std::int32_t eos = 2;   // ends a target; decoding stops a sequence there
+  double aux_coef = 0.01;       // the loss adds aux_coef · Σ aux and gating.z_loss_coef · Σ z over MoE layers
+  moe::gating_config gating{};  // the encoder's; the decoder's is the same placed by token
+  // How the decoder's MoE layers place choices: by token (default) so no
+  // output depends on a later target token and decoding with a cache routes
+  // as training does; GShard's by_choice is the paper's.
+  moe::placement decoder_order = moe::placement::by_token;
+  ffn_kind ffn = ffn_kind::relu;
+  attention_memory attention = attention_memory::keep_probabilities;
+  bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
+  moe::gating_config decoder_gating() const {
+    moe::gating_config g = gating;
+    g.order = decoder_order;
+    return g;
+  }
+};
+
+// How beam_search decodes: `width` hypotheses per source, scored by their
+// log-probability over GNMT's length penalty ((5 + len) / 6)^alpha; a
+// hypothesis ends at eos (kept among the finished) or after max_steps tokens.
+struct beam_options {
+  int width = 4;
+  double alpha = 0.6;
+  index_t max_steps = 64;
+};
+
+// The shardings are those of model::transformer: the batch over the batch
+// axes, experts over the expert axes, heads and hidden units over the model
+// axes; sources, targets and lengths split like the batch.
+template <class T, mesh_type Mesh, class Roles = default_roles>
+class seq2seq {
+ public:
+  using roles = roles_on<Mesh, Roles>;
+  using at_tokens = typename roles::at_tokens;
+  template <fixed_string Term>
+  using weight = param<named<T, Term, Mesh, at_tokens>>;
+  using tokens_type = named<std::int32_t, "BL", Mesh, at_tokens>;  // sources [B, S], targets [B, L+1]
+  using lengths_type = named<std::int32_t, "B", Mesh, at_tokens>;  // each source's real tokens
+  using activation = named<T, "BLM", Mesh, at_tokens>;
+  using keys_type = named<T, "BTNK", Mesh, at_tokens>;
+  using logits_type = named<T, "BLV", Mesh, at_tokens>;
+  using paddings_type = typename moe::layer<T, Mesh, Roles>::paddings_type;
+  using scalar_var = var<tensor<double, 0, Mesh, replicate>>;
+
+  struct attention_params {
+    weight<"MNK"> wq, wk, wv;  // [M,N{model},K]
+    weight<"NKM"> wo;          // [N{model},K,M]
+  };
+  using ffn_params = ffn_weights<named<T, "MH", Mesh, at_tokens>, named<T, "HM", Mesh, at_tokens>>;
+  struct block_params {
+    weight<"M"> norm1;
+    attention_params self;
+    std::optional<weight<"M">> norm_cross;        // decoder blocks
+    std::optional<attention_params> cross;        // decoder blocks: queries over the encoder's output
+    weight<"M"> norm2;
+    std::optional<ffn_params> ffn;                  // dense blocks
+    std::optional<moe::layer<T, Mesh, Roles>> moe;  // MoE blocks
+  };
+
+  // Declares "embed" (both sides' tokens), "enc<l>.…", "enc_norm",
+  // "dec<l>.…" (with "dec<l>.cross_…"), "dec_norm" and "unembed" in `ps`.
+  seq2seq(parameters<Mesh>& ps, const seq2seq_config& c)
+      : params_(&ps),
+        c_(checked(c)),
+        embed_(ps, "embed", {c.vocab, c.model}, init::normal(1.0)),
+        sinusoids_(sinusoidal_positions<T>(ps.mesh(), c.max_len, c.model)),
+        encoder_(declare_blocks(ps, c, "enc", c.encoder_layers, false)),
+        enc_norm_(ps, "enc_norm", {c.model}, init::ones()),
+        decoder_(declare_blocks(ps, c, "dec", c.decoder_layers, true)),
+        dec_norm_(ps, "dec_norm", {c.model}, init::ones()),
+        unembed_(ps, "unembed", {c.model, c.vocab}, init::normal(1.0 / std::sqrt(double(c.model)))) {}
+
+  const seq2seq_config& cfg() const { return c_; }
+  const std::vector<block_params>& encoder_blocks() const { return encoder_; }
+  const std::vector<block_params>& decoder_blocks() const { return decoder_; }
+
+  struct output {
+    scalar_var loss;                      // cross-entropy + aux_coef · Σ aux + z_loss_coef · Σ z
+    double ce = 0, aux = 0, z = 0;        // mean cross-entropy over the real target tokens; Σ aux, Σ z-loss
+    std::vector<moe::gating_stats> moe;   // per MoE layer, encoder first
+    var<logits_type> logits;              // [B, L, V]
+  };
+
+  // src [B, S] (positions from src_lengths[b] on are padding, whatever they
+  // hold), tgt [B, L+1]: bos, the target, eos, then -1 as padding; predicts
+  // tgt[:, 1:] from tgt[:, :-1] and the source. `step` keys the random
+  // routing. The padding reaches no real token: attention skips padded keys,
+  // the MoE layers route padded positions nowhere, the loss ignores them.
+  output forward(tape& t, const tokens_type& src, const lengths_type& src_lengths, const tokens_type& tgt,
+                 std::uint64_t step) const {
+    std::vector<scalar_var> aux, z;
+    std::vector<moe::gating_stats> stats;
+    const auto memory = encode(t, src, src_lengths, step, &aux, &z, &stats);
+    auto [inputs, labels, pads] = split_target(tgt);
+    auto x = embed(t, inputs, 0);
+    const auto gating = c_.decoder_gating();
+    for (int l = 0; l < c_.decoder_layers; ++l) {
+      const block_params& b = decoder_[std::size_t(l)];
+      const auto h = rms_norm(x, b.norm1);
+      x = x + self_attention(h, b.self, nullptr, {true, 0, c_.attention});
+      x = x + cross_attention(rms_norm(x, *b.norm_cross), memory, *b.cross, src_lengths);
+      x = x + block_ffn(b, rms_norm(x, b.norm2), pads, gating, stream(step, 1, l), &aux, &z, &stats);
+    }
+    auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, dec_norm_), unembed_);
+    auto ce = cross_entropy(logits, labels);
+    output out{ce, ce.value().local()(), 0.0, 0.0, std::move(stats), std::move(logits)};
+    for (auto& a : aux) {
+      out.aux += a.value().local()();
+      if (c_.aux_coef != 0) out.loss = out.loss + c_.aux_coef * a;
+    }
+    for (auto& zl : z) {
+      out.z += zl.value().local()();
+      if (c_.gating.z_loss_coef != 0) out.loss = out.loss + c_.gating.z_loss_coef * zl;
+    }
+    return out;
+  }
+
+  // The encoder's output [B, S, M] (its padded rows finite, attended by
+  // nothing). With `aux`, `z` and `stats`, each MoE layer's losses and
+  // counters are appended.
+  var<activation> encode(tape& t, const tokens_type& src, const lengths_type& src_lengths, std::uint64_t step,
+                         std::vector<scalar_var>* aux = nullptr, std::vector<scalar_var>* z = nullptr,
+                         std::vector<moe::gating_stats>* stats = nullptr) const {
+    auto [tokens, pads] = split_source(src, src_lengths);
+    auto x = embed(t, tokens, 0);
+    for (int l = 0; l < c_.encoder_layers; ++l) {
+      const block_params& b = encoder_[std::size_t(l)];
+      const auto h = rms_norm(x, b.norm1);
+      x = x + self_attention(h, b.self, &src_lengths, {false, 0, c_.attention});
+      x = x + block_ffn(b, rms_norm(x, b.norm2), pads, c_.gating, stream(step, 0, l), aux, z, stats);
+    }
+    return rms_norm(x, enc_norm_);
+  }
+
+  // What incremental decoding keeps: per decoder block the keys and values
+  // of the positions decoded so far (a cache of max_steps positions, split
+  // like the keys) and the encoder's keys and values for cross-attention
+  // (computed once), per MoE block the routing state, the sources' lengths
+  // and the next position.
+  struct decode_state {
+    std::vector<keys_type> self_k, self_v, cross_k, cross_v;
+    std::vector<moe::routing_state> routing;  // one per MoE block of the decoder
+    lengths_type src_lengths;
+    index_t position = 0;
+    index_t max_steps = 0;
+    std::uint64_t step = 0;
+  };
+
+  // Runs the encoder once on src and makes the caches for up to max_steps
+  // target positions (bos included). With causal routing (decoder_order
+  // by_token) each MoE block routes as the full forward over max_steps
+  // target positions would at evaluation.
+  decode_state start_decoding(const tokens_type& src, const lengths_type& src_lengths, index_t max_steps,
+                              std::uint64_t step) const {
+    if (max_steps < 1 || max_steps > c_.max_len)
+      throw error("gshard::model::seq2seq: decoding " + std::to_string(max_steps) + " positions; between 1 and config.max_len = " +
+                  std::to_string(c_.max_len));
+    tape t(params_of(), tape::no_grad);
+    const auto memory = encode(t, src, src_lengths, step);
+    decode_state st{{}, {}, {}, {}, {}, src_lengths, 0, max_steps, step};
+    const index_t B = src.extent(0);
+    for (const block_params& b : decoder_) {
+      st.self_k.emplace_back(src.mesh(), shape<4>{B, max_steps, c_.heads, c_.head_dim});
+      st.self_v.emplace_back(src.mesh(), shape<4>{B, max_steps, c_.heads, c_.head_dim});
+      st.cross_k.push_back(relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, b.cross->wk)).value());
+      st.cross_v.push_back(relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, b.cross->wv)).value());
+      if (b.moe)
+        st.routing.push_back(moe::start_routing(c_.decoder_gating(), c_.experts, max_steps, src.local_extents()[0]));
+    }
+    return st;
+  }
+
+  // The logits [B, 1, V] of the next position from the tokens `next` [B, 1]
+  // fed at st.position; appends their keys and values to the caches. Every
+  // rank calls it with the same state: the MoE blocks run one all_to_all
+  // pair each.
+  logits_type decode_step(decode_state& st, const tokens_type& next) const {
+    if (st.position >= st.max_steps)
+      throw error("gshard::model::seq2seq: decode_step at position " + std::to_string(st.position) + " of a cache of " +
+                  std::to_string(st.max_steps) + " positions (start_decoding's max_steps)");
+    tape t(params_of(), tape::no_grad);
+    check_tokens(next, nullptr, "decode_step");
+    auto x = embed(t, next, st.position);
+    lengths_type seen(next.mesh(), {next.extent(0)});
+    std::fill_n(seen.data(), seen.local().size(), std::int32_t(st.position + 1));
+    const double scale = 1.0 / std::sqrt(double(c_.head_dim));
+    std::size_t moe_block = 0;
+    for (std::size_t l = 0; l < decoder_.size(); ++l) {
+      const block_params& b = decoder_[l];
+      const auto h = rms_norm(x, b.norm1);
+      auto q = einsum<"BLM,MNK->BLNK">(h, b.self.wq);
+      append(st.self_k[l], einsum<"BLM,MNK->BLNK">(h, b.self.wk).value(), st.position);
+      append(st.self_v[l], einsum<"BLM,MNK->BLNK">(h, b.self.wv).value(), st.position);
+      // The caches are read in place (plain tensors: nothing to differentiate).
+      auto o = t.constant(dot_product_attention(q.value(), st.self_k[l], st.self_v[l], seen, scale));
+      x = x + einsum<"BLNK,NKM->BLM", at_tokens>(o, b.self.wo);
+      auto qc = einsum<"BLM,MNK->BLNK">(rms_norm(x, *b.norm_cross), b.cross->wq);
+      auto oc = t.constant(dot_product_attention(qc.value(), st.cross_k[l], st.cross_v[l], st.src_lengths, scale));
+      x = x + einsum<"BLNK,NKM->BLM", at_tokens>(oc, b.cross->wo);
+      const auto h2 = rms_norm(x, b.norm2);
+      if (b.moe) {
+        auto r = (*b.moe)(relabel<"GSM">(h2), st.routing[moe_block++], c_.decoder_gating(), stream(st.step, 1, int(l)));
+        x = x + relabel<"BLM">(std::move(r.y));
+      } else {
+        x = x + ffn<at_tokens>(h2, *b.ffn);
+      }
+    }
+    ++st.position;
+    return einsum<"BLM,MV->BLV">(rms_norm(x, dec_norm_), unembed_).value();
+  }
+
+  // Greedy decoding of each source: bos, then the most likely token (ties:
+  // the lowest) until eos or max_steps tokens; every rank runs the same
+  // steps, until no source anywhere is open. This rank's sequences, eos
+  // included when reached.
+  std::vector<std::vector<std::int32_t>> greedy(const tokens_type& src, const lengths_type& src_lengths, index_t max_steps,
+                                                std::uint64_t step) const {
+    const index_t Bl = src.local_extents()[0], V = c_.vocab, steps = std::min(max_steps, c_.max_len);
+    decode_state st = start_decoding(src, src_lengths, steps, step);
+    tokens_type next(src.mesh(), {src.extent(0), 1});
+    std::fill_n(next.data(), next.local().size(), c_.bos);
+    std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(Bl));
+    std::vector<char> done(static_cast<std::size_t>(Bl), 0);
+    for (index_t s = 0; s < steps; ++s) {
+      const logits_type logits = decode_step(st, next);
+      bool open = false;
+      for (index_t b = 0; b < Bl; ++b) {
+        if (done[std::size_t(b)]) continue;
+        const T* row = logits.data() + b * V;
+        const std::int32_t best = std::int32_t(std::max_element(row, row + V) - row);
+        out[std::size_t(b)].push_back(best);
+        next.data()[b] = best;
+        done[std::size_t(b)] = best == c_.eos;
+        open = open || !done[std::size_t(b)];
+      }
+      if (!any_rank(src, open)) break;
+    }
+    return out;
+  }
+
+  // Beam search: each source's `width` best hypotheses extended by every
+  // token; of the 2·width best extensions, those ending at eos join the
+  // finished and the first `width` others stay alive; scored by
+  // log-probability / ((5 + len) / 6)^alpha (GNMT's length penalty, as
+  // Lingvo decodes). Returns the best finished hypothesis of each of this
+  // rank's sources (after max_steps tokens every live one finishes), eos
+  // included when reached. Width 1 is greedy decoding. The rows of one source's beams stay on one rank
+  // (the batch split by whole sources), so reordering them is local; every
+  // rank runs the same steps, until no source anywhere has a live beam.
+  std::vector<std::vector<std::int32_t>> beam_search(const tokens_type& src, const lengths_type& src_lengths,
+                                                     const beam_options& o, std::uint64_t step) const {
+    if (o.width < 1) throw error("gshard::model::seq2seq: beam width " + std::to_string(o.width) + "; at least 1");
+    const index_t W = o.width, B = src.extent(0), Bl = src.local_extents()[0], S = src.extent(1);
+    const index_t steps = std::min(o.max_steps, c_.max_len);
+    // Each source repeated for its beams: rows b·W + w.
+    tokens_type srcw(src.mesh(), {B * W, S});
+    lengths_type lenw(src.mesh(), {B * W});
+    for (index_t b = 0; b < Bl; ++b)
+      for (index_t w = 0; w < W; ++w) {
+        std::copy_n(src.data() + b * S, S, srcw.data() + (b * W + w) * S);
+        lenw.data()[b * W + w] = src_lengths.data()[b];
+      }
+    decode_state st = start_decoding(srcw, lenw, steps, step);
+    struct hyp {
+      std::vector<std::int32_t> tokens;
+      double logp = 0;
+      bool alive = true;
+    };
+    std::vector<std::vector<hyp>> beams(static_cast<std::size_t>(Bl)), finished(static_cast<std::size_t>(Bl));
+    for (auto& bs : beams) {
+      bs.resize(std::size_t(W));
+      for (index_t w = 1; w < W; ++w) bs[std::size_t(w)].logp = -std::numeric_limits<double>::infinity();  // one start
+    }
+    const auto penalty = [&](std::size_t len) { return std::pow((5.0 + double(len)) / 6.0, o.alpha); };
+    tokens_type next(src.mesh(), {B * W, 1});
+    std::fill_n(next.data(), next.local().size(), c_.bos);
+    const index_t V = c_.vocab;
+        for (index_t s = 0; s < steps; ++s) {
+      const logits_type logits = decode_step(st, next);
+      std::vector<index_t> parent(static_cast<std::size_t>(Bl * W));
+      std::iota(parent.begin(), parent.end(), index_t(0));
+      bool live = false;
+      for (index_t b = 0; b < Bl; ++b) {
+        std::vector<hyp>& bs = beams[std::size_t(b)];
+        struct cand {
+          double logp;
+          index_t from;
+          std::int32_t token;
+        };
+        std::vector<cand> cands;
+        for (index_t w = 0; w < W; ++w) {
+          const hyp& h = bs[std::size_t(w)];
+          if (!h.alive || !std::isfinite(h.logp)) continue;
+          const T* row = logits.data() + (b * W + w) * V;
+          double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+          for (index_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
+          for (index_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
+          const double lse = mx + std::log(sum);
+          for (index_t v = 0; v < V; ++v) cands.push_back({h.logp + double(row[v]) - lse, w, std::int32_t(v)});
+        }
+        // The 2W best (ties: the lower beam, then the lower token) fill W live beams.
+        const std::size_t keep = std::min(cands.size(), std::size_t(2 * W));
+        std::partial_sort(cands.begin(), cands.begin() + std::ptrdiff_t(keep), cands.end(), [](const cand& a, const cand& c) {
+          return a.logp != c.logp ? a.logp > c.logp : a.from != c.from ? a.from < c.from : a.token < c.token;
+        });
+        std::vector<hyp> alive;
+        for (std::size_t i = 0; i < keep && index_t(alive.size()) < W; ++i) {
+          const cand& c = cands[i];
+          hyp h{bs[std::size_t(c.from)].tokens, c.logp, true};
+          h.tokens.push_back(c.token);
+          if (c.token == c_.eos || s + 1 == steps) {
+            h.alive = false;
+            finished[std::size_t(b)].push_back(std::move(h));
+            if (c.token == c_.eos) continue;
+          } else {
+            parent[std::size_t(b * W + index_t(alive.size()))] = b * W + c.from;
+            alive.push_back(std::move(h));
+          }
+        }
+        // A source is done with `width` finished hypotheses (fairseq's stop:
+        // width 1 is greedy), or when its best finished one beats all a live
+        // one can still reach (GNMT's: log-probabilities only fall, the
+        // penalty grows at most to that of max_steps tokens).
+        double best_done = -std::numeric_limits<double>::infinity();
+        for (const hyp& h : finished[std::size_t(b)]) best_done = std::max(best_done, h.logp / penalty(h.tokens.size()));
+        const bool open = index_t(finished[std::size_t(b)].size()) < W && !alive.empty() &&
+                          alive.front().logp / penalty(std::size_t(steps)) > best_done;
+        while (index_t(alive.size()) < W) {
+          parent[std::size_t(b * W + index_t(alive.size()))] = b * W;
+          alive.push_back({{}, -std::numeric_limits<double>::infinity(), false});
+        }
+        if (!open)
+          for (hyp& h : alive) h.alive = false;
+        live = live || open;
+        bs = std::move(alive);
+        for (index_t w = 0; w < W; ++w) {
+          const hyp& h = bs[std::size_t(w)];
+          next.data()[b * W + w] = h.tokens.empty() ? c_.eos : h.tokens.back();
+        }
+      }
+      reorder(st, parent);
+      if (!any_rank(src, live)) break;
+    }
+    std::vector<std::vector<std::int32_t>> best(static_cast<std::size_t>(Bl));
+    for (index_t b = 0; b < Bl; ++b) {
+      const auto& pool = finished[std::size_t(b)].empty() ? beams[std::size_t(b)] : finished[std::size_t(b)];
+      double top = -std::numeric_limits<double>::infinity();
+      for (const hyp& h : pool)
+        if (const double sc = h.logp / penalty(h.tokens.size()); sc > top) top = sc, best[std::size_t(b)] = h.tokens;
+    }
+    return best;
+  }
+
+ private:
+  static std::uint64_t stream(std::uint64_t step, int stack, int layer) {
+    return (step << 9) | (std::uint64_t(stack) << 8) | std::uint64_t(layer);
+  }
+
+  parameters<Mesh>& params_of() const { return *params_; }
+
+  // Whether `open` holds on any rank that holds other sources: one
+  // all_reduce of a maximum over the axes that split the batch, so every
+  // rank runs the same decoding steps.
+  static bool any_rank(const tokens_type& src, bool open) {
+    std::vector<double> v{open ? 1.0 : 0.0};
+    all_reduce<double>(src.mesh().group(tokens_type::resolved.split_mask()), v, reduction::max);
+    return v[0] != 0;
+  }
+
+  static const seq2seq_config& checked(const seq2seq_config& c) {
+    if (c.experts < 0) throw error("gshard::model::seq2seq: config.experts = " + std::to_string(c.experts) + " is negative");
+    if (c.experts > 0) moe::validate(c.gating, c.experts);
+    if (c.max_len < 2) throw error("gshard::model::seq2seq: config.max_len = " + std::to_string(c.max_len) + "; at least 2");
+    if (c.encoder_layers < 0 || c.decoder_layers < 1)
+      throw error("gshard::model::seq2seq: config.encoder_layers = " + std::to_string(c.encoder_layers) +
+                  ", decoder_layers = " + std::to_string(c.decoder_layers) + ": at least 0 and 1");
+    for (const auto& [name, v] : {std::pair{"bos", c.bos}, std::pair{"eos", c.eos}})
+      if (v < 0 || v >= c.vocab)
+        throw error(std::string("gshard::model::seq2seq: config.") + name + " = " + std::to_string(v) +
+                    " is outside the vocabulary of " + std::to_string(c.vocab));
+    return c;
+  }
+
+  std::vector<block_params> declare_blocks(parameters<Mesh>& ps, const seq2seq_config& c, const std::string& stack, int layers,
+                                           bool decoder) {
+    const index_t M = c.model, N = c.heads, K = c.head_dim;
+    const double sd_in = 1.0 / std::sqrt(double(M)), sd_out = 1.0 / std::sqrt(double(N * K));
+    const auto attn = [&](const std::string& p) {
+      return attention_params{weight<"MNK">(ps, p + "wq", {M, N, K}, init::normal(sd_in)),
+                              weight<"MNK">(ps, p + "wk", {M, N, K}, init::normal(sd_in)),
+                              weight<"MNK">(ps, p + "wv", {M, N, K}, init::normal(sd_in)),
+                              weight<"NKM">(ps, p + "wo", {N, K, M}, init::normal(sd_out))};
+    };
+    std::vector<block_params> blocks;
+    for (int l = 0; l < layers; ++l) {
+      const std::string b = stack + std::to_string(l) + ".";
+      weight<"M"> norm1(ps, b + "norm1", {M}, init::ones());
+      auto self = attn(b);
+      std::optional<weight<"M">> norm_cross;
+      std::optional<attention_params> cross;
+      if (decoder) norm_cross.emplace(ps, b + "norm_cross", shape<1>{M}, init::ones()), cross.emplace(attn(b + "cross_"));
+      weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
+      block_params bp{norm1, self, norm_cross, cross, norm2, std::nullopt, std::nullopt};
+      if (c.is_moe(l)) bp.moe.emplace(ps, b, M, c.hidden, c.experts, moe::layer_options{c.ffn, 0, c.gating.balance, 1});
+      else bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"}, shape<2>{M, c.hidden},
+                          shape<2>{c.hidden, M});
+      blocks.push_back(std::move(bp));
+    }
+    return blocks;
+  }
+
+  // Token embeddings plus the sinusoids of positions offset, offset + 1, ...
+  var<activation> embed(tape& t, const named<std::int32_t, "BL", Mesh, at_tokens>& tokens, index_t offset) const {
+    if (offset + tokens.extent(1) > c_.max_len)
+      throw shape_error("gshard::model::seq2seq: " + std::to_string(offset + tokens.extent(1)) +
+                        " positions; config.max_len = " + std::to_string(c_.max_len));
+    return embedding(t, tokens, embed_) + embedding(t, positions_of(tokens, offset), t.constant(sinusoids_));
+  }
+
+  // Self-attention of h: causal, or bidirectional over each sequence's `lengths` keys.
+  template <class H>
+  auto self_attention(const H& h, const attention_params& a, const lengths_type* lengths, attention_options o) const {
+    const double scale = 1.0 / std::sqrt(double(c_.head_dim));
+    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
+    auto out = lengths ? dot_product_attention(q, k, v, *lengths, scale, o) : dot_product_attention(q, k, v, scale, o);
+    return einsum<"BLNK,NKM->BLM", at_tokens>(out, a.wo);
+  }
+
+  // The decoder's queries over the encoder's output, its padded keys skipped.
+  template <class H, class Mem>
+  auto cross_attention(const H& h, const Mem& memory, const attention_params& a, const lengths_type& src_lengths) const {
+    const double scale = 1.0 / std::sqrt(double(c_.head_dim));
+    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, a.wk));
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, a.wv));
+    return einsum<"BLNK,NKM->BLM", at_tokens>(dot_product_attention(q, k, v, src_lengths, scale, {false, 0, c_.attention}),
+                                               a.wo);
+  }
+
+  // The block's FFN: dense, or the MoE layer over the groups G = B of S = L
+  // positions with the paddings, its losses and counters appended.
+  template <class H>
+  var<activation> block_ffn(const block_params& b, const H& h, const paddings_type& pads, const moe::gating_config& g,
+                            std::uint64_t s, std::vector<scalar_var>* aux, std::vector<scalar_var>* z,
+                            std::vector<moe::gating_stats>* stats) const {
+    if (!b.moe) return ffn<at_tokens>(h, *b.ffn);
+    auto r = (*b.moe)(relabel<"GSM">(h), pads, g, s);
+    if (aux) aux->push_back(std::move(r.aux));
+    if (z) z->push_back(std::move(r.z_loss));
+    if (stats) stats->push_back(std::move(r.stats));
+    return relabel<"BLM">(std::move(r.y));
+  }
+
+  // Ends the job naming a token outside the vocabulary at a real position
+  // (`lengths`: a source's; null: every position) — this rank's data alone.
+  void check_tokens(const tokens_type& tokens, const lengths_type* lengths, const char* what) const {
+    const auto le = tokens.local_extents();
+    for (index_t b = 0; b < le[0]; ++b) {
+      const index_t n = lengths ? lengths->data()[b] : le[1];
+      if (n < 0 || n > le[1])
+        mpi::abort_job(("gshard::model::seq2seq::" + std::string(what) + ": source length " + std::to_string(n) + " (row " +
+                        std::to_string(b) + " of this rank) is outside [0, " + std::to_string(le[1]) + "]")
+                           .c_str());
+      for (index_t l = 0; l < n; ++l)
+        if (const std::int32_t v = tokens.data()[b * le[1] + l]; v < 0 || v >= c_.vocab)
+          mpi::abort_job(("gshard::model::seq2seq::" + std::string(what) + ": token " + std::to_string(v) + " (row " +
+                          std::to_string(b) + " of this rank, position " + std::to_string(l) +
+                          ") is outside the vocabulary of " + std::to_string(c_.vocab))
+                             .c_str());
+    }
+  }
+
+  // The source's tokens with padded positions set to 0, and its paddings.
+  std::pair<tokens_type, paddings_type> split_source(const tokens_type& src, const lengths_type& lengths) const {
+    if (lengths.extent(0) != src.extent(0))
+      throw shape_error("gshard::model::seq2seq: source lengths " + lengths.notation() + " for sources " + src.notation());
+    check_tokens(src, &lengths, "forward");
+    const auto le = src.local_extents();
+    tokens_type tok(src.mesh(), src.extents());
+    paddings_type pads(src.mesh(), src.extents());
+    for (index_t b = 0; b < le[0]; ++b)
+      for (index_t l = 0; l < le[1]; ++l) {
+        const bool pad = l >= lengths.data()[b];
+        tok.data()[b * le[1] + l] = pad ? 0 : src.data()[b * le[1] + l];
+        pads.data()[b * le[1] + l] = pad ? T(1) : T(0);
+      }
+    return {std::move(tok), std::move(pads)};
+  }
+
+  // tgt [B, L+1] -> inputs [B, L] (padding -1 read as token 0), labels [B, L]
+  // (tgt[:, 1:], -1 ignored by the loss) and the inputs' paddings.
+  std::tuple<tokens_type, tensor<std::int32_t, 2, Mesh, sharding_by<at_tokens, "BL">>, paddings_type>
+  split_target(const tokens_type& tgt) const {
+    const index_t B = tgt.extent(0), L = tgt.extent(1) - 1;
+    if (L < 1) throw shape_error("gshard::model::seq2seq: targets " + tgt.notation() + " need at least 2 per row");
+    const index_t Bl = tgt.local_extents()[0];
+    tokens_type in(tgt.mesh(), {B, L});
+    tensor<std::int32_t, 2, Mesh, sharding_by<at_tokens, "BL">> out(tgt.mesh(), {B, L});
+    paddings_type pads(tgt.mesh(), {B, L});
+    for (index_t b = 0; b < Bl; ++b)
+      for (index_t l = 0; l <= L; ++l) {
+        const std::int32_t v = tgt.data()[b * (L + 1) + l];
+        if (v < -1 || v >= c_.vocab)
+          mpi::abort_job(("gshard::model::seq2seq::forward: target token " + std::to_string(v) + " (row " + std::to_string(b) +
+                          " of this rank, position " + std::to_string(l) + ") is outside the vocabulary of " +
+                          std::to_string(c_.vocab) + " (-1: padding)")
+                             .c_str());
+        if (l < L) in.data()[b * L + l] = std::max(v, 0), pads.data()[b * L + l] = v < 0 ? T(1) : T(0);
+        if (l > 0) out.data()[b * L + l - 1] = v;
+      }
+    return {std::move(in), std::move(out), std::move(pads)};
+  }
+
+  // Writes the new position's keys [B, 1, N, K] into the cache [B, P, N, K].
+  static void append(keys_type& cache, const named<T, "BLNK", Mesh, at_tokens>& kv, index_t position) {
+    const auto ce = cache.local_extents(), ke = kv.local_extents();
+    const index_t row = ce[2] * ce[3];
+    for (index_t b = 0; b < ce[0]; ++b) std::copy_n(kv.data() + b * ke[1] * row, row, cache.data() + (b * ce[1] + position) * row);
+  }
+
+  // The caches' rows (and the MoE blocks' counts) taken from the parents of
+  // this rank's beams.
+  static void reorder(decode_state& st, const std::vector<index_t>& parent) {
+    const auto take = [&](auto* data, index_t width) {
+      std::vector<std::remove_cvref_t<decltype(*data)>> copy(data, data + index_t(parent.size()) * width);
+      for (std::size_t r = 0; r < parent.size(); ++r)
+        std::copy_n(copy.data() + parent[r] * width, width, data + index_t(r) * width);
+    };
+    for (auto* caches : {&st.self_k, &st.self_v})
+      for (auto& c : *caches) take(c.data(), c.local().size() / index_t(parent.size()));
+    for (auto& r : st.routing) take(r.filled.data(), index_t(r.filled.size()) / index_t(parent.size()));
+  }
+
+  parameters<Mesh>* params_ = nullptr;
+  seq2seq_config c_;
+  weight<"VM"> embed_;
+  named<T, "PM", Mesh, at_tokens> sinusoids_;
+  std::vector<block_params> encoder_;
+  weight<"M"> enc_norm_;
+  std::vector<block_params> decoder_;
+  weight<"M"> dec_norm_;
+  weight<"MV"> unembed_;
+};
+
+}  // namespace gshard::model
