@@ -66,6 +66,7 @@ void train(const grid& m, std::string_view mode) {
 //   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
 //   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
 //   key_length    one rank's key_lengths holds a length beyond T
+//   key_padding   one rank's key paddings hold 0.5
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
   const std::string_view mode = argc > 1 ? argv[1] : "throw";
@@ -85,6 +86,14 @@ int main(int argc, char** argv) {
     tensor<std::int32_t, 1, grid, rows> lengths(m, {2 * P});
     lengths.data()[1] = odd ? 4 : 3;
     (void)dot_product_attention(q, q, q, lengths, 0.5);
+    all_reduce<double>(m.group<"expert">(), v);
+  }
+  if (mode == "key_padding") {
+    using rows = sharding<split<0, "expert">>;
+    tensor<float, 4, grid, rows> q(m, {2 * P, 3, 1, 4});
+    tensor<float, 2, grid, rows> paddings(m, {2 * P, 3});
+    if (odd) paddings.data()[4] = 0.5f;  // sequence 2P - 1, key 1
+    (void)dot_product_attention(q, q, q, paddings, 0.5);
     all_reduce<double>(m.group<"expert">(), v);
   }
   if (mode == "bad_shard") {

@@ -141,27 +141,30 @@ TEST_CASE("autodiff: causal_softmax is softmax(causal_mask(scale * x)) in value 
 namespace {
 // Attention by its definition, in long double, on gathered global tensors
 // q [B,L,N,K], k and v [B,T,N,K]: the single-process reference. Row l of
-// sequence b sees the keys t < end(b, l); causal attention's end is l + 1.
-template <class G, class End>
-G attention_reference(const G& q, const G& k, const G& v, double scale, End&& end) {
+// sequence b sees the keys t with sees(b, l, t) (0 where it sees none);
+// causal attention's are t <= l.
+template <class G, class Sees>
+G attention_reference(const G& q, const G& k, const G& v, double scale, Sees&& sees) {
   const index_t B = q.dimension(0), L = q.dimension(1), N = q.dimension(2), K = q.dimension(3), T = k.dimension(1);
   G o(B, L, N, K);
   for (index_t b = 0; b < B; ++b)
     for (index_t n = 0; n < N; ++n)
       for (index_t l = 0; l < L; ++l) {
-        const index_t kept = std::min(index_t(end(b, l)), T);
-        std::vector<long double> s(std::size_t(kept), 0);
+        std::vector<long double> s(std::size_t(T), 0);
+        std::vector<index_t> seen;
         long double mx = -INFINITY, sum = 0;
-        for (index_t t = 0; t < kept; ++t) {
+        for (index_t t = 0; t < T; ++t) {
+          if (!sees(b, l, t)) continue;
+          seen.push_back(t);
           long double d = 0;
           for (index_t c = 0; c < K; ++c) d += (long double)q(b, l, n, c) * k(b, t, n, c);
           s[std::size_t(t)] = scale * d;
           mx = std::max(mx, s[std::size_t(t)]);
         }
-        for (auto& e : s) sum += (e = std::exp(e - mx));
+        for (index_t t : seen) sum += (s[std::size_t(t)] = std::exp(s[std::size_t(t)] - mx));
         for (index_t c = 0; c < K; ++c) {
           long double acc = 0;
-          for (index_t t = 0; t < kept; ++t) acc += s[std::size_t(t)] / sum * v(b, t, n, c);
+          for (index_t t : seen) acc += s[std::size_t(t)] / sum * v(b, t, n, c);
           o(b, l, n, c) = typename G::Scalar(acc);
         }
       }
@@ -169,7 +172,7 @@ G attention_reference(const G& q, const G& k, const G& v, double scale, End&& en
 }
 template <class G>
 G attention_reference(const G& q, const G& k, const G& v, double scale) {
-  return attention_reference(q, k, v, scale, [](index_t, index_t l) { return l + 1; });
+  return attention_reference(q, k, v, scale, [](index_t, index_t l, index_t t) { return t <= l; });
 }
 
 template <class T>
@@ -249,8 +252,9 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
   GSHARD_REQUIRE(worst < 1e-6);
 }
 
-TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a query offset, with key lengths — "
-          "against long double and finite differences, split over batch and heads", "[autodiff][grad][attention][padding]") {
+TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a query offset, with key lengths or "
+          "paddings — against long double and finite differences, split over batch and heads",
+          "[autodiff][grad][attention][padding]") {
   const int P = world_size();
   const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
   grid2 m(MPI_COMM_WORLD, sizes);
@@ -264,34 +268,50 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
     const index_t pattern[] = {T, 0, 1, std::max<index_t>(T - 1, 0), std::min<index_t>(33, T), T / 2};
     return pattern[b % 6];
   };
+  // Padded keys in the [B, T] form: holes, and sequences with none or no real key.
+  const auto padded_key = [](index_t b, index_t t) { return b % 6 == 1 || (b % 6 != 0 && (t + b) % 3 == 1); };
+  enum keys_given { all_keys, lengths_given, paddings_given };
   struct form {
     index_t L, T;
-    bool causal, lengths;
+    bool causal;
+    keys_given keys;
   };
-  for (const form f : {form{5, 5, false, false}, form{5, 9, false, true}, form{40, 70, false, true}, form{70, 40, false, true},
-                       form{1, 37, true, false}, form{3, 40, true, true}, form{36, 36, true, true}, form{33, 65, true, false}}) {
+  for (const form f : {form{5, 5, false, all_keys}, form{5, 9, false, lengths_given}, form{40, 70, false, lengths_given},
+                       form{70, 40, false, lengths_given}, form{1, 37, true, all_keys}, form{3, 40, true, lengths_given},
+                       form{36, 36, true, lengths_given}, form{33, 65, true, all_keys}, form{5, 9, false, paddings_given},
+                       form{40, 70, false, paddings_given}, form{36, 36, true, paddings_given}}) {
     const index_t offset = f.causal ? f.T - f.L : 0;
-    const std::string at = std::to_string(f.L) + "x" + std::to_string(f.T) + (f.causal ? "c" : "") + (f.lengths ? "p" : "");
+    const std::string at = std::to_string(f.L) + "x" + std::to_string(f.T) + (f.causal ? "c" : "") + std::to_string(int(f.keys));
     INFO("L " << f.L << ", T " << f.T << (f.causal ? ", causal at offset " + std::to_string(offset) : "")
-              << (f.lengths ? ", key lengths" : ""));
+              << (f.keys == lengths_given ? ", key lengths" : f.keys == paddings_given ? ", key paddings" : ""));
     param<tensor<double, 4, grid2, bn, "BLNK">> q(ps, "q" + at, {B, f.L, N, K}, init::normal(1.0));
     param<tensor<double, 4, grid2, bn, "BTNK">> k(ps, "k" + at, {B, f.T, N, K}, init::normal(1.0));
     param<tensor<double, 4, grid2, bn, "BTNK">> v(ps, "v" + at, {B, f.T, N, K}, init::normal(1.0));
     tensor<std::int32_t, 1, grid2, bs> lengths(m, {B});
     for (index_t b = 0; b < lengths.local_extents()[0]; ++b)
       lengths.data()[b] = std::int32_t(length_of(lengths.offsets()[0] + b, f.T));
+    tensor<double, 2, grid2, bs> paddings(m, {B, f.T});
+    for (index_t b = 0; b < paddings.local_extents()[0]; ++b)
+      for (index_t t = 0; t < f.T; ++t) paddings.data()[b * f.T + t] = padded_key(paddings.offsets()[0] + b, t) ? 1.0 : 0.0;
     tensor<double, 4, grid2, bn, "BLNK"> r(m, {B, f.L, N, K});
     fill_normal(r, 1.0, 13, 3);
     const attention_options opts{f.causal, offset};
     auto forward = [&](tape& t, attention_memory memory) {
       attention_options o = opts;
       o.memory = memory;
-      return f.lengths ? dot_product_attention(t.use(q), t.use(k), t.use(v), lengths, scale, o)
-                       : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, o);
+      return f.keys == lengths_given    ? dot_product_attention(t.use(q), t.use(k), t.use(v), lengths, scale, o)
+             : f.keys == paddings_given ? dot_product_attention(t.use(q), t.use(k), t.use(v), paddings, scale, o)
+                                        : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, o);
     };
-    const auto end = [&](index_t b, index_t l) {
-      const index_t e = f.causal ? offset + l + 1 : f.T;
-      return f.lengths ? std::min(e, length_of(b, f.T)) : e;
+    const auto sees = [&](index_t b, index_t l, index_t t) {
+      if (f.causal && t > offset + l) return false;
+      if (f.keys == lengths_given) return t < length_of(b, f.T);
+      return f.keys != paddings_given || !padded_key(b, t);
+    };
+    const auto sees_none = [&](index_t b, index_t l) {
+      for (index_t t = 0; t < f.T; ++t)
+        if (sees(b, l, t)) return false;
+      return true;
     };
     const auto run = [&](attention_memory memory) {
       tape t(ps);
@@ -308,7 +328,7 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
     }
     const auto kept = run(attention_memory::keep_probabilities);
     const auto recomputed = run(attention_memory::recompute_probabilities);
-    const auto reference = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), scale, end);
+    const auto reference = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), scale, sees);
     GSHARD_REQUIRE(attention_worst(kept[0], reference) < 1e-12);
     for (std::size_t i = 0; i < kept.size(); ++i) GSHARD_REQUIRE(attention_worst(kept[i], recomputed[i]) == 0.0);
     // A row that sees no key: output 0 and no gradient for its query; keys
@@ -317,17 +337,19 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
       for (index_t l = 0; l < f.L; ++l)
         for (index_t n = 0; n < N; ++n)
           for (index_t c = 0; c < K; ++c) {
-            if (end(b, l) == 0) GSHARD_REQUIRE((kept[0](b, l, n, c) == 0.0 && kept[1](b, l, n, c) == 0.0));
+            if (sees_none(b, l)) GSHARD_REQUIRE((kept[0](b, l, n, c) == 0.0 && kept[1](b, l, n, c) == 0.0));
             GSHARD_REQUIRE(std::isfinite(kept[0](b, l, n, c)));
           }
-    if (f.lengths)
-      for (index_t b = 0; b < B; ++b)
-        for (index_t tt = length_of(b, f.T); tt < f.T; ++tt)
+    for (index_t b = 0; b < B; ++b)
+      for (index_t tt = 0; tt < f.T; ++tt)
+        if ((f.keys == lengths_given && tt >= length_of(b, f.T)) || (f.keys == paddings_given && padded_key(b, tt)))
           for (index_t n = 0; n < N; ++n)
             for (index_t c = 0; c < K; ++c) GSHARD_REQUIRE((kept[2](b, tt, n, c) == 0.0 && kept[3](b, tt, n, c) == 0.0));
     // The plain tensors' form computes the same.
-    const auto plain = gather(f.lengths ? dot_product_attention(q.value(), k.value(), v.value(), lengths, scale, opts)
-                                        : dot_product_attention(q.value(), k.value(), v.value(), scale, opts));
+    const auto plain =
+        gather(f.keys == lengths_given    ? dot_product_attention(q.value(), k.value(), v.value(), lengths, scale, opts)
+               : f.keys == paddings_given ? dot_product_attention(q.value(), k.value(), v.value(), paddings, scale, opts)
+                                          : dot_product_attention(q.value(), k.value(), v.value(), scale, opts));
     GSHARD_REQUIRE(attention_worst(plain, kept[0]) == 0.0);
     if (f.L <= 40 && f.T <= 40) {  // finite differences, blocks of 32 straddling the padding
       auto loss = [&](tape& t) { return reshard<replicate>(einsum<"BLNK,BLNK->">(forward(t, attention_memory::keep_probabilities), t.constant(r))); };

@@ -164,15 +164,15 @@ auto attention_on_tape(const char* what, const Q& q_in, const K& k_in, const V& 
   using XK = tensor_of<decltype(k)>;
   using XV = tensor_of<decltype(v)>;
   static_assert(check_attention<XQ, XK, XV>());
-  std::vector<index_t> lengths;
+  key_padding padding;
   if constexpr (!std::is_same_v<Len, std::nullptr_t>) {
-    static_assert(check_key_lengths<XQ, Len>());
-    lengths = checked_key_lengths(q.value(), *key_lengths, k.value().extent(1));
+    static_assert(check_key_padding<XQ, Len>());
+    padding = checked_key_padding(q.value(), *key_lengths, k.value().extent(1));
   }
   using T = typename XQ::value_type;
   const bool track = q.tracked() || k.tracked() || v.tracked();
   auto kept = track && t.recording() ? std::make_shared<attention_kept<T>>() : nullptr;
-  auto y = t.output(attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(lengths), kept.get(),
+  auto y = t.output(attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(padding), kept.get(),
                                           memory),
                     track);
   if (y.tracked())
@@ -204,8 +204,9 @@ auto causal_attention(const Q& q, const K& k, const V& v, double scale,
 
 // dot_product_attention on the tape (gshard/tensor/attention.hpp): every
 // key, or a causal prefix at a query offset, per `opts`; with key_lengths
-// (int32 [B], split like the batch) each sequence's valid keys only. Keeps
-// what causal_attention keeps; a row that sees no key gets 0 and no gradient.
+// (int32 [B]) or key paddings ([B, T], 1 at a padded key), split like the
+// batch, each sequence's real keys only. Keeps what causal_attention keeps;
+// a row that sees no key gets 0 and no gradient.
 //   auto ctx = dot_product_attention(q, enc_k, enc_v, src_lengths, scale);            // cross-attention
 //   auto o = dot_product_attention(q, k_cache, v_cache, scale, {.causal = true, .query_offset = t});
 template <class Q, class K, class V>

@@ -12,6 +12,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "gshard/kernels/gemm.hpp"
 #include "gshard/kernels/softmax_row.hpp"
@@ -20,17 +21,22 @@
 
 namespace gshard::detail {
 
-// The keys query row l of sequence b sees: t < end(b, l) =
-// min(causal ? offset + l + 1 : T, lengths ? lengths[b] : T) — a prefix,
-// empty for a row whose keys are all padding (its output and gradients 0).
+// The keys query row l of sequence b sees: those of the prefix t < end(b, l)
+// = min(causal ? offset + l + 1 : T, lengths ? lengths[b] : T) that are not
+// padding (`valid`, when given); end is 0 for a row that sees no key (its
+// output and gradients 0). end grows with l.
 struct attention_keys {
   bool causal = true;
   index_t offset = 0;                // causal: query row 0's position among the keys
   const index_t* lengths = nullptr;  // this rank's sequences' valid keys (the rest padding), or null: all T
+  const char* valid = nullptr;       // [batch, T]: 0 at a padded key, or null: none
+  const index_t* counted = nullptr;  // [batch, T + 1]: the valid keys before t (with `valid`)
   index_t end(index_t b, index_t l, index_t T) const {
     index_t e = causal ? std::min(offset + l + 1, T) : T;
-    return lengths ? std::min(e, lengths[b]) : e;
+    if (lengths) e = std::min(e, lengths[b]);
+    return counted && counted[b * (T + 1) + e] == 0 ? 0 : e;
   }
+  bool masks(index_t b, index_t t, index_t T) const { return valid && !valid[b * T + t]; }
 };
 
 // One rank's extents: q [batch, L, heads, dim], k and v [batch, T, heads, dim],
@@ -83,6 +89,9 @@ void block_probabilities(const attention_extents& e, index_t b, const T* qb, con
   gemm<T>(false, true, rows, c, e.dim, T(1), qb + l0 * ld, ld, kb, ld, T(0), p, e.T);
   for (index_t i = 0; i < rows; ++i) {
     const index_t kept = e.keys.end(b, l0 + i, e.T);
+    if (e.keys.valid)  // padded keys inside the prefix: -inf, so exactly 0 after the softmax
+      for (index_t t = 0; t < kept; ++t)
+        if (e.keys.masks(b, t, e.T)) p[i * e.T + t] = -std::numeric_limits<T>::infinity();
     row(i, p + i * e.T, kept);
     std::fill(p + i * e.T + kept, p + i * e.T + c, T(0));
   }

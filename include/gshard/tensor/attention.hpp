@@ -12,6 +12,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -109,19 +110,54 @@ attention_extents attention_shape(const char* what, const Q& q, const K& k, cons
   return {lq[0], lq[1], lk[1], lq[2], lq[3], keys};
 }
 
-// This rank's valid key counts from key_lengths [B] (int32, sharded like
-// the batch): each in [0, T], or the job ends naming it — a fact of this
-// rank's data alone.
+// Which keys each sequence has: valid counts, or a mask of padded keys.
+struct key_padding {
+  std::vector<index_t> lengths;  // per sequence of this rank, or empty
+  std::vector<char> valid;       // [batch, T], or empty
+  std::vector<index_t> counted;  // [batch, T + 1]: the valid keys before t
+  bool empty() const { return lengths.empty() && valid.empty(); }
+  attention_keys bind(attention_keys k) const {
+    k.lengths = lengths.empty() ? nullptr : lengths.data();
+    k.valid = valid.empty() ? nullptr : valid.data();
+    k.counted = counted.empty() ? nullptr : counted.data();
+    return k;
+  }
+};
+
+// This rank's keys from key_lengths [B] (int32: each in [0, T]) or key
+// paddings [B, T] (in q's type: 0 a key, 1 padding), sharded like the
+// batch; any other value ends the job naming it — a fact of this rank's
+// data alone.
 template <class Len>
-std::vector<index_t> key_lengths_of(const char* what, const Len& lengths, index_t T) {
-  std::vector<index_t> out(std::size_t(lengths.local().size()));
-  for (std::size_t b = 0; b < out.size(); ++b) {
-    const index_t n = lengths.data()[b];
-    if (n < 0 || n > T)
-      mpi::abort_job(("gshard::" + std::string(what) + ": key_lengths holds " + std::to_string(n) + " (sequence " +
-                      std::to_string(lengths.offsets()[0] + index_t(b)) + "), outside [0, T = " + std::to_string(T) + "]")
-                         .c_str());
-    out[b] = n;
+key_padding key_padding_of(const char* what, const Len& keys, index_t T) {
+  key_padding out;
+  const auto bad = [&](const std::string& v, index_t b, const std::string& allowed) {
+    mpi::abort_job(("gshard::" + std::string(what) + ": " + (Len::rank == 1 ? "key_lengths" : "key_paddings") + " holds " +
+                    v + " (sequence " + std::to_string(keys.offsets()[0] + b) + "), " + allowed)
+                       .c_str());
+  };
+  const index_t B = keys.local_extents()[0];
+  if constexpr (Len::rank == 1) {
+    out.lengths.resize(std::size_t(B));
+    for (index_t b = 0; b < B; ++b) {
+      const index_t n = keys.data()[b];
+      if (n < 0 || n > T) bad(std::to_string(n), b, "outside [0, T = " + std::to_string(T) + "]");
+      out.lengths[std::size_t(b)] = n;
+    }
+  } else {
+    out.valid.resize(std::size_t(B * T));
+    out.counted.assign(std::size_t(B * (T + 1)), 0);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t) {
+        const auto v = keys.data()[b * T + t];
+        if (v != 0 && v != 1) {
+          char text[32];
+          std::snprintf(text, sizeof text, "%g", double(v));
+          bad(text, b, "neither 0 (a key) nor 1 (padding)");
+        }
+        out.valid[std::size_t(b * T + t)] = v == 0;
+        out.counted[std::size_t(b * (T + 1) + t + 1)] = out.counted[std::size_t(b * (T + 1) + t)] + (v == 0);
+      }
   }
   return out;
 }
@@ -153,26 +189,25 @@ struct attention_kept {
   attention_memory memory = attention_memory::keep_probabilities;
   aligned_buffer<T> probs;
   std::vector<softmax_row_stats<T>> stats;
-  attention_keys keys;          // the rows' keys, lengths pointing into
-  std::vector<index_t> lengths;  // ... these
-  const char* what = "";        // the function, for messages and the trace
+  attention_keys keys;   // the rows' keys, pointing into
+  key_padding padding;   // ... these
+  const char* what = "";  // the function, for messages and the trace
 };
 
-// o = attention of q, k, v (checked) over the keys `keys` gives each row
-// (`lengths`: this rank's valid key counts, or empty), keeping in `kept`
-// (unless null) what `memory` says.
+// o = attention of q, k, v (checked) over the keys `keys` and `padding`
+// give each row, keeping in `kept` (unless null) what `memory` says.
 template <class Q, class K, class V>
 Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double scale, attention_keys keys,
-                    std::vector<index_t> lengths, attention_kept<typename Q::value_type>* kept,
+                    key_padding padding, attention_kept<typename Q::value_type>* kept,
                     attention_memory memory = attention_memory::keep_probabilities) {
   using T = typename Q::value_type;
   if (kept) {
-    kept->lengths = std::move(lengths);
-    keys.lengths = kept->lengths.empty() ? nullptr : kept->lengths.data();
+    kept->padding = std::move(padding);
+    keys = kept->padding.bind(keys);
     kept->keys = keys;
     kept->what = what;
   } else {
-    keys.lengths = lengths.empty() ? nullptr : lengths.data();
+    keys = padding.bind(keys);
   }
   const attention_extents e = attention_shape(what, q, k, v, keys);
   typename Q::local_type o(q.local_extents());
@@ -230,20 +265,25 @@ struct attention_options {
 };
 
 namespace detail {
-// key_lengths' type checked against q's: int32 [B], the batch split as q's.
+// The keys' padding checked against q's type: key_lengths int32 [B], or
+// key paddings [B, T] in q's element type; the batch split as q's, T whole.
 template <class Q, class Len>
-constexpr bool check_key_lengths() {
-  static_assert(Len::rank == 1 && std::is_same_v<typename Len::value_type, std::int32_t> &&
+constexpr bool check_key_padding() {
+  static_assert(((Len::rank == 1 && std::is_same_v<typename Len::value_type, std::int32_t>) ||
+                 (Len::rank == 2 && std::is_same_v<typename Len::value_type, typename Q::value_type> &&
+                  Len::resolved.dims[1 % Len::rank].n == 0)) &&
                     Len::resolved.dims[0] == Q::resolved.dims[0] && Len::resolved.partial == 0,
-                "gshard::attention: key_lengths is an int32 tensor [B], its batch split as q's");
+                "gshard::attention: the keys' padding is key_lengths, an int32 tensor [B], or key paddings, a [B, T] "
+                "tensor in q's element type (1 at a padded key); its batch split as q's, T whole");
   return true;
 }
 template <class Q, class Len>
-std::vector<index_t> checked_key_lengths(const Q& q, const Len& lengths, index_t T) {
-  if (lengths.extent(0) != q.extent(0))
-    throw shape_error("gshard::dot_product_attention: key_lengths " + lengths.notation() + " for q " + shape_text(q) +
-                      ": one length per sequence of the batch");
-  return key_lengths_of("dot_product_attention", lengths, T);
+key_padding checked_key_padding(const Q& q, const Len& keys, index_t T) {
+  if (keys.extent(0) != q.extent(0) || (Len::rank == 2 && keys.extent(Len::rank - 1) != T))
+    throw shape_error("gshard::dot_product_attention: " + std::string(Len::rank == 1 ? "key_lengths " : "key paddings ") +
+                      keys.notation() + " for q " + shape_text(q) + " and " + std::to_string(T) + " keys: " +
+                      (Len::rank == 1 ? "one length per sequence" : "[B, T], one value per key"));
+  return key_padding_of("dot_product_attention", keys, T);
 }
 inline attention_keys keys_of(const attention_options& o) { return {o.causal, o.query_offset, nullptr}; }
 }  // namespace detail
@@ -261,9 +301,10 @@ std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, doub
 }
 
 // softmax(scale · q·kᵀ)·v over the keys `opts` gives each row — all, or a
-// causal prefix — and, with key_lengths (int32 [B], split like the batch),
-// only the first key_lengths[b] keys of sequence b (the rest padding). A
-// row that sees no key gives 0. q [B, L, N, K], k and v [B, T, N, K].
+// causal prefix — and, with the keys' padding, only sequence b's real keys:
+// key_lengths (int32 [B]: the first key_lengths[b]) or key paddings ([B, T]
+// in q's type, 1 at a padded key), split like the batch. A row that sees
+// no key gives 0. q [B, L, N, K], k and v [B, T, N, K].
 template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
 std::remove_cvref_t<Q> dot_product_attention(const Q& q, const K& k, const V& v, double scale, attention_options opts = {}) {
   using XQ = std::remove_cvref_t<Q>;
@@ -275,9 +316,9 @@ std::remove_cvref_t<Q> dot_product_attention(const Q& q, const K& k, const V& v,
                                               attention_options opts = {}) {
   using XQ = std::remove_cvref_t<Q>;
   static_assert(detail::check_attention<XQ, std::remove_cvref_t<K>, std::remove_cvref_t<V>>() &&
-                detail::check_key_lengths<XQ, Len>());
+                detail::check_key_padding<XQ, Len>());
   return detail::attention_forward<XQ>("dot_product_attention", q, k, v, scale, detail::keys_of(opts),
-                                       detail::checked_key_lengths(q, key_lengths, k.extent(1)), nullptr);
+                                       detail::checked_key_padding(q, key_lengths, k.extent(1)), nullptr);
 }
 
 }  // namespace gshard
