@@ -180,6 +180,13 @@ class tape {
   var<std::remove_cvref_t<X>> constant(X&& x) {
     return {*this, std::make_shared<std::remove_cvref_t<X>>(std::forward<X>(x)), -1};
   }
+  // The same without a copy, for a tensor that outlives the tape and does
+  // not change while it lives (a model's table of positions, say).
+  template <class X>
+    requires sharded_tensor<X>
+  var<X> constant_ref(const X& x) {
+    return {*this, std::shared_ptr<const X>(std::shared_ptr<void>(), &x), -1};
+  }
 
   // A declared parameter as a value on this tape; its gradient is collected
   // over every use and reduced once, into the parameter's sharding (or its

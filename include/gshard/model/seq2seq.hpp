@@ -455,7 +455,7 @@ class seq2seq {
     if (offset + tokens.extent(1) > c_.max_len)
       throw shape_error("gshard::model::seq2seq: " + std::to_string(offset + tokens.extent(1)) +
                         " positions; config.max_len = " + std::to_string(c_.max_len));
-    return embedding(t, tokens, embed_) + embedding(t, positions_of(tokens, offset), t.constant(sinusoids_));
+    return embedding(t, tokens, embed_) + embedding(t, positions_of(tokens, offset), t.constant_ref(sinusoids_));
   }
 
   // Self-attention of h: causal, or bidirectional over each sequence's `lengths` keys.

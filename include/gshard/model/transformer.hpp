@@ -134,7 +134,7 @@ class transformer {
         throw shape_error("gshard::model::forward: sequences of " + std::to_string(inputs.extent(1)) +
                           " tokens are longer than config.max_len = " + std::to_string(c_.max_len) + " positions");
       const auto pos = positions_of(inputs);
-      x = learned_positions_ ? x + embedding(t, pos, *learned_positions_) : x + embedding(t, pos, t.constant(*sinusoids_));
+      x = learned_positions_ ? x + embedding(t, pos, *learned_positions_) : x + embedding(t, pos, t.constant_ref(*sinusoids_));
     }
     std::vector<var<tensor<double, 0, Mesh, replicate>>> aux, z;
     std::vector<moe::gating_stats> stats;
