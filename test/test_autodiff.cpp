@@ -367,6 +367,8 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
   tape t(ps, tape::no_grad);
   GSHARD_REQUIRE_THROWS_WITH(dot_product_attention(t.use(q), t.use(k), t.use(k), wrong, scale), shape_error,
                              "gshard::dot_product_attention: key_lengths i32[" + std::to_string(2 * B));
+  GSHARD_REQUIRE_THROWS_WITH(dot_product_attention(t.use(q), t.use(k), t.use(k), 0.0), error,
+                             "gshard::dot_product_attention: scale = 0.000000; a finite number > 0");
   GSHARD_REQUIRE_THROWS_WITH(dot_product_attention(t.use(q), t.use(k), t.use(k), scale, {.causal = true, .query_offset = 1}),
                              shape_error, "gshard::dot_product_attention: causal attention of L = 4 queries at query_offset 1 over T = 6 keys");
 }

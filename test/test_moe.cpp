@@ -1122,12 +1122,31 @@ TEST_CASE("encoder–decoder: decoding with a cache gives the full forward's log
           for (index_t v = 0; v < 16; ++v)
             worst = std::max(worst, std::abs(double(step(b, 0, v)) - double(full(b, s, v))) / (1 + std::abs(double(full(b, s, v)))));
       }
+      // A step given other than one token per sequence: refused, naming the shapes.
+      GSHARD_REQUIRE_THROWS_WITH(net.decode_step(st, src), shape_error,
+                                 "gshard::model::seq2seq: decode_step takes one token per sequence, [" + std::to_string(B) +
+                                     ", 1] for this state; it was given i32[B");
+      local_tensor<std::int32_t, 2> one(B, 1);
+      one.setConstant(3);
+      GSHARD_REQUIRE_THROWS_WITH(net.decode_step(st, distribute<typename model_t::tokens_type>(m, one)), error,
+                                 "gshard::model::seq2seq: decode_step at position 9 of a cache of 9 positions");
+      GSHARD_REQUIRE_THROWS_WITH(net.beam_search(src, len, {2, -1.0, 5}, 4), error,
+                                 "gshard::model::seq2seq: beam alpha -1.000000; a finite number >= 0");
       const auto greedy = net.greedy(src, len, 12, 4);
       const auto beam1 = net.beam_search(src, len, {1, 0.6, 12}, 4);
       const auto beam3 = net.beam_search(src, len, {3, 0.6, 12}, 4);
       return std::tuple{worst, a2a, greedy, beam1, beam3};
     };
     grid2 self(MPI_COMM_SELF, {1, 1});
+    {  // GShard's placement in the decoder trains, but cannot be decoded a position at a time
+      parameters ps(self, 6);
+      auto c = small_seq2seq<T>(P);
+      c.decoder_order = moe::placement::by_choice;
+      const model_t net(ps, c);
+      GSHARD_REQUIRE_THROWS_WITH(net.start_decoding(distribute<typename model_t::tokens_type>(self, d.src),
+                                                    distribute<typename model_t::lengths_type>(self, d.lengths), 4, 0),
+                                 error, "needs config.decoder_order = placement::by_token");
+    }
     const auto [w1, a1, greedy1, beam1_1, beam3_1] = logits_both(self);
     for (const auto& sizes : {std::array<std::ptrdiff_t, 2>{1, P}, std::array<std::ptrdiff_t, 2>{P, 1}}) {
       grid2 m(MPI_COMM_WORLD, sizes);

@@ -64,7 +64,9 @@ void f(const var<t<4, rows, "BLNK">>& q, const var<t<4, rows, "XTNK">>& k, const
   (void)causal_attention(q, k, v, 1.0);
 }
 #elif defined(GSHARD_CASE_attention_plain_tensor)
-void f(const var<t<4, rows>>& q, const t<4, rows>& k) { (void)causal_attention(q, k, k, 1.0); }
+void f(const var<t<4, rows>>& q, const t<4, rows>& k) {
+  (void)causal_attention(q, k, k, 1.0), (void)dot_product_attention(q, k, k, 1.0);
+}
 #elif defined(GSHARD_CASE_norm_scale)
 void f(const var<t<2, rows>>& x, const var<t<1, sharding<split<0, "expert">>>>& s) { (void)rms_norm(x, s); }
 #elif defined(GSHARD_CASE_param_other_mesh)

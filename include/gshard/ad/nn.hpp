@@ -231,6 +231,14 @@ auto causal_attention(const Q&, const K&, const V&, double, attention_memory = a
                 "gshard::attention: some operands are vars or parameters, others plain tensors; declare the "
                 "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
 }
+template <class Q, class K, class V, class... Rest>
+  requires((detail::ad_operand<Q> || detail::ad_operand<K> || detail::ad_operand<V>) &&
+           (sharded_tensor<Q> || sharded_tensor<K> || sharded_tensor<V>))
+auto dot_product_attention(const Q&, const K&, const V&, const Rest&...) {
+  static_assert(sizeof(Q) == 0,
+                "gshard::attention: some operands are vars or parameters, others plain tensors; declare the "
+                "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
+}
 
 // GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
 // The scale's gradient is a sum over x's rows: pending over the axes that

@@ -196,6 +196,10 @@ class seq2seq {
     if (max_steps < 1 || max_steps > c_.max_len)
       throw error("gshard::model::seq2seq: decoding " + std::to_string(max_steps) + " positions; between 1 and config.max_len = " +
                   std::to_string(c_.max_len));
+    if (c_.experts > 0 && c_.decoder_layers > 1 && c_.decoder_order != moe::placement::by_token)
+      throw error("gshard::model::seq2seq: decoding routes the decoder's MoE layers one position at a time, which needs "
+                  "config.decoder_order = placement::by_token (by_choice places a later token's first choice before an "
+                  "earlier token's second)");
     tape t(params_of(), tape::no_grad);
     const auto memory = encode(t, src, src_lengths, step);
     decode_state st{{}, {}, {}, {}, {}, src_lengths, 0, max_steps, step};
@@ -216,6 +220,9 @@ class seq2seq {
   // rank calls it with the same state: the MoE blocks run one all_to_all
   // pair each.
   logits_type decode_step(decode_state& st, const tokens_type& next) const {
+    if (next.extent(0) != st.src_lengths.extent(0) || next.extent(1) != 1)
+      throw shape_error("gshard::model::seq2seq: decode_step takes one token per sequence, [" +
+                        std::to_string(st.src_lengths.extent(0)) + ", 1] for this state; it was given " + gshard::detail::shape_text(next));
     if (st.position >= st.max_steps)
       throw error("gshard::model::seq2seq: decode_step at position " + std::to_string(st.position) + " of a cache of " +
                   std::to_string(st.max_steps) + " positions (start_decoding's max_steps)");
@@ -291,6 +298,8 @@ class seq2seq {
   std::vector<std::vector<std::int32_t>> beam_search(const tokens_type& src, const lengths_type& src_lengths,
                                                      const beam_options& o, std::uint64_t step) const {
     if (o.width < 1) throw error("gshard::model::seq2seq: beam width " + std::to_string(o.width) + "; at least 1");
+    if (!(o.alpha >= 0) || !std::isfinite(o.alpha))
+      throw error("gshard::model::seq2seq: beam alpha " + std::to_string(o.alpha) + "; a finite number >= 0");
     const index_t W = o.width, B = src.extent(0), Bl = src.local_extents()[0], S = src.extent(1);
     const index_t steps = std::min(o.max_steps, c_.max_len);
     // Each source repeated for its beams: rows b·W + w.
@@ -393,18 +402,19 @@ class seq2seq {
   }
 
  private:
+  // The random routing's key of a layer: the step, the stack (encoder 0,
+  // decoder 1) and the block.
   static std::uint64_t stream(std::uint64_t step, int stack, int layer) {
-    return (step << 9) | (std::uint64_t(stack) << 8) | std::uint64_t(layer);
+    return (step << 17) | (std::uint64_t(stack) << 16) | std::uint64_t(layer);
   }
 
   parameters<Mesh>& params_of() const { return *params_; }
 
-  // Whether `open` holds on any rank that holds other sources: one
-  // all_reduce of a maximum over the axes that split the batch, so every
-  // rank runs the same decoding steps.
+  // Whether `open` holds on any rank: one all_reduce of a maximum over the
+  // whole mesh, so every rank runs the same decoding steps.
   static bool any_rank(const tokens_type& src, bool open) {
     std::vector<double> v{open ? 1.0 : 0.0};
-    all_reduce<double>(src.mesh().group(tokens_type::resolved.split_mask()), v, reduction::max);
+    all_reduce<double>(src.mesh().all_axes(), v, reduction::max);
     return v[0] != 0;
   }
 
@@ -412,9 +422,9 @@ class seq2seq {
     if (c.experts < 0) throw error("gshard::model::seq2seq: config.experts = " + std::to_string(c.experts) + " is negative");
     if (c.experts > 0) moe::validate(c.gating, c.experts);
     if (c.max_len < 2) throw error("gshard::model::seq2seq: config.max_len = " + std::to_string(c.max_len) + "; at least 2");
-    if (c.encoder_layers < 0 || c.decoder_layers < 1)
+    if (c.encoder_layers < 0 || c.decoder_layers < 1 || c.encoder_layers > 1000 || c.decoder_layers > 1000)
       throw error("gshard::model::seq2seq: config.encoder_layers = " + std::to_string(c.encoder_layers) +
-                  ", decoder_layers = " + std::to_string(c.decoder_layers) + ": at least 0 and 1");
+                  ", decoder_layers = " + std::to_string(c.decoder_layers) + ": 0 to 1000 and 1 to 1000");
     for (const auto& [name, v] : {std::pair{"bos", c.bos}, std::pair{"eos", c.eos}})
       if (v < 0 || v >= c.vocab)
         throw error(std::string("gshard::model::seq2seq: config.") + name + " = " + std::to_string(v) +

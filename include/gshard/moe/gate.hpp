@@ -41,7 +41,7 @@ gating_stats route_local_groups(const T* logits, index_t Gl, index_t S, index_t 
       choose_experts<T>(logits, Gl, S, E, group_offset, stream, cfg, bias, route, paddings, state ? state->position : 0);
   index_t C = 0;
   if (state) {  // this call's slots: at most one choice per token and expert
-    C = state->capacity > 0 ? std::min(S, state->capacity) : S;
+    C = state->dropless ? S : std::min(S, state->capacity);
   } else if (cfg.dropless) {
     std::vector<double> most{double(largest_load(route))};
     all_reduce<double>(groups, most, reduction::max);  // the same capacity on every rank

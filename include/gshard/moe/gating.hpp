@@ -121,7 +121,8 @@ struct routing {
 // key). Each call's slots are its own (at most min(S, capacity) per
 // expert); only the drops count the earlier calls' choices.
 struct routing_state {
-  index_t capacity = 0;          // the whole sequence's C; 0: dropless (none)
+  index_t capacity = 0;          // the whole sequence's C
+  bool dropless = false;         // no capacity: nothing drops
   index_t position = 0;          // the first position of the next call
   std::vector<index_t> filled;   // [local groups · E]: choices placed so far
 };
@@ -136,7 +137,8 @@ inline routing_state start_routing(const gating_config& cfg, index_t E, index_t 
                 "placement::by_token (GShard's by_choice places a later token's first choice before an earlier token's "
                 "second, which a call cannot know)");
   routing_state st;
-  st.capacity = cfg.dropless ? 0 : capacity(length, E, cfg, cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
+  st.dropless = cfg.dropless;
+  st.capacity = capacity(length, E, cfg, cfg.eval_capacity_factor > 0 ? cfg.eval_capacity_factor : cfg.capacity_factor);
   st.filled.assign(std::size_t(groups * E), 0);
   return st;
 }
@@ -309,7 +311,7 @@ void place_choices(routing<T>& r, index_t C, gating_stats& st, routing_state* st
     const std::size_t c = r.choice(g, s, j);
     const int e = r.expert[c];
     if (e < 0) return;
-    const bool fits = filled ? state->capacity == 0 || filled[e] < state->capacity : count[std::size_t(e)] < C;
+    const bool fits = filled ? state->dropless || filled[e] < state->capacity : count[std::size_t(e)] < C;
     if (fits) {
       r.slot[c] = std::int32_t(count[std::size_t(e)]++);
       if (filled) ++filled[e];

@@ -95,9 +95,12 @@ std::string shape_text(const X& x) {
 // each row sees (the same on every rank: global extents), and this rank's.
 // `what` names the function in the messages.
 template <class Q, class K, class V>
-attention_extents attention_shape(const char* what, const Q& q, const K& k, const V& v, const attention_keys& keys) {
+attention_extents attention_shape(const char* what, const Q& q, const K& k, const V& v, const attention_keys& keys,
+                                  double scale) {
   const std::string at = std::string("gshard::") + what + ": ";
   if (&q.mesh() != &k.mesh() || &q.mesh() != &v.mesh()) throw shape_error(at + "q, k and v are placed on different meshes");
+  if (!(scale > 0) || !std::isfinite(scale))
+    throw error(at + "scale = " + std::to_string(scale) + "; a finite number > 0 (1/sqrt(K) as a rule)");
   if (k.extents() != v.extents() || q.extent(0) != k.extent(0) || q.extent(2) != k.extent(2) || q.extent(3) != k.extent(3))
     throw shape_error(at + "q " + shape_text(q) + ", k " + shape_text(k) + ", v " + shape_text(v) +
                       ": k and v have equal extents [B, T, N, K], and q [B, L, N, K] the same B, N and K");
@@ -186,6 +189,9 @@ inline void trace_attention(const char* name, double t0, const attention_extents
 // softmax_row_stats (batch · heads · L), or nothing.
 template <class T>
 struct attention_kept {
+  attention_kept() = default;
+  attention_kept(const attention_kept&) = delete;  // keys points into padding
+  attention_kept& operator=(const attention_kept&) = delete;
   attention_memory memory = attention_memory::keep_probabilities;
   aligned_buffer<T> probs;
   std::vector<softmax_row_stats<T>> stats;
@@ -209,7 +215,7 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
   } else {
     keys = padding.bind(keys);
   }
-  const attention_extents e = attention_shape(what, q, k, v, keys);
+  const attention_extents e = attention_shape(what, q, k, v, keys, scale);
   typename Q::local_type o(q.local_extents());
   T* probs = nullptr;
   softmax_row_stats<T>* stats = nullptr;
@@ -234,7 +240,7 @@ template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
 std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
                                           const attention_kept<typename Q::value_type>& kept, double scale) {
   using T = typename Q::value_type;
-  const attention_extents e = attention_shape(kept.what, q, k, v, kept.keys);
+  const attention_extents e = attention_shape(kept.what, q, k, v, kept.keys, scale);
   typename DQ::local_type dq(q.local_extents());
   typename DK::local_type dk(k.local_extents());
   typename DV::local_type dv(v.local_extents());
@@ -304,7 +310,8 @@ std::remove_cvref_t<Q> causal_attention(const Q& q, const K& k, const V& v, doub
 // causal prefix — and, with the keys' padding, only sequence b's real keys:
 // key_lengths (int32 [B]: the first key_lengths[b]) or key paddings ([B, T]
 // in q's type, 1 at a padded key), split like the batch. A row that sees
-// no key gives 0. q [B, L, N, K], k and v [B, T, N, K].
+// no key gives 0. q [B, L, N, K], k and v [B, T, N, K]; padded keys and
+// values enter the products with weight 0, so they must be finite.
 template <sharded_tensor Q, sharded_tensor K, sharded_tensor V>
 std::remove_cvref_t<Q> dot_product_attention(const Q& q, const K& k, const V& v, double scale, attention_options opts = {}) {
   using XQ = std::remove_cvref_t<Q>;
