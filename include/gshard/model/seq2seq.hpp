@@ -311,80 +311,23 @@ class seq2seq {
         lenw.data()[b * W + w] = src_lengths.data()[b];
       }
     decode_state st = start_decoding(srcw, lenw, steps, step);
-    struct hyp {
-      std::vector<std::int32_t> tokens;
-      double logp = 0;
-      bool alive = true;
-    };
-    std::vector<std::vector<hyp>> beams(static_cast<std::size_t>(Bl)), finished(static_cast<std::size_t>(Bl));
-    for (auto& bs : beams) {
-      bs.resize(std::size_t(W));
-      for (index_t w = 1; w < W; ++w) bs[std::size_t(w)].logp = -std::numeric_limits<double>::infinity();  // one start
+    std::vector<beam_set> sources(static_cast<std::size_t>(Bl));
+    for (beam_set& bs : sources) {
+      bs.alive.resize(std::size_t(W));
+      for (index_t w = 1; w < W; ++w) bs.alive[std::size_t(w)].logp = -std::numeric_limits<double>::infinity();  // one start
     }
-    const auto penalty = [&](std::size_t len) { return std::pow((5.0 + double(len)) / 6.0, o.alpha); };
     tokens_type next(src.mesh(), {B * W, 1});
     std::fill_n(next.data(), next.local().size(), c_.bos);
-    const index_t V = c_.vocab;
-        for (index_t s = 0; s < steps; ++s) {
+    std::vector<index_t> parent(static_cast<std::size_t>(Bl * W));
+    for (index_t s = 0; s < steps; ++s) {
       const logits_type logits = decode_step(st, next);
-      std::vector<index_t> parent(static_cast<std::size_t>(Bl * W));
-      std::iota(parent.begin(), parent.end(), index_t(0));
       bool live = false;
       for (index_t b = 0; b < Bl; ++b) {
-        std::vector<hyp>& bs = beams[std::size_t(b)];
-        struct cand {
-          double logp;
-          index_t from;
-          std::int32_t token;
-        };
-        std::vector<cand> cands;
+        beam_set& bs = sources[std::size_t(b)];
+        live = extend(bs, logits.data() + b * W * c_.vocab, W, s + 1 == steps, o.alpha, steps, parent.data() + b * W) || live;
         for (index_t w = 0; w < W; ++w) {
-          const hyp& h = bs[std::size_t(w)];
-          if (!h.alive || !std::isfinite(h.logp)) continue;
-          const T* row = logits.data() + (b * W + w) * V;
-          double mx = -std::numeric_limits<double>::infinity(), sum = 0;
-          for (index_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
-          for (index_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
-          const double lse = mx + std::log(sum);
-          for (index_t v = 0; v < V; ++v) cands.push_back({h.logp + double(row[v]) - lse, w, std::int32_t(v)});
-        }
-        // The 2W best (ties: the lower beam, then the lower token) fill W live beams.
-        const std::size_t keep = std::min(cands.size(), std::size_t(2 * W));
-        std::partial_sort(cands.begin(), cands.begin() + std::ptrdiff_t(keep), cands.end(), [](const cand& a, const cand& c) {
-          return a.logp != c.logp ? a.logp > c.logp : a.from != c.from ? a.from < c.from : a.token < c.token;
-        });
-        std::vector<hyp> alive;
-        for (std::size_t i = 0; i < keep && index_t(alive.size()) < W; ++i) {
-          const cand& c = cands[i];
-          hyp h{bs[std::size_t(c.from)].tokens, c.logp, true};
-          h.tokens.push_back(c.token);
-          if (c.token == c_.eos || s + 1 == steps) {
-            h.alive = false;
-            finished[std::size_t(b)].push_back(std::move(h));
-            if (c.token == c_.eos) continue;
-          } else {
-            parent[std::size_t(b * W + index_t(alive.size()))] = b * W + c.from;
-            alive.push_back(std::move(h));
-          }
-        }
-        // A source is done with `width` finished hypotheses (fairseq's stop:
-        // width 1 is greedy), or when its best finished one beats all a live
-        // one can still reach (GNMT's: log-probabilities only fall, the
-        // penalty grows at most to that of max_steps tokens).
-        double best_done = -std::numeric_limits<double>::infinity();
-        for (const hyp& h : finished[std::size_t(b)]) best_done = std::max(best_done, h.logp / penalty(h.tokens.size()));
-        const bool open = index_t(finished[std::size_t(b)].size()) < W && !alive.empty() &&
-                          alive.front().logp / penalty(std::size_t(steps)) > best_done;
-        while (index_t(alive.size()) < W) {
-          parent[std::size_t(b * W + index_t(alive.size()))] = b * W;
-          alive.push_back({{}, -std::numeric_limits<double>::infinity(), false});
-        }
-        if (!open)
-          for (hyp& h : alive) h.alive = false;
-        live = live || open;
-        bs = std::move(alive);
-        for (index_t w = 0; w < W; ++w) {
-          const hyp& h = bs[std::size_t(w)];
+          parent[std::size_t(b * W + w)] += b * W;
+          const hypothesis& h = bs.alive[std::size_t(w)];
           next.data()[b * W + w] = h.tokens.empty() ? c_.eos : h.tokens.back();
         }
       }
@@ -393,15 +336,85 @@ class seq2seq {
     }
     std::vector<std::vector<std::int32_t>> best(static_cast<std::size_t>(Bl));
     for (index_t b = 0; b < Bl; ++b) {
-      const auto& pool = finished[std::size_t(b)].empty() ? beams[std::size_t(b)] : finished[std::size_t(b)];
+      const beam_set& bs = sources[std::size_t(b)];
       double top = -std::numeric_limits<double>::infinity();
-      for (const hyp& h : pool)
-        if (const double sc = h.logp / penalty(h.tokens.size()); sc > top) top = sc, best[std::size_t(b)] = h.tokens;
+      for (const hypothesis& h : bs.finished.empty() ? bs.alive : bs.finished)
+        if (const double sc = h.logp / length_penalty(h.tokens.size(), o.alpha); sc > top) top = sc, best[std::size_t(b)] = h.tokens;
     }
     return best;
   }
 
  private:
+  struct hypothesis {
+    std::vector<std::int32_t> tokens;
+    double logp = 0;
+    bool alive = true;
+  };
+  // One source's beams: `width` alive (dead ones hold -inf), and the finished.
+  struct beam_set {
+    std::vector<hypothesis> alive, finished;
+  };
+  // GNMT's ((5 + len) / 6)^alpha.
+  static double length_penalty(std::size_t len, double alpha) { return std::pow((5.0 + double(len)) / 6.0, alpha); }
+
+  // One step of one source's beams from their logits (rows [W, V]): every
+  // live beam extended by every token; of the 2W best extensions (ties: the
+  // lower beam, then the lower token) those ending at eos — or all, at the
+  // last step — join the finished and the first W others stay alive.
+  // parent[w] receives the beam new beam w continues. Returns whether the
+  // source stays open: fewer than W finished (fairseq's stop: width 1 is
+  // greedy) and a live beam that could still beat the best finished one
+  // (GNMT's bound: log-probabilities only fall, the penalty grows at most
+  // to that of max_steps tokens).
+  bool extend(beam_set& bs, const T* rows, index_t W, bool last, double alpha, index_t steps, index_t* parent) const {
+    const index_t V = c_.vocab;
+    struct candidate {
+      double logp;
+      index_t from;
+      std::int32_t token;
+    };
+    std::vector<candidate> cands;
+    for (index_t w = 0; w < W; ++w) {
+      const hypothesis& h = bs.alive[std::size_t(w)];
+      if (!h.alive || !std::isfinite(h.logp)) continue;
+      const T* row = rows + w * V;
+      double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+      for (index_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
+      for (index_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
+      const double lse = mx + std::log(sum);
+      for (index_t v = 0; v < V; ++v) cands.push_back({h.logp + double(row[v]) - lse, w, std::int32_t(v)});
+    }
+    const std::size_t keep = std::min(cands.size(), std::size_t(2 * W));
+    std::partial_sort(cands.begin(), cands.begin() + std::ptrdiff_t(keep), cands.end(), [](const candidate& a, const candidate& c) {
+      return a.logp != c.logp ? a.logp > c.logp : a.from != c.from ? a.from < c.from : a.token < c.token;
+    });
+    std::vector<hypothesis> alive;
+    for (std::size_t i = 0; i < keep && index_t(alive.size()) < W; ++i) {
+      const candidate& c = cands[i];
+      hypothesis h{bs.alive[std::size_t(c.from)].tokens, c.logp, true};
+      h.tokens.push_back(c.token);
+      if (c.token == c_.eos || last) {
+        h.alive = false;
+        bs.finished.push_back(std::move(h));
+      } else {
+        parent[alive.size()] = c.from;
+        alive.push_back(std::move(h));
+      }
+    }
+    double best_done = -std::numeric_limits<double>::infinity();
+    for (const hypothesis& h : bs.finished) best_done = std::max(best_done, h.logp / length_penalty(h.tokens.size(), alpha));
+    const bool open = index_t(bs.finished.size()) < W && !alive.empty() &&
+                      alive.front().logp / length_penalty(std::size_t(steps), alpha) > best_done;
+    while (index_t(alive.size()) < W) {
+      parent[alive.size()] = 0;
+      alive.push_back({{}, -std::numeric_limits<double>::infinity(), false});
+    }
+    if (!open)
+      for (hypothesis& h : alive) h.alive = false;
+    bs.alive = std::move(alive);
+    return open;
+  }
+
   // The random routing's key of a layer: the step, the stack (encoder 0,
   // decoder 1) and the block.
   static std::uint64_t stream(std::uint64_t step, int stack, int layer) {
@@ -572,16 +585,20 @@ class seq2seq {
   }
 
   // The caches' rows (and the MoE blocks' counts) taken from the parents of
-  // this rank's beams.
+  // this rank's beams: of each cache row only the positions decoded so far.
   static void reorder(decode_state& st, const std::vector<index_t>& parent) {
-    const auto take = [&](auto* data, index_t width) {
-      std::vector<std::remove_cvref_t<decltype(*data)>> copy(data, data + index_t(parent.size()) * width);
-      for (std::size_t r = 0; r < parent.size(); ++r)
-        std::copy_n(copy.data() + parent[r] * width, width, data + index_t(r) * width);
+    const index_t rows = index_t(parent.size());
+    const auto take = [&](auto* data, index_t width, index_t used) {
+      std::vector<std::remove_cvref_t<decltype(*data)>> copy(std::size_t(rows * used));
+      for (index_t r = 0; r < rows; ++r) std::copy_n(data + r * width, used, copy.data() + r * used);
+      for (index_t r = 0; r < rows; ++r) std::copy_n(copy.data() + parent[std::size_t(r)] * used, used, data + r * width);
     };
     for (auto* caches : {&st.self_k, &st.self_v})
-      for (auto& c : *caches) take(c.data(), c.local().size() / index_t(parent.size()));
-    for (auto& r : st.routing) take(r.filled.data(), index_t(r.filled.size()) / index_t(parent.size()));
+      for (auto& c : *caches) {
+        const index_t width = c.local().size() / rows;
+        take(c.data(), width, width / st.max_steps * st.position);
+      }
+    for (auto& r : st.routing) take(r.filled.data(), index_t(r.filled.size()) / rows, index_t(r.filled.size()) / rows);
   }
 
   parameters<Mesh>* params_ = nullptr;
