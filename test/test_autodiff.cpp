@@ -559,6 +559,96 @@ TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[
   param<tensor<double, 2, grid1, replicate, "MV">> zero(ps, "zero", {M, V}, init::zeros());
   const double uniform = loss_value(cross_entropy(einsum<"BLM,MV->BLV">(embedding(t, tokens, table), zero), targets));
   GSHARD_REQUIRE(std::abs(uniform - std::log(double(V))) < 1e-12);
+
+  // Label smoothing ε: the mean over the counted targets of
+  // −Σ_c ((1 − ε)·[c = y] + ε/V)·log softmax(row)_c, against long double;
+  // its gradient by finite differences; the unsmoothed value reported too.
+  const double eps = 0.1;
+  auto smoothed = [&](tape& t) {
+    return cross_entropy(einsum<"BLM,MV->BLV">(embedding(t, tokens, table), proj), targets, {.label_smoothing = eps});
+  };
+  const double worst_smoothed = fd_check_params(ps, smoothed, table, proj);
+  INFO("label smoothing: worst relative error " << worst_smoothed);
+  GSHARD_REQUIRE(worst_smoothed < 1e-6);
+  tape ts(ps, tape::no_grad);
+  double plain = 0;
+  auto logits = einsum<"BLM,MV->BLV">(embedding(ts, tokens, table), proj);
+  const double value =
+      loss_value(cross_entropy(logits, targets, {.label_smoothing = eps, .unsmoothed = &plain}));
+  const auto all = reshard<replicate>(logits.value());
+  long double want = 0, want_plain = 0;
+  int count = 0;
+  for (index_t r = 0; r < B * L; ++r) {
+    if (tgt.data()[r] == -1) continue;
+    long double mx = -1e300L, z = 0;
+    for (index_t c = 0; c < V; ++c) mx = std::max(mx, (long double)all.data()[r * V + c]);
+    for (index_t c = 0; c < V; ++c) z += std::exp((long double)all.data()[r * V + c] - mx);
+    for (index_t c = 0; c < V; ++c) {
+      const long double logp = (long double)all.data()[r * V + c] - mx - std::log(z);
+      want -= ((c == tgt.data()[r] ? 1 - eps : 0.0L) + eps / V) * logp;
+      if (c == tgt.data()[r]) want_plain -= logp;
+    }
+    ++count;
+  }
+  GSHARD_REQUIRE(std::abs(value - double(want / count)) < 1e-12);
+  GSHARD_REQUIRE(std::abs(plain - double(want_plain / count)) < 1e-12);
+  GSHARD_REQUIRE_THROWS_WITH(cross_entropy(logits, targets, {.label_smoothing = 1.0}), error,
+                             "gshard::cross_entropy: label_smoothing = 1.000000; it must lie in [0, 1)");
+  GSHARD_REQUIRE_THROWS_WITH(cross_entropy(logits, targets, {.label_smoothing = std::nan("")}), error,
+                             "label_smoothing = nan");
+}
+
+TEST_CASE("autodiff: dropout drops the same elements at every rank count, in value and gradient", "[autodiff][grad][dropout]") {
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks(), B = 3 * P, L = 5, M = 8;
+  parameters ps(m, 6);
+  param<tensor<double, 3, grid1, rows, "BLM">> x(ps, "x", {B, L, M}, init::normal(1.0));
+  const double rate = 0.25;
+  const std::uint64_t seed = 9, stream = 4;
+  tape t(ps);
+  auto y = dropout(t.use(x), rate, seed, stream);
+  // Against the global tensor: element i kept iff uniform(seed, stream, i, ·) ≥ rate.
+  const auto gx = reshard<replicate>(x.value()), gy = reshard<replicate>(y.value());
+  bool same = true;
+  index_t kept = 0;
+  for (index_t i = 0; i < B * L * M; ++i) {
+    const bool keep = uniform(seed, stream, std::uint64_t(i), 0xD50) >= rate;
+    kept += keep;
+    same = same && gy.data()[i] == (keep ? gx.data()[i] * (1.0 / (1.0 - rate)) : 0.0);
+  }
+  GSHARD_REQUIRE(same);
+  INFO("kept " << kept << " of " << B * L * M);
+  GSHARD_REQUIRE(std::abs(double(kept) / double(B * L * M) - (1 - rate)) < 0.1);
+  // The gradient: the same mask, drawn again.
+  auto loss = [&](tape& tl) {
+    const tensor<double, 3, grid1, rows, "BLM"> c = random_like(x.value(), 3);
+    return reshard<replicate>(einsum<"BLM,BLM->">(dropout(tl.use(x), rate, seed, stream), tl.constant(c)));
+  };
+  const double worst = fd_check_params(ps, loss, x);
+  INFO("worst relative error " << worst);
+  GSHARD_REQUIRE(worst < 1e-6);
+  // Another stream draws another mask; rate 0 is the identity; a dropped NaN is 0.
+  auto y2 = dropout(t.use(x), rate, seed, stream + 1);
+  bool differs = false;
+  for (index_t i = 0; i < y.value().local().size(); ++i) differs = differs || y.value().data()[i] != y2.value().data()[i];
+  GSHARD_REQUIRE(sum_all(differs ? 1 : 0) > 0);
+  auto same0 = dropout(t.use(x), 0.0, seed, stream);
+  GSHARD_REQUIRE(equal_tensors(same0.value().local(), x.value().local()));
+  tensor<double, 3, grid1, rows, "BLM"> nans(m, {B, L, M});
+  nans.local().setConstant(std::nan(""));
+  auto dn = dropout(t.constant(nans), 0.5, seed, stream);
+  bool zeros_or_nan = true;
+  index_t zeros = 0;
+  for (index_t i = 0; i < dn.value().local().size(); ++i) {
+    const double v = dn.value().data()[i];
+    zeros += v == 0.0;
+    zeros_or_nan = zeros_or_nan && (v == 0.0 || std::isnan(v));
+  }
+  GSHARD_REQUIRE(zeros_or_nan);
+  GSHARD_REQUIRE(sum_all(double(zeros)) > 0);
+  GSHARD_REQUIRE_THROWS_WITH(dropout(t.use(x), 1.0, seed, stream), error,
+                             "gshard::dropout: rate = 1.000000; it must lie in [0, 1)");
+  GSHARD_REQUIRE_THROWS_WITH(dropout(t.use(x), -0.1, seed, stream), error, "rate = -0.100000");
 }
 
 TEST_CASE("autodiff: a scalar added to or subtracted from a var or a tensor", "[autodiff][grad]") {

@@ -1,8 +1,9 @@
 // gshard/ad/nn.hpp — the layers a Transformer is built of, on the tape: the
 // embedding lookup, the RMS norm, attention (causal, bidirectional, cross,
 // with key padding), the feed-forward network
-// (relu or SwiGLU; the dense blocks', each expert's and the shared experts')
-// and the mean cross-entropy of next-token predictions.
+// (relu or SwiGLU; the dense blocks', each expert's and the shared experts'),
+// dropout, and the mean cross-entropy of next-token predictions (with label
+// smoothing).
 //   auto h = rms_norm(x, scale);
 //   auto y = x + ffn<at_tokens>(h, w);   // w: ffn_weights, declared once
 #pragma once
@@ -22,6 +23,7 @@
 #include "gshard/state/parameters.hpp"
 #include "gshard/tensor/attention.hpp"
 #include "gshard/kernels/softmax_row.hpp"
+#include "gshard/layout/random.hpp"
 
 namespace gshard {
 
@@ -87,14 +89,25 @@ auto embedding(tape& t, const Tok& tokens, const P& table_in) {
   return y;
 }
 
+// Label smoothing and what cross_entropy reports besides its loss.
+struct cross_entropy_options {
+  // ε: each target's distribution is (1 − ε)·onehot + ε/V (uniform over the
+  // whole vocabulary, as Szegedy et al. and fairseq's
+  // label_smoothed_cross_entropy); 0: plain cross-entropy.
+  double label_smoothing = 0;
+  // Receives the mean cross-entropy without smoothing (carried by the same
+  // all_reduce), e.g. to report bits per token while training smoothed.
+  double* unsmoothed = nullptr;
+};
+
 // The mean over targets of -log softmax(logits)[target], in double: logits
 // [.., V] with the class dim whole on each rank, targets an int32 tensor of
 // the other dims, sharded like them. A target of -1 is ignored. One
-// all_reduce over the axes that split the rows carries the sum and the count;
-// the result is replicated.
+// all_reduce over the axes that split the rows carries the sum and the count
+// (and with label smoothing the unsmoothed sum); the result is replicated.
 template <class V, class Tgt>
   requires(var_type<V> && sharded_tensor<Tgt>)
-auto cross_entropy(V&& logits_in, const Tgt& targets) {
+auto cross_entropy(V&& logits_in, const Tgt& targets, cross_entropy_options o = {}) {
   using X = detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
@@ -108,6 +121,9 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
     detail::rlayout a = X::resolved;
     return a == Tgt::resolved;
   }(), "gshard::cross_entropy: the targets are not sharded like the logits' rows");
+  const double eps = o.label_smoothing;
+  if (!(eps >= 0 && eps < 1))
+    throw error("gshard::cross_entropy: label_smoothing = " + std::to_string(eps) + "; it must lie in [0, 1)");
   const var<X> logits = logits_in;
   tape& t = logits.on_tape();
   const index_t C = logits.extent(R - 1);
@@ -115,21 +131,32 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
   const T* lg = logits.value().data();
   const std::int32_t* tg = targets.data();
   using Sum = typename detail::sum_over_shards<X, 1, double>::type;  // sums in double whatever T
-  Sum sum(logits.mesh(), {2});  // [Σ -log p, count] over this rank's rows
+  Sum sum(logits.mesh(), {eps > 0 ? 3 : 2});  // [Σ loss, count(, Σ -log p)] over this rank's rows
   std::vector<T> p(static_cast<std::size_t>(C));  // a row's softmax, unused: -log p = log Σ exp - logit, and softmax_row gives log Σ exp
   for (index_t r = 0; r < rows; ++r, lg += C) {
     if (tg[r] == -1) continue;
     detail::check_token(tg[r], 0, std::int32_t(C), r, 0, "cross_entropy");
-    sum.data()[0] += detail::softmax_row(lg, C, p.data()) - double(lg[tg[r]]);
+    const double nll = detail::softmax_row(lg, C, p.data()) - double(lg[tg[r]]);
+    if (eps > 0) {
+      // −Σ_c q_c log p_c with q = (1 − ε)·onehot + ε/C: (1 − ε)·nll + ε·(lse − mean logit).
+      double mean_logit = 0;
+      for (index_t c = 0; c < C; ++c) mean_logit += double(lg[c]);
+      mean_logit /= double(C);
+      sum.data()[0] += (1 - eps) * nll + eps * (nll + double(lg[tg[r]]) - mean_logit);
+      sum.data()[2] += nll;
+    } else {
+      sum.data()[0] += nll;
+    }
     sum.data()[1] += 1;
   }
-  const auto total = reshard<replicate>(std::move(sum));  // one all_reduce: the sum and the count
+  const auto total = reshard<replicate>(std::move(sum));  // one all_reduce: the sums and the count
   const double count = total.data()[1];
   tensor<double, 0, Mesh, replicate> mean(logits.mesh(), {});
   mean.local()() = count > 0 ? total.data()[0] / count : 0.0;
+  if (o.unsmoothed) *o.unsmoothed = count > 0 ? total.data()[eps > 0 ? 2 : 0] / count : 0.0;
   auto y = t.output(std::move(mean), logits.tracked());
   if (y.tracked())
-    t.record([tp = &t, ys = y.slot(), xs = logits.slot(), keep = logits.shared(), targets, count] {
+    t.record([tp = &t, ys = y.slot(), xs = logits.slot(), keep = logits.shared(), targets, count, eps] {
       auto dl = tp->slot<tensor<double, 0, Mesh, replicate>>(ys).template take<replicate>();
       if (!dl || count == 0) return;
       const T scale = T(dl->local()() / count);
@@ -139,11 +166,12 @@ auto cross_entropy(V&& logits_in, const Tgt& targets) {
       const T* lg = keep->data();
       T* d = dx.data();
       const std::int32_t* tg = targets.data();
-      for (index_t r = 0; r < rows; ++r, lg += C, d += C) {  // (softmax − onehot) · dloss / count
+      const T uniform_part = T(eps / double(C)) * scale, target_part = T(1 - eps) * scale;
+      for (index_t r = 0; r < rows; ++r, lg += C, d += C) {  // (softmax − q) · dloss / count
         if (tg[r] == -1) continue;
         detail::softmax_row(lg, C, d);
-        for (index_t c = 0; c < C; ++c) d[c] *= scale;
-        d[tg[r]] -= scale;
+        for (index_t c = 0; c < C; ++c) d[c] = d[c] * scale - uniform_part;
+        d[tg[r]] -= target_part;
       }
       tp->slot<X>(xs).add(std::move(dx));
     });
@@ -332,6 +360,55 @@ auto mask_padding(V&& x, const P& paddings) {
       if (!dy) return;
       for (std::size_t r = 0; r < keep->size(); ++r)
         if (!(*keep)[r]) std::fill_n(dy->data() + index_t(r) * width, width, T(0));
+      tp->slot<X>(xs).add(std::move(*dy));
+    });
+  return y;
+}
+
+namespace detail {
+// t[i] ·= keep(i) / (1 − rate) with keep(i) = uniform(seed, stream, global
+// index of i) ≥ rate; a dropped element becomes 0 whatever it held.
+template <class X>
+void apply_dropout(X& t, double rate, std::uint64_t seed, std::uint64_t stream) {
+  using T = typename X::value_type;
+  constexpr int R = X::rank;
+  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
+  const T scale = T(1.0 / (1.0 - rate));
+  std::array<index_t, std::size_t(R)> pos{};
+  T* v = t.data();
+  for (index_t i = 0, n = t.local().size(); i < n; ++i) {
+    index_t global = 0;
+    for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
+    v[i] = uniform(seed, stream, std::uint64_t(global), 0xD50) >= rate ? v[i] * scale : T(0);
+    for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
+  }
+}
+}  // namespace detail
+
+// Inverted dropout: each element of x kept with probability 1 − rate and
+// scaled by 1 / (1 − rate), or set to 0. Whether element i is kept is
+// uniform(seed, stream, i's global index) ≥ rate: a function of the
+// element's place in the global tensor, so every rank count drops the same
+// elements, and the backward draws the same mask again instead of keeping
+// it. Give each use its own stream (a step and a site). A rate of 0 is x
+// itself; pending sums are fine (the mask is linear and the same on every
+// rank holding a part).
+template <class V>
+  requires var_type<V>
+auto dropout(V&& x, double rate, std::uint64_t seed, std::uint64_t stream) {
+  using X = detail::tensor_of<V>;
+  if (!(rate >= 0 && rate < 1)) throw error("gshard::dropout: rate = " + std::to_string(rate) + "; it must lie in [0, 1)");
+  if (rate == 0) return var<X>(std::forward<V>(x));
+  tape& t = x.on_tape();
+  const int xs = x.slot();
+  X v = detail::value_of(std::forward<V>(x));
+  detail::apply_dropout(v, rate, seed, stream);
+  auto y = t.output(std::move(v), xs >= 0);
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), xs, rate, seed, stream] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      detail::apply_dropout(*dy, rate, seed, stream);
       tp->slot<X>(xs).add(std::move(*dy));
     });
   return y;
