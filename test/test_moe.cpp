@@ -13,6 +13,7 @@
 #include <cmath>
 #include <set>
 
+#include "gradcheck.hpp"
 #include "layouts.hpp"
 #include "testing.hpp"
 
@@ -20,6 +21,13 @@ using namespace gshard;
 using gshard::testing::random_tensor;
 using gshard::testing::world_rank;
 using gshard::testing::world_size;
+
+namespace {
+template <class V>
+double loss_value(const V& v) {
+  return double(v.value().local()());
+}
+}  // namespace
 
 namespace {
 
@@ -1048,13 +1056,27 @@ inline seq2seq_batch make_batch(index_t B, index_t S, index_t L, std::int32_t pa
 }
 }  // namespace
 
-TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; padding changes nothing", "[moe][seq2seq]") {
+// Calls fn on every weight of an encoder–decoder.
+template <class Net, class Fn>
+void for_each_weight(const Net& net, Fn&& fn) {
+  fn(net.embedding_table()), fn(net.encoder_norm()), fn(net.decoder_norm()), fn(net.unembedding());
+  for (const auto* blocks : {&net.encoder_blocks(), &net.decoder_blocks()})
+    for (const auto& b : *blocks) {
+      fn(b.norm1), fn(b.self.wq), fn(b.self.wk), fn(b.self.wv), fn(b.self.wo), fn(b.norm2);
+      if (b.cross) fn(*b.norm_cross), fn(b.cross->wq), fn(b.cross->wk), fn(b.cross->wv), fn(b.cross->wo);
+      if (b.moe) fn(b.moe->router), fn(b.moe->expert_ffn.w1), fn(b.moe->expert_ffn.w2);
+      else fn(b.ffn->w1), fn(b.ffn->w2);
+    }
+}
+
+TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; padding changes nothing; with dropout, "
+          "label smoothing and remat too", "[moe][seq2seq]") {
   const int P = world_size();
   const index_t B = 4 * P, S = 7, L = 9;
   using model_t = model::seq2seq<double, grid2>;
-  auto run = [&](const grid2& m, std::int32_t pad) {
+  auto run = [&](const grid2& m, std::int32_t pad, const model::seq2seq_config& c) {
     parameters ps(m, 5);
-    const model_t net(ps, small_seq2seq<double>(P));
+    const model_t net(ps, c);
     const auto d = make_batch(B, S, L, pad, true);
     const auto src = distribute<model_t::tokens_type>(m, d.src);
     const auto tgt = distribute<model_t::tokens_type>(m, d.tgt);
@@ -1062,36 +1084,78 @@ TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; p
     tape t(ps);
     auto out = net.forward(t, src, len, tgt, 3);
     t.backward(out.loss);
-    std::vector<double> g{out.ce, out.aux, out.z};
-    const auto add = [&](const auto& w) {
+    std::vector<double> g{out.ce, out.aux, out.z, loss_value(out.loss)};
+    for_each_weight(net, [&](const auto& w) {
       const auto whole = gather(w.grad());
       g.insert(g.end(), whole.data(), whole.data() + whole.size());
-    };
-    for (const auto* blocks : {&net.encoder_blocks(), &net.decoder_blocks()})
-      for (const auto& b : *blocks) {
-        add(b.norm1), add(b.self.wq), add(b.self.wk), add(b.self.wv), add(b.self.wo), add(b.norm2);
-        if (b.cross) add(*b.norm_cross), add(b.cross->wq), add(b.cross->wk), add(b.cross->wv), add(b.cross->wo);
-        if (b.moe) add(b.moe->router), add(b.moe->expert_ffn.w1), add(b.moe->expert_ffn.w2);
-        else add(b.ffn->w1), add(b.ffn->w2);
-      }
+    });
     return std::pair{g, out.moe};
   };
-  grid2 self(MPI_COMM_SELF, {1, 1});
-  const auto [ref, ref_stats] = run(self, 0);
-  GSHARD_REQUIRE(ref_stats.size() == 2 && ref_stats[0].padded > 0 && ref_stats[1].padded > 0);
-  for (const auto& sizes : {std::array<std::ptrdiff_t, 2>{1, P}, std::array<std::ptrdiff_t, 2>{P, 1}}) {
-    grid2 m(MPI_COMM_WORLD, sizes);
-    const auto [got, stats] = run(m, 0);
-    const auto [other, other_stats] = run(m, 9);  // other tokens at the sources' padded positions
-    INFO("mesh (" << sizes[0] << "," << sizes[1] << ")");
-    GSHARD_REQUIRE(got == other);
-    double worst = got.size() == ref.size() ? 0.0 : 1e300;
-    for (std::size_t i = 0; worst < 1e300 && i < got.size(); ++i)
-      worst = std::max(worst, std::abs(got[i] - ref[i]) / (1 + std::abs(ref[i])));
-    INFO("loss and gradients against 1 rank: " << worst);
-    GSHARD_REQUIRE(worst < 1e-12);
-    for (std::size_t l = 0; l < stats.size(); ++l) GSHARD_REQUIRE(stats[l].expert_load == ref_stats[l].expert_load);
+  model::seq2seq_config regularised = small_seq2seq<double>(P);
+  regularised.dropout = 0.1, regularised.label_smoothing = 0.1;
+  double plain_ce = 0;
+  for (const bool reg : {false, true}) {
+    const model::seq2seq_config c = reg ? regularised : small_seq2seq<double>(P);
+    const std::string kind = reg ? "dropout 0.1, label smoothing 0.1" : "plain";
+    INFO(kind);
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    const auto [ref, ref_stats] = run(self, 0, c);
+    GSHARD_REQUIRE(ref_stats.size() == 2 && ref_stats[0].padded > 0 && ref_stats[1].padded > 0);
+    if (!reg) plain_ce = ref[0];
+    else GSHARD_REQUIRE(std::abs(ref[0] - plain_ce) > 1e-6);  // dropout changed the forward
+    for (const auto& sizes : {std::array<std::ptrdiff_t, 2>{1, P}, std::array<std::ptrdiff_t, 2>{P, 1}}) {
+      grid2 m(MPI_COMM_WORLD, sizes);
+      const auto [got, stats] = run(m, 0, c);
+      const auto [other, other_stats] = run(m, 9, c);  // other tokens at the sources' padded positions
+      INFO("mesh (" << sizes[0] << "," << sizes[1] << ")");
+      GSHARD_REQUIRE(got == other);
+      double worst = got.size() == ref.size() ? 0.0 : 1e300;
+      for (std::size_t i = 0; worst < 1e300 && i < got.size(); ++i)
+        worst = std::max(worst, std::abs(got[i] - ref[i]) / (1 + std::abs(ref[i])));
+      INFO("loss and gradients against 1 rank: " << worst);
+      GSHARD_REQUIRE(worst < 1e-12);
+      for (std::size_t l = 0; l < stats.size(); ++l) GSHARD_REQUIRE(stats[l].expert_load == ref_stats[l].expert_load);
+      if (reg) {  // every block rematerialised: the same loss and gradients, bit for bit
+        model::seq2seq_config with_remat = c;
+        with_remat.remat = true;
+        GSHARD_REQUIRE(run(m, 0, with_remat).first == got);
+      }
+    }
   }
+  {  // The regularised loss against finite differences of every weight (a recording tape: dropout and smoothing on)
+    grid2 m(MPI_COMM_WORLD, {1, P});
+    parameters ps(m, 5);
+    const model_t net(ps, regularised);
+    const auto d = make_batch(B, S, L, 0, true);
+    const auto src = distribute<model_t::tokens_type>(m, d.src);
+    const auto tgt = distribute<model_t::tokens_type>(m, d.tgt);
+    const auto len = distribute<model_t::lengths_type>(m, d.lengths);
+    {
+      tape t(ps);
+      t.backward(net.forward(t, src, len, tgt, 3).loss);
+    }
+    const auto f = [&] {
+      tape t(ps);
+      return loss_value(net.forward(t, src, len, tgt, 3).loss);
+    };
+    double worst = 0;
+    int weights = 0;
+    for_each_weight(net, [&](const auto& w) {
+      auto h = w;  // a handle to the same parameter
+      worst = std::max(worst, gshard::testing::fd_check(h.value(), h.grad(), f, 2));
+      ++weights;
+    });
+    INFO("finite differences over " << weights << " weights: worst relative error " << worst);
+    GSHARD_REQUIRE(weights == 48);
+    GSHARD_REQUIRE(worst < 1e-5);
+  }
+  // Rates outside [0, 1) are refused when the model is made.
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  parameters ps(m, 5);
+  model::seq2seq_config bad = small_seq2seq<double>(P);
+  bad.dropout = 1.0;
+  GSHARD_REQUIRE_THROWS_WITH((model_t(ps, bad)), error,
+                             "gshard::model::seq2seq: config.dropout = 1.000000, label_smoothing = 0.000000; each must lie in [0, 1)");
 }
 
 TEST_CASE("encoder–decoder: decoding with a cache gives the full forward's logits; beam width 1 is greedy; the same "

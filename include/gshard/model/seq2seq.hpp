@@ -22,6 +22,7 @@
 #include "gshard/ad/communication.hpp"
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
+#include "gshard/ad/remat.hpp"
 #include "gshard/moe/layer.hpp"
 #include "gshard/runtime/roles.hpp"
 #include "gshard/state/parameters.hpp"
@@ -48,6 +49,16 @@ struct seq2seq_config {
   moe::placement decoder_order = moe::placement::by_token;
   ffn_kind ffn = ffn_kind::relu;
   attention_memory attention = attention_memory::keep_probabilities;
+  // Regularisation while training (on a tape that records; never when
+  // evaluating or decoding). GShard's M4 setup: dropout 0.1 — here on the
+  // sum of embeddings and positions and on each sublayer's output before it
+  // joins the residual, as Vaswani et al. —; label smoothing 0.1, as
+  // Lingvo's MT models (the target (1 − ε)·onehot + ε/V).
+  double dropout = 0;
+  double label_smoothing = 0;
+  std::uint64_t dropout_seed = 0xD509;
+  // Every block keeps only its input and runs again in the backward.
+  bool remat = false;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
   moe::gating_config decoder_gating() const {
     moe::gating_config g = gating;
@@ -114,10 +125,14 @@ class seq2seq {
   const seq2seq_config& cfg() const { return c_; }
   const std::vector<block_params>& encoder_blocks() const { return encoder_; }
   const std::vector<block_params>& decoder_blocks() const { return decoder_; }
+  const weight<"VM">& embedding_table() const { return embed_; }  // both sides' tokens
+  const weight<"M">& encoder_norm() const { return enc_norm_; }
+  const weight<"M">& decoder_norm() const { return dec_norm_; }
+  const weight<"MV">& unembedding() const { return unembed_; }
 
   struct output {
-    scalar_var loss;                      // cross-entropy + aux_coef · Σ aux + z_loss_coef · Σ z
-    double ce = 0, aux = 0, z = 0;        // mean cross-entropy over the real target tokens; Σ aux, Σ z-loss
+    scalar_var loss;                      // cross-entropy (label-smoothed while training) + aux_coef · Σ aux + z_loss_coef · Σ z
+    double ce = 0, aux = 0, z = 0;        // mean cross-entropy (unsmoothed) over the real target tokens; Σ aux, Σ z-loss
     std::vector<moe::gating_stats> moe;   // per MoE layer, encoder first
     var<logits_type> logits;              // [B, L, V]
   };
@@ -133,18 +148,19 @@ class seq2seq {
     std::vector<moe::gating_stats> stats;
     const auto memory = encode(t, src, src_lengths, step, &aux, &z, &stats);
     auto [inputs, labels, pads] = split_target(tgt);
-    auto x = embed(t, inputs, 0);
-    const auto gating = c_.decoder_gating();
+    auto x = drop(embed(t, inputs, 0), step, 1, 0, 0);
     for (int l = 0; l < c_.decoder_layers; ++l) {
-      const block_params& b = decoder_[std::size_t(l)];
-      const auto h = rms_norm(x, b.norm1);
-      x = x + self_attention(h, b.self, nullptr, {true, 0, c_.attention});
-      x = x + cross_attention(rms_norm(x, *b.norm_cross), memory, *b.cross, src_lengths);
-      x = x + block_ffn(b, rms_norm(x, b.norm2), pads, gating, stream(step, 1, l), &aux, &z, &stats);
+      const auto run = [this, l, step, pads, src_lengths](const var<activation>& in, const var<activation>& mem) {
+        return decoder_block(in, mem, src_lengths, pads, l, step);
+      };
+      auto [y, a, zl, st] = c_.remat ? remat(run, x, memory) : run(x, memory);
+      x = std::move(y);
+      collect(a, zl, st, &aux, &z, &stats);
     }
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, dec_norm_), unembed_);
-    auto ce = cross_entropy(logits, labels);
-    output out{ce, ce.value().local()(), 0.0, 0.0, std::move(stats), std::move(logits)};
+    double ce_value = 0;
+    auto ce = cross_entropy(logits, labels, {.label_smoothing = t.recording() ? c_.label_smoothing : 0.0, .unsmoothed = &ce_value});
+    output out{ce, ce_value, 0.0, 0.0, std::move(stats), std::move(logits)};
     for (auto& a : aux) {
       out.aux += a.value().local()();
       if (c_.aux_coef != 0) out.loss = out.loss + c_.aux_coef * a;
@@ -163,12 +179,14 @@ class seq2seq {
                          std::vector<scalar_var>* aux = nullptr, std::vector<scalar_var>* z = nullptr,
                          std::vector<moe::gating_stats>* stats = nullptr) const {
     auto [tokens, pads] = split_source(src, src_lengths);
-    auto x = embed(t, tokens, 0);
+    auto x = drop(embed(t, tokens, 0), step, 0, 0, 0);
     for (int l = 0; l < c_.encoder_layers; ++l) {
-      const block_params& b = encoder_[std::size_t(l)];
-      const auto h = rms_norm(x, b.norm1);
-      x = x + self_attention(h, b.self, &src_lengths, {false, 0, c_.attention});
-      x = x + block_ffn(b, rms_norm(x, b.norm2), pads, c_.gating, stream(step, 0, l), aux, z, stats);
+      const auto run = [this, l, step, pads, src_lengths](const var<activation>& in) {
+        return encoder_block(in, src_lengths, pads, l, step);
+      };
+      auto [y, a, zl, st] = c_.remat ? remat(run, x) : run(x);
+      x = std::move(y);
+      collect(a, zl, st, aux, z, stats);
     }
     return rms_norm(x, enc_norm_);
   }
@@ -434,6 +452,9 @@ class seq2seq {
   static const seq2seq_config& checked(const seq2seq_config& c) {
     if (c.experts < 0) throw error("gshard::model::seq2seq: config.experts = " + std::to_string(c.experts) + " is negative");
     if (c.experts > 0) moe::validate(c.gating, c.experts);
+    if (!(c.dropout >= 0 && c.dropout < 1) || !(c.label_smoothing >= 0 && c.label_smoothing < 1))
+      throw error("gshard::model::seq2seq: config.dropout = " + std::to_string(c.dropout) + ", label_smoothing = " +
+                  std::to_string(c.label_smoothing) + "; each must lie in [0, 1)");
     if (c.max_len < 2) throw error("gshard::model::seq2seq: config.max_len = " + std::to_string(c.max_len) + "; at least 2");
     if (c.encoder_layers < 0 || c.decoder_layers < 1 || c.encoder_layers > 1000 || c.decoder_layers > 1000)
       throw error("gshard::model::seq2seq: config.encoder_layers = " + std::to_string(c.encoder_layers) +
@@ -503,18 +524,57 @@ class seq2seq {
                                                a.wo);
   }
 
-  // The block's FFN: dense, or the MoE layer over the groups G = B of S = L
-  // positions with the paddings, its losses and counters appended.
-  template <class H>
-  var<activation> block_ffn(const block_params& b, const H& h, const paddings_type& pads, const moe::gating_config& g,
-                            std::uint64_t s, std::vector<scalar_var>* aux, std::vector<scalar_var>* z,
-                            std::vector<moe::gating_stats>* stats) const {
-    if (!b.moe) return ffn<at_tokens>(h, *b.ffn);
-    auto r = (*b.moe)(relabel<"GSM">(h), pads, g, s);
-    if (aux) aux->push_back(std::move(r.aux));
-    if (z) z->push_back(std::move(r.z_loss));
-    if (stats) stats->push_back(std::move(r.stats));
-    return relabel<"BLM">(std::move(r.y));
+  // A block's output, and an MoE block's aux loss, z-loss and counters.
+  using block_out =
+      std::tuple<var<activation>, std::optional<scalar_var>, std::optional<scalar_var>, std::optional<moe::gating_stats>>;
+
+  // Encoder block l: x + self-attention(norm(x)) over the real keys, then
+  // x + FFN(norm(x)); each sublayer's output dropped out while training.
+  block_out encoder_block(const var<activation>& in, const lengths_type& src_lengths, const paddings_type& pads, int l,
+                          std::uint64_t step) const {
+    const block_params& b = encoder_[std::size_t(l)];
+    auto x = in + drop(self_attention(rms_norm(in, b.norm1), b.self, &src_lengths, {false, 0, c_.attention}), step, 0, l, 1);
+    return block_ffn(b, std::move(x), pads, c_.gating, step, 0, l);
+  }
+
+  // Decoder block l: causal self-attention, cross-attention over the
+  // encoder's output `memory`, the FFN (routed by token).
+  block_out decoder_block(const var<activation>& in, const var<activation>& memory, const lengths_type& src_lengths,
+                          const paddings_type& pads, int l, std::uint64_t step) const {
+    const block_params& b = decoder_[std::size_t(l)];
+    auto x = in + drop(self_attention(rms_norm(in, b.norm1), b.self, nullptr, {true, 0, c_.attention}), step, 1, l, 1);
+    x = x + drop(cross_attention(rms_norm(x, *b.norm_cross), memory, *b.cross, src_lengths), step, 1, l, 2);
+    return block_ffn(b, std::move(x), pads, c_.decoder_gating(), step, 1, l);
+  }
+
+  // x + the block's FFN of norm(x): dense, or the MoE layer over the groups
+  // G = B of S = L positions with the paddings.
+  block_out block_ffn(const block_params& b, var<activation> x, const paddings_type& pads, const moe::gating_config& g,
+                      std::uint64_t step, int stack, int l) const {
+    const auto h = rms_norm(x, b.norm2);
+    if (!b.moe) return {x + drop(ffn<at_tokens>(h, *b.ffn), step, stack, l, 3), std::nullopt, std::nullopt, std::nullopt};
+    auto r = (*b.moe)(relabel<"GSM">(h), pads, g, stream(step, stack, l));
+    return {x + drop(relabel<"BLM">(std::move(r.y)), step, stack, l, 3), std::move(r.aux), std::move(r.z_loss),
+            std::move(r.stats)};
+  }
+
+  static void collect(std::optional<scalar_var>& a, std::optional<scalar_var>& zl, std::optional<moe::gating_stats>& st,
+                      std::vector<scalar_var>* aux, std::vector<scalar_var>* z, std::vector<moe::gating_stats>* stats) {
+    if (!a) return;
+    if (aux) aux->push_back(std::move(*a));
+    if (z) z->push_back(std::move(*zl));
+    if (stats) stats->push_back(std::move(*st));
+  }
+
+  // Dropout of a sublayer's output (site 1: self-attention, 2:
+  // cross-attention, 3: FFN) or of the embeddings (site 0) while training;
+  // each (step, stack, block, site) draws its own mask.
+  template <class V>
+  auto drop(V&& x, std::uint64_t step, int stack, int l, int site) const {
+    using X = detail::tensor_of<V>;
+    if (c_.dropout == 0 || !x.on_tape().recording()) return var<X>(std::forward<V>(x));
+    const std::uint64_t s = (step << 16) | (std::uint64_t(stack) << 15) | (std::uint64_t(l) << 4) | std::uint64_t(site);
+    return dropout(std::forward<V>(x), c_.dropout, c_.dropout_seed, s);
   }
 
   // Ends the job naming a token outside the vocabulary at a real position
