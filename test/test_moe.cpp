@@ -1155,7 +1155,9 @@ TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; p
   model::seq2seq_config bad = small_seq2seq<double>(P);
   bad.dropout = 1.0;
   GSHARD_REQUIRE_THROWS_WITH((model_t(ps, bad)), error,
-                             "gshard::model::seq2seq: config.dropout = 1.000000, label_smoothing = 0.000000; each must lie in [0, 1)");
+                             "gshard::model::seq2seq: config.dropout = 1.000000; it must lie in [0, 1)");
+  bad.dropout = 0, bad.label_smoothing = -0.5;
+  GSHARD_REQUIRE_THROWS_WITH((model_t(ps, bad)), error, "gshard::model::seq2seq: config.label_smoothing = -0.500000; it must lie in [0, 1)");
 }
 
 TEST_CASE("encoder–decoder: decoding with a cache gives the full forward's logits; beam width 1 is greedy; the same "

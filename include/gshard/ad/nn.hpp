@@ -91,9 +91,10 @@ auto embedding(tape& t, const Tok& tokens, const P& table_in) {
 
 // Label smoothing and what cross_entropy reports besides its loss.
 struct cross_entropy_options {
-  // ε: each target's distribution is (1 − ε)·onehot + ε/V (uniform over the
-  // whole vocabulary, as Szegedy et al. and fairseq's
-  // label_smoothed_cross_entropy); 0: plain cross-entropy.
+  // ε: each target's distribution is (1 − ε)·onehot + ε/V, uniform over the
+  // whole vocabulary (Szegedy et al.; PyTorch's CrossEntropyLoss and optax
+  // smooth so); Lingvo's UniformLabelSmoother and fairseq give the other
+  // V − 1 classes ε/(V − 1) each instead. 0: plain cross-entropy.
   double label_smoothing = 0;
   // Receives the mean cross-entropy without smoothing (carried by the same
   // all_reduce), e.g. to report bits per token while training smoothed.
@@ -371,17 +372,9 @@ namespace detail {
 template <class X>
 void apply_dropout(X& t, double rate, std::uint64_t seed, std::uint64_t stream) {
   using T = typename X::value_type;
-  constexpr int R = X::rank;
-  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
   const T scale = T(1.0 / (1.0 - rate));
-  std::array<index_t, std::size_t(R)> pos{};
   T* v = t.data();
-  for (index_t i = 0, n = t.local().size(); i < n; ++i) {
-    index_t global = 0;
-    for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
-    v[i] = uniform(seed, stream, std::uint64_t(global), 0xD50) >= rate ? v[i] * scale : T(0);
-    for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
-  }
+  for_each_global_index(t, [&](index_t i, std::uint64_t g) { v[i] = uniform(seed, stream, g, 0xD50) >= rate ? v[i] * scale : T(0); });
 }
 }  // namespace detail
 

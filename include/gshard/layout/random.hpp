@@ -30,19 +30,29 @@ inline double normal(std::uint64_t seed, std::uint64_t stream, std::uint64_t ind
   return std::sqrt(-2.0 * std::log(u1 + 1e-300)) * std::cos(6.283185307179586 * u2);
 }
 
-// t[i] = stddev · normal(seed, stream, global index of i): each rank fills
-// only its shard, and every rank count gives the same global tensor.
-template <class X>
-void fill_normal(X& t, double stddev, std::uint64_t seed, std::uint64_t stream) {
+// f(i, g) for each element i of t's shard (its place in the local data)
+// with g its row-major index in the global tensor: what keys a random draw
+// so that every rank count draws the same global tensor.
+template <class X, class F>
+void for_each_global_index(const X& t, F&& f) {
   const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
   constexpr int R = X::rank;
   std::array<index_t, std::size_t(R)> pos{};
   for (index_t i = 0, n = t.local().size(); i < n; ++i) {
     index_t global = 0;
     for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
-    t.data()[i] = typename X::value_type(stddev * normal(seed, stream, std::uint64_t(global)));
+    f(i, std::uint64_t(global));
     for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
   }
+}
+
+// t[i] = stddev · normal(seed, stream, global index of i): each rank fills
+// only its shard, and every rank count gives the same global tensor.
+template <class X>
+void fill_normal(X& t, double stddev, std::uint64_t seed, std::uint64_t stream) {
+  for_each_global_index(t, [&](index_t i, std::uint64_t g) {
+    t.data()[i] = typename X::value_type(stddev * normal(seed, stream, g));
+  });
 }
 
 }  // namespace gshard

@@ -42,7 +42,7 @@ struct chrf_stats {
   }
 };
 
-namespace detail {
+namespace detail_chrf {
 
 // Python's str.isspace(), which str.split() splits at.
 constexpr bool python_space(char32_t c) {
@@ -76,11 +76,11 @@ inline std::u32string chrf_characters(std::string_view s) {
   return out;
 }
 
-}  // namespace detail
+}  // namespace detail_chrf
 
 // One sentence pair's counts.
 inline chrf_stats chrf_statistics(std::string_view hyp, std::string_view ref) {
-  const std::u32string h = detail::chrf_characters(hyp), r = detail::chrf_characters(ref);
+  const std::u32string h = detail_chrf::chrf_characters(hyp), r = detail_chrf::chrf_characters(ref);
   chrf_stats s;
   for (std::size_t n = 1; n <= chrf_order; ++n) {
     if (r.size() < n) continue;  // no reference n-grams: the hypothesis's count 0 too

@@ -36,6 +36,9 @@ struct seq2seq_config {
   index_t head_dim = 16;  // K
   index_t hidden = 128;   // H, of the dense FFNs and of each expert
   index_t experts = 8;    // E; 0: a dense model
+  // A dense model's FFN width in blocks 1, 3, ... (where an MoE model has
+  // its MoE layers); 0: `hidden`. 2·hidden matches top-2 routing's FLOPs.
+  index_t slot_hidden = 0;
   int encoder_layers = 2;  // blocks of each stack; blocks 1, 3, ... have an MoE FFN
   int decoder_layers = 2;
   index_t max_len = 256;  // the longest source or target the sinusoids cover
@@ -53,13 +56,15 @@ struct seq2seq_config {
   // evaluating or decoding). GShard's M4 setup: dropout 0.1 — here on the
   // sum of embeddings and positions and on each sublayer's output before it
   // joins the residual, as Vaswani et al. —; label smoothing 0.1, as
-  // Lingvo's MT models (the target (1 − ε)·onehot + ε/V).
+  // Lingvo's MT models use (here the target is (1 − ε)·onehot + ε/V, see
+  // cross_entropy_options).
   double dropout = 0;
   double label_smoothing = 0;
   std::uint64_t dropout_seed = 0xD509;
   // Every block keeps only its input and runs again in the backward.
   bool remat = false;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
+  index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
   moe::gating_config decoder_gating() const {
     moe::gating_config g = gating;
     g.order = decoder_order;
@@ -450,11 +455,13 @@ class seq2seq {
   }
 
   static const seq2seq_config& checked(const seq2seq_config& c) {
-    if (c.experts < 0) throw error("gshard::model::seq2seq: config.experts = " + std::to_string(c.experts) + " is negative");
+    if (c.experts < 0 || c.slot_hidden < 0 || (c.slot_hidden > 0 && c.experts > 0))
+      throw error("gshard::model::seq2seq: config.experts = " + std::to_string(c.experts) + " and config.slot_hidden = " +
+                  std::to_string(c.slot_hidden) + ": experts is >= 0, and slot_hidden (>= 0) is for a dense model (experts = 0)");
     if (c.experts > 0) moe::validate(c.gating, c.experts);
-    if (!(c.dropout >= 0 && c.dropout < 1) || !(c.label_smoothing >= 0 && c.label_smoothing < 1))
-      throw error("gshard::model::seq2seq: config.dropout = " + std::to_string(c.dropout) + ", label_smoothing = " +
-                  std::to_string(c.label_smoothing) + "; each must lie in [0, 1)");
+    for (const auto& [name, v] : {std::pair{"dropout", c.dropout}, std::pair{"label_smoothing", c.label_smoothing}})
+      if (!(v >= 0 && v < 1))
+        throw error(std::string("gshard::model::seq2seq: config.") + name + " = " + std::to_string(v) + "; it must lie in [0, 1)");
     if (c.max_len < 2) throw error("gshard::model::seq2seq: config.max_len = " + std::to_string(c.max_len) + "; at least 2");
     if (c.encoder_layers < 0 || c.decoder_layers < 1 || c.encoder_layers > 1000 || c.decoder_layers > 1000)
       throw error("gshard::model::seq2seq: config.encoder_layers = " + std::to_string(c.encoder_layers) +
@@ -487,8 +494,8 @@ class seq2seq {
       weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
       block_params bp{norm1, self, norm_cross, cross, norm2, std::nullopt, std::nullopt};
       if (c.is_moe(l)) bp.moe.emplace(ps, b, M, c.hidden, c.experts, moe::layer_options{c.ffn, 0, c.gating.balance, 1});
-      else bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"}, shape<2>{M, c.hidden},
-                          shape<2>{c.hidden, M});
+      else bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"},
+                          shape<2>{M, c.ffn_hidden(l)}, shape<2>{c.ffn_hidden(l), M});
       blocks.push_back(std::move(bp));
     }
     return blocks;
@@ -571,7 +578,7 @@ class seq2seq {
   // each (step, stack, block, site) draws its own mask.
   template <class V>
   auto drop(V&& x, std::uint64_t step, int stack, int l, int site) const {
-    using X = detail::tensor_of<V>;
+    using X = gshard::detail::tensor_of<V>;
     if (c_.dropout == 0 || !x.on_tape().recording()) return var<X>(std::forward<V>(x));
     const std::uint64_t s = (step << 16) | (std::uint64_t(stack) << 15) | (std::uint64_t(l) << 4) | std::uint64_t(site);
     return dropout(std::forward<V>(x), c_.dropout, c_.dropout_seed, s);
