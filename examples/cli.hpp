@@ -39,8 +39,14 @@ N number(const std::string& program, const std::string& option, const std::strin
   const bool finite = !std::is_floating_point_v<N> || std::isfinite(double(v));
   if (used != text.size() || text.empty() || !(v >= lo && v <= hi) || !finite) {
     const std::string kind = std::is_floating_point_v<N> ? "a finite number" : "a whole number";
-    const std::string range = std::is_floating_point_v<N> ? " >= " + (lo == N(0) ? std::string("0") : std::to_string(lo))
-                                                          : " from " + std::to_string(lo) + " to " + std::to_string(hi);
+    const auto shown = [](N x) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%g", double(x));
+      return std::string(b);
+    };
+    const std::string range = !std::is_floating_point_v<N>             ? " from " + std::to_string(lo) + " to " + std::to_string(hi)
+                              : hi < std::numeric_limits<N>::max() ? " from " + shown(lo) + " to " + shown(hi)
+                                                                       : " >= " + shown(lo);
     throw gshard::error("gshard " + program + ": " + option + " takes " + kind + range + ", not '" + text + "'");
   }
   return v;

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <cmath>
@@ -29,6 +28,7 @@
 #include "cli.hpp"
 #include "corpus.hpp"
 #include "meshes.hpp"
+#include "progress.hpp"
 using namespace gshard;
 
 
@@ -234,27 +234,6 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// The progress line's routing part, over the MoE layers: the share of all
-// choices dropped and of first choices, the largest max/mean expert demand
-// (before capacity), and the experts that received no token.
-std::string routing_summary(const std::vector<moe::gating_stats>& layers) {
-  if (layers.empty()) return "";  // a dense model
-  double first = 0, all = 0, spread = 0;
-  int dead = 0;
-  for (const auto& s : layers) {
-    const double routed = double(s.tokens - s.invalid);  // one first choice each
-    first += routed > 0 ? double(s.dropped_at(0)) / routed : 0.0;
-    all += s.dropped_share();
-    spread = std::max(spread, s.max_over_mean());
-    dead += s.dead_experts();
-  }
-  const double n = double(std::max<std::size_t>(layers.size(), 1));
-  char b[160];
-  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  max/mean demand %.2f  dead experts %d", 100.0 * all / n,
-                100.0 * first / n, spread, dead);
-  return b;
-}
-
 // The routing settings, saved in the checkpoint's metadata beside the step,
 // so a resumed run can say when it trains another objective.
 std::map<std::string, double> routing_meta(const model::config& c) {
@@ -387,26 +366,6 @@ std::string preflight(const options& o, const model::config& c, const model::cos
   return "";
 }
 
-// The checkpoint's step: a whole number in [0, 2^31), or the problem.
-std::string valid_step(const std::map<std::string, double>& meta, const std::string& path) {
-  const auto it = meta.find("step");
-  if (it == meta.end()) return path + " has no step in its metadata (not written by this trainer)";
-  const double v = it->second;
-  if (!(v >= 0 && v <= double(INT_MAX) && v == std::floor(v)))
-    return path + ": its step " + std::to_string(v) + " is not a whole number from 0 to " + std::to_string(INT_MAX) + " (damaged metadata)";
-  return "";
-}
-
-// "1h02m", "3m05s", "42s".
-std::string duration(double s) {
-  char b[32];
-  const long t = long(std::max(0.0, s) + 0.5);
-  if (t >= 3600) std::snprintf(b, sizeof b, "%ldh%02ldm", t / 3600, t / 60 % 60);
-  else if (t >= 60) std::snprintf(b, sizeof b, "%ldm%02lds", t / 60, t % 60);
-  else std::snprintf(b, sizeof b, "%lds", t);
-  return b;
-}
-
 template <class Mesh>
 int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
   const bool root = m.rank() == 0;
@@ -430,7 +389,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   int start = 0;
   if (!o.resume.empty()) {
     const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
-    if (const std::string p = valid_step(meta, o.resume); !p.empty()) throw checkpoint_error("gshard train: " + p);
+    if (const std::string p = examples::valid_step(meta, o.resume); !p.empty()) throw checkpoint_error("gshard train: " + p);
     start = int(meta.at("step"));
     opt.step = start;
     if (root) std::printf("resumed %s at step %d on %s\n", o.resume.c_str(), start, m.describe().c_str());
@@ -505,42 +464,13 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), meta);
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
-  // The metrics log: opened by rank 0; a path it cannot write stops every rank before training.
-  std::FILE* metrics = nullptr;
-  if (!o.metrics.empty()) {
-    std::string problem;
-    if (root && !(metrics = std::fopen(o.metrics.c_str(), start > 0 ? "a" : "w"))) problem = io::reason();
-    if (const std::string p = broadcast_text(m.all_axes(), problem); !p.empty())
-      throw io_error("gshard train: --metrics " + o.metrics + ": cannot open it for writing: " + p);
-  }
-  struct closer {
-    std::FILE* f;
-    ~closer() {
-      if (f) std::fclose(f);
-    }
-  } close_metrics{metrics};
-  int metrics_errno = 0;  // rank 0's, when a metrics line could not be written
+  // The metrics log, opened by rank 0; SIGTERM and SIGINT stop at the next step boundary, saved.
+  examples::run_log log(m.all_axes(), "train", o.metrics, start > 0);
   // The progress line's window: step time, tokens and model FLOPs since the
   // last line, and the wall time (batches, evaluations and all) for the ETA.
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
   int steps_window = 0;
-  const preemption stop;  // SIGTERM, SIGINT: stop at the next step boundary, saved
-  // One agreement per step boundary: a stop signal on any rank, or a metrics
-  // line that rank 0 could not write. Returns the exit code when stopping.
-  auto stopping = [&](int step) -> int {
-    std::int32_t why[2] = {preemption::received(), metrics_errno};
-    all_reduce(m.all_axes(), std::span<std::int32_t>(why, 2), reduction::max);
-    if (why[1]) throw io_error("gshard train: --metrics " + o.metrics + ": writing failed: " + io::reason(why[1]));
-    const int sig = why[0];
-    if (!sig) return 0;
-    if (root) std::printf("stopped by %s after step %d of %d\n", preemption::name(sig), step, o.steps);
-    if (!o.save.empty() && step > start) {
-      save(step);
-      if (root) std::printf("resume with the same options and --resume %s\n", o.save.c_str());
-    } else if (root) std::printf(o.save.empty() ? "nothing saved: no --save FILE was given\n" : "nothing new to save\n");
-    std::fflush(stdout);
-    return 128 + sig;
-  };
+  auto stopping = [&](int step) { return log.stop(step, start, o.steps, o.save, save); };
   auto evaluate = [&] {
     return model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
   };
@@ -571,7 +501,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
         std::printf("held-out at step %d: %.4f nats/byte = %.3f bits per byte\n", step + 1, held_out->ce,
                     held_out->ce * bits);
     }
-    if (metrics) {
+    if (log.writing()) {
       using moe::detail::json_number;
       std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"tokens\":" +
                          json_number(double(step + 1) * double(o.batch * o.seq)) + ",\"loss\":" + json_number(r.loss) +
@@ -581,17 +511,15 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
               ",\"seconds\":" + json_number(seconds) + ",\"tokens_per_s\":" + json_number(double(o.batch * o.seq) / seconds) +
               ",\"mfu\":" + json_number(mfu) + ",\"moe\":[";
       for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
-      line += "]}\n";
-      // Whole lines only, for a reader tailing it or a run that is stopped.
-      if (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0) metrics_errno = errno ? errno : EIO;
+      log.write(line + "]}\n");
     }
     if (root && ((step + 1) % o.log_every == 0 || step == start)) {
       const double now = MPI_Wtime(), per_step = (now - wall_mark) / steps_window;
       char aux[32] = "";
       if (!r.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", r.aux);  // a dense model has no routing
       std::printf("step %5d  loss %.4f%s  %.0f tokens/s  %s%slr %.2e  MFU %.2f  ETA %s\n", step + 1, r.ce, aux,
-                  tokens_window / t_window, routing_summary(r.moe).c_str(), r.moe.empty() ? "" : "  ", r.lr,
-                  flops_window / (t_window * double(m.nranks()) * peak * 1e9), duration(per_step * (end - step - 1)).c_str());
+                  tokens_window / t_window, examples::routing_summary(r.moe).c_str(), r.moe.empty() ? "" : "  ", r.lr,
+                  flops_window / (t_window * double(m.nranks()) * peak * 1e9), examples::duration(per_step * (end - step - 1)).c_str());
       std::fflush(stdout);
       t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
     }
@@ -606,7 +534,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   if (!held_out) held_out = evaluate();  // the last step evaluates; kept for clarity, not reached
   if (root)
     std::printf("held-out loss %.4f nats/byte = %.3f bits per byte%s%s%s\n", held_out->ce, held_out->ce * bits,
-                held_out->moe.empty() ? "" : "  (", routing_summary(held_out->moe).c_str(), held_out->moe.empty() ? "" : ")");
+                held_out->moe.empty() ? "" : "  (", examples::routing_summary(held_out->moe).c_str(), held_out->moe.empty() ? "" : ")");
   if (o.sample_bytes > 0) {
     const std::string prompt = held_out_prompt(text, split, o.seed);
     const std::string continuation = sample(tr, ps, o.seq, prompt, o.sample_bytes, o.sample_temperature, o.seed);

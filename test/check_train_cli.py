@@ -14,11 +14,10 @@ import re
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import time
 
-from checks import verdict
+from checks import interrupted, run, verdict
 
 SMALL = ["--batch", "4", "--seq", "32"]
 
@@ -49,15 +48,6 @@ def with_step(src, dst, value=None, rename=None):
     open(dst, "wb").write(bytes(body) + b"GSHARDEND" + struct.pack("<Q", fnv1a(body)))
 
 
-def run(cmd, timeout=90, env=None):
-    e = dict(os.environ, **(env or {}))
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
-        return p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as t:
-        return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
-
-
 def rank_pids(parent_cmd_tail):
     """The trainer's rank processes, by their OMPI or PMI rank."""
     pids = {}
@@ -85,27 +75,6 @@ def rank_pids(parent_cmd_tail):
 # steps. The step (~10 ms here), the save (~18 MB, ~60 ms) and the prints fit in the second between
 # SIGTERM and SIGKILL.
 SIGKILL_WAIT = {}
-
-
-def interrupted(mpi, trainer, args, send, timeout=120, env=None):
-    """Starts the trainer, waits for its first progress line, then `send(proc)`; returns (code, output)."""
-    p = subprocess.Popen(mpi + [trainer] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, **(env or {})))
-    out, start = "", time.monotonic()
-    while time.monotonic() - start < timeout:
-        line = p.stdout.readline()
-        if not line:
-            break
-        out += line
-        if line.startswith("step "):
-            send(p)
-            break
-    try:
-        rest, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
-        return p.returncode, out + rest
-    except subprocess.TimeoutExpired:
-        p.kill()
-        return None, out + "\n(killed: timeout)"
 
 
 def main() -> int:

@@ -1,4 +1,9 @@
-"""What the test scripts share: the verdict line scripts/summarize.py reads."""
+"""What the test scripts share: the verdict line scripts/summarize.py reads, and
+running a program under a timeout (to its end, or until its first progress
+line and a signal)."""
+import os
+import subprocess
+import time
 
 
 def verdict(problems, ranks):
@@ -8,3 +13,34 @@ def verdict(problems, ranks):
     ok = not problems
     print(f"gshard-test-summary: passed={int(ok)} failed={int(not ok)} ranks={ranks}")
     return 0 if ok else 1
+
+
+def run(cmd, timeout=90, env=None):
+    """Runs cmd to its end under a timeout; returns (exit code or None, stdout + stderr)."""
+    e = dict(os.environ, **(env or {}))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as t:
+        return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
+
+
+def interrupted(mpi, trainer, args, send, timeout=120, env=None):
+    """Starts the trainer, waits for its first progress line, then `send(proc)`; returns (code, output)."""
+    p = subprocess.Popen(mpi + [trainer] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, **(env or {})))
+    out, start = "", time.monotonic()
+    while time.monotonic() - start < timeout:
+        line = p.stdout.readline()
+        if not line:
+            break
+        out += line
+        if line.startswith("step "):
+            send(p)
+            break
+    try:
+        rest, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        return p.returncode, out + rest
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return None, out + "\n(killed: timeout)"

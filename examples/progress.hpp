@@ -1,0 +1,125 @@
+// examples/progress.hpp — what the trainers share: the progress line's
+// routing summary and time left, a checkpoint's step checked, and the run's
+// metrics file with its agreement on stopping.
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gshard/core/error.hpp>
+#include <gshard/core/io.hpp>
+#include <gshard/moe/stats.hpp>
+#include <gshard/runtime/collectives.hpp>
+#include <gshard/runtime/preemption.hpp>
+
+namespace examples {
+
+// The progress line's routing part, over the MoE layers: the share of all
+// choices dropped and of first choices, the largest max/mean expert demand
+// (before capacity), and the experts that received no token.
+inline std::string routing_summary(const std::vector<gshard::moe::gating_stats>& layers) {
+  if (layers.empty()) return "";  // a dense model
+  double first = 0, all = 0, spread = 0;
+  int dead = 0;
+  for (const auto& s : layers) {
+    const double routed = double(s.tokens - s.invalid);  // one first choice each
+    first += routed > 0 ? double(s.dropped_at(0)) / routed : 0.0;
+    all += s.dropped_share();
+    spread = std::max(spread, s.max_over_mean());
+    dead += s.dead_experts();
+  }
+  const double n = double(std::max<std::size_t>(layers.size(), 1));
+  char b[160];
+  std::snprintf(b, sizeof b, "dropped %.1f%% (1st %.1f%%)  max/mean demand %.2f  dead experts %d", 100.0 * all / n,
+                100.0 * first / n, spread, dead);
+  return b;
+}
+
+// "1h02m", "3m05s", "42s".
+inline std::string duration(double s) {
+  char b[32];
+  const long t = long(std::max(0.0, s) + 0.5);
+  if (t >= 3600) std::snprintf(b, sizeof b, "%ldh%02ldm", t / 3600, t / 60 % 60);
+  else if (t >= 60) std::snprintf(b, sizeof b, "%ldm%02lds", t / 60, t % 60);
+  else std::snprintf(b, sizeof b, "%lds", t);
+  return b;
+}
+
+// The checkpoint's step: a whole number in [0, 2^31), or the problem.
+inline std::string valid_step(const std::map<std::string, double>& meta, const std::string& path) {
+  const auto it = meta.find("step");
+  if (it == meta.end()) return path + " has no step in its metadata (not written by this trainer)";
+  const double v = it->second;
+  if (!(v >= 0 && v <= double(INT_MAX) && v == std::floor(v)))
+    return path + ": its step " + std::to_string(v) + " is not a whole number from 0 to " + std::to_string(INT_MAX) + " (damaged metadata)";
+  return "";
+}
+
+// A training run's --metrics file and its stop: rank 0 opens the file
+// (appending when resuming; a path it cannot open stops every rank before
+// training) and writes whole lines; from construction on, SIGTERM and SIGINT
+// are caught (runtime/preemption.hpp). At each step boundary stop() agrees
+// over `all` on a signal received by any rank and on a metrics line rank 0
+// could not write (an io_error on every rank).
+class run_log {
+ public:
+  run_log(const gshard::detail::axis_group& all, std::string program, std::string path, bool append)
+      : all_(&all), program_(std::move(program)), path_(std::move(path)) {
+    if (path_.empty()) return;
+    std::string problem;
+    if (all.rank == 0 && !(file_ = std::fopen(path_.c_str(), append ? "a" : "w"))) problem = gshard::io::reason();
+    if (const std::string p = gshard::broadcast_text(all, problem); !p.empty())
+      throw gshard::io_error("gshard " + program_ + ": --metrics " + path_ + ": cannot open it for writing: " + p);
+  }
+  run_log(const run_log&) = delete;
+  run_log& operator=(const run_log&) = delete;
+  ~run_log() {
+    if (file_) std::fclose(file_);
+  }
+
+  bool writing() const { return file_ != nullptr; }  // rank 0 with --metrics
+
+  // One line (its newline included), flushed so a reader sees whole lines.
+  void write(const std::string& line) {
+    if (file_ && (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)) failed_errno_ = errno ? errno : EIO;
+  }
+
+  // 0, or the signal that stops the run after `step` of `last`: then says so
+  // and, when `save_path` is given and a step was trained since `first`,
+  // calls save(step) and says how to resume.
+  int stop(int step, int first, int last, const std::string& save_path, const std::function<void(int)>& save) {
+    std::int32_t why[2] = {gshard::preemption::received(), failed_errno_};
+    gshard::all_reduce(*all_, std::span<std::int32_t>(why, 2), gshard::reduction::max);
+    if (why[1])
+      throw gshard::io_error("gshard " + program_ + ": --metrics " + path_ + ": writing failed: " + gshard::io::reason(why[1]));
+    if (!why[0]) return 0;
+    const bool root = all_->rank == 0;
+    if (root) std::printf("stopped by %s after step %d of %d\n", gshard::preemption::name(why[0]), step, last);
+    if (!save_path.empty() && step > first) {
+      save(step);
+      if (root) std::printf("resume with the same options and --resume %s\n", save_path.c_str());
+    } else if (root) {
+      std::printf(save_path.empty() ? "nothing saved: no --save FILE was given\n" : "nothing new to save\n");
+    }
+    std::fflush(stdout);
+    return 128 + why[0];
+  }
+
+ private:
+  const gshard::detail::axis_group* all_;
+  std::string program_, path_;
+  std::FILE* file_ = nullptr;
+  int failed_errno_ = 0;  // rank 0's, when a line could not be written
+  const gshard::preemption stop_signals_;
+};
+
+}  // namespace examples
