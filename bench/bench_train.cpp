@@ -1,11 +1,13 @@
 // bench/bench_train.cpp — training: the trainer's step and its parts (GEMMs,
-// memory, weight update, buckets, remat, cost model); the MoE layer and
-// attention alone are bench_layers.cpp's.
+// memory, weight update, buckets, remat, cost model), the translation
+// model's step and decoding; the MoE layer and attention alone are
+// bench_layers.cpp's.
 //   scripts/mpirun -np 2 build/bench/bench_train
 // The comment above each benchmark says what it measures;
 // docs/10_performance.md discusses the results.
 #include <gshard/gshard.hpp>
 #include <gshard/model/machine.hpp>
+#include <gshard/model/seq2seq.hpp>
 #include <gshard/model/train.hpp>
 
 #include <algorithm>
@@ -340,6 +342,106 @@ void cost_model(benchmark::State& state) {
   }
 }
 
+// The translation model of examples/translate (model/seq2seq.hpp: 2 + 2
+// blocks, M=128, 4 heads of 32, H=256, 8 experts in block 1 of each stack,
+// dropout and label smoothing 0.1) and a batch of 64 pairs in all, at every rank count
+// (sources of 4 to 24 bytes after their language tag, targets of 4 to 24
+// bytes; padded as translate pads them).
+struct translation {
+  using net_t = model::seq2seq<float, grid>;
+  static model::seq2seq_config config() {
+    model::seq2seq_config c;
+    c.vocab = 256 + 30, c.model = 128, c.heads = 4, c.head_dim = 32, c.hidden = 256, c.experts = 8;
+    c.encoder_layers = c.decoder_layers = 2, c.max_len = 34, c.gating.capacity_factor = 2.0;
+    c.dropout = 0.1, c.label_smoothing = 0.1;
+    return c;
+  }
+  const grid& m = gshard::bench::world_mesh<grid>();
+  model::seq2seq_config c = config();
+  parameters<grid> ps{m, 1};
+  net_t net{ps, c};
+  adam opt{{}, ps};
+  static constexpr index_t B = 64, S = 25, L = 24;
+  // The batch on the host: sources [B, S] (a language tag, then bytes),
+  // their lengths, targets [B, L + 2] (bos, bytes, eos, then -1).
+  struct host_batch {
+    local_tensor<std::int32_t, 2> src{B, S}, tgt{B, L + 2};
+    local_tensor<std::int32_t, 1> lengths{B};
+    double target_tokens = 0;  // real target tokens (eos included)
+  };
+  static host_batch make_batch(const model::seq2seq_config& c) {
+    host_batch h;
+    h.src.setZero(), h.tgt.setConstant(-1);
+    for (index_t b = 0; b < B; ++b) {
+      const index_t ns = 4 + (b * 7) % 21, nt = 4 + (b * 5) % 21;
+      h.lengths(b) = std::int32_t(ns + 1), h.src(b, 0) = std::int32_t(256 + b % 30), h.tgt(b, 0) = c.bos;
+      for (index_t i = 1; i <= ns; ++i) h.src(b, i) = std::int32_t(97 + (b + i * 3) % 26);
+      for (index_t i = 1; i <= nt; ++i) h.tgt(b, i) = std::int32_t(97 + (b * 2 + i) % 26);
+      h.tgt(b, nt + 1) = c.eos;
+      h.target_tokens += double(nt + 1);
+    }
+    return h;
+  }
+  host_batch host = make_batch(c);
+  net_t::tokens_type src = distribute<net_t::tokens_type>(m, host.src), tgt = distribute<net_t::tokens_type>(m, host.tgt);
+  net_t::lengths_type lengths = distribute<net_t::lengths_type>(m, host.lengths);
+  double target_tokens = host.target_tokens;
+  void step(std::uint64_t k) {
+    tape t(ps);
+    auto out = net.forward(t, src, lengths, tgt, k);
+    t.backward(out.loss);
+    opt.update(ps);
+  }
+};
+
+// seq2seq_step: one training step of the translation model (above) at the
+// rank count of the run: target tokens/s, and MFU against the FMA peak
+// measured in the run, beside the language model's `step`.
+void seq2seq_step(benchmark::State& state) {
+  translation b;
+  b.step(0);  // warm up
+  b.step(1);
+  std::uint64_t k = 2;
+  double total = 0;
+  const double flops0 = model_flops();
+  for (auto _ : state) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    b.step(k++);
+    const double t = gshard::bench::max_over_ranks(MPI_Wtime() - t0);
+    total += t;
+    state.SetIterationTime(t);
+  }
+  const double n = double(state.iterations()), P = double(b.m.nranks()), step_flops = (model_flops() - flops0) * P / n;
+  state.counters["target_tokens/s"] = b.target_tokens * n / total;
+  state.counters["step_ms"] = 1e3 * total / n;
+  state.counters["model_GFLOP/step"] = step_flops * 1e-9;
+  state.counters["mfu"] = step_flops / (total / n) / (P * gshard::bench::fma_peak_gflops() * 1e9);
+}
+
+// seq2seq_decode/width:1|4: the translation model decoding the batch's 64
+// sources up to 32 bytes each, greedily (width 1) or by beam search of
+// width 4, every rank in lockstep with the cache: decoded tokens per second
+// (each source's tokens until its end token; beam: the best hypothesis's).
+void seq2seq_decode(benchmark::State& state) {
+  translation b;
+  const int width = int(state.range(0));
+  double total = 0, tokens = 0;
+  for (auto _ : state) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    const auto out = width == 1 ? b.net.greedy(b.src, b.lengths, 33, 0) : b.net.beam_search(b.src, b.lengths, {width, 0.6, 33}, 0);
+    const double t = gshard::bench::max_over_ranks(MPI_Wtime() - t0);
+    double mine = 0;
+    for (const auto& seq : out) mine += double(seq.size());
+    MPI_Allreduce(MPI_IN_PLACE, &mine, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    tokens += mine, total += t;
+    state.SetIterationTime(t);
+  }
+  state.counters["tokens/s"] = tokens / total;
+  state.counters["sources/s"] = double(b.B) * double(state.iterations()) / total;
+}
+
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
@@ -352,6 +454,9 @@ const int registered = [] {
   benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq2seq_step", seq2seq_step)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq2seq_decode", seq2seq_decode)->ArgName("width")->Arg(1)->Arg(4)->Iterations(3)
+      ->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;
 }();
