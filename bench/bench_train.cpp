@@ -210,11 +210,12 @@ double status_mib(const char* key) {
 }
 double local_mib(tensor_set& s) { return double(s.local_bytes()) / (1024.0 * 1024.0); }
 
-// memory_per_rank/sharded_update:0|1 — GShard's weak scaling (paper §5.1):
+// memory_per_rank/sharded_update:0|1/adafactor:0|1 — GShard's weak scaling (paper §5.1):
 // the work per rank fixed (8 sequences of 128 bytes), the experts growing
 // with the ranks (E = 2P, two per rank), the trainer's model otherwise.
 // Peak resident memory per rank after three steps, and its parts: the
-// parameters, their gradients, Adam's state, and the rest (activations,
+// parameters, their gradients, the optimizer's state (Adam's, or
+// Adafactor's with GShard's setting), and the rest (activations,
 // communication buffers, the heap's slack) over what the process held
 // before the model (MPI, the program). The peak is reset at its start, but
 // the heap keeps what earlier benchmarks freed: run it alone per process
@@ -231,14 +232,16 @@ void memory_per_rank(benchmark::State& state) {
   parameters<grid> ps = state.range(0) == 1 ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{})
                                             : parameters<grid>(m, 1);
   model::transformer<float, grid> tr(ps, c);
-  adam opt({}, ps);
+  std::unique_ptr<gshard::optimizer> opt;
+  if (state.range(1) == 1) opt = std::make_unique<adafactor>(adafactor_config{}, ps);
+  else opt = std::make_unique<adam>(adam_config{}, ps);
   using tokens_t = model::transformer<float, grid>::tokens_type;
   const auto tokens = distribute<tokens_t>(m, bench_tokens(8 * P, 128));
   std::uint64_t s = 0;
-  for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { model::train_step(tr, ps, opt, tokens, s++); }));
+  for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { model::train_step(tr, ps, *opt, tokens, s++); }));
   auto most = [](double v) { return gshard::bench::max_over_ranks(v); };
   const double params = most(local_mib(ps.values())), grads = most(local_mib(ps.grads()));
-  const double optimizer = most(double(opt.state_bytes()) / (1024.0 * 1024.0));
+  const double optimizer = most(double(opt->state_bytes()) / (1024.0 * 1024.0));
   const double peak = most(status_mib("VmHWM:"));
   state.counters["experts"] = double(c.experts);
   state.counters["peak_MiB"] = peak;
@@ -450,7 +453,8 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step_gemms", step_gemms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
-      ->ArgName("sharded_update")->Arg(0)->Arg(1)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+      ->ArgNames({"sharded_update", "adafactor"})->ArgsProduct({{0, 1}, {0, 1}})->Iterations(3)->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);

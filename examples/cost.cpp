@@ -31,7 +31,8 @@ constexpr const char* usage =
     "batch: --seq L (128; 1024 with --gshard)  --sequences-per-rank B (8; 4 with --gshard)\n"
     "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
     "  over expert, heads and hidden units over model\n"
-    "  --replicated-update  the Adam update of replicated weights on every rank (default: sharded)\n"
+    "  --replicated-update  the update of replicated weights on every rank (default: sharded)\n"
+    "  --optimizer adam|adafactor  the optimizer whose state is counted (adam; --gshard shows both)\n"
     "  --bucket-kib K       weights' reductions and gathers share collectives up to K KiB (4096;\n"
     "                       0: one collective per weight), as parameters::set_bucket_bytes\n"
     "network (needed for more than one rank): --alpha S (seconds per message round)\n"
@@ -45,6 +46,7 @@ struct options {
   index_t seq = 128, per_rank = 8;
   bool seq_given = false, per_rank_given = false;
   bool sharded = true, gshard_table = false, help = false;
+  costs::optimizer_kind optimizer = costs::optimizer_kind::adam;
   std::size_t bucket_bytes = default_bucket_bytes;
   double alpha = -1, bandwidth = -1;
   double gemm = 0, stream = 0, exp = 0, adam = 0;
@@ -82,6 +84,11 @@ options parse(int argc, char** argv) {
     else if (a == "--expert") o.mesh.expert = whole(1);
     else if (a == "--model-axis") o.mesh.model = whole(1), o.mesh.has_model_axis = true;
     else if (a == "--replicated-update") o.sharded = false;
+    else if (a == "--optimizer") {
+      const std::string v = next();
+      if (v != "adam" && v != "adafactor") throw error("gshard cost: --optimizer is adam or adafactor, not '" + v + "'");
+      o.optimizer = v == "adam" ? costs::optimizer_kind::adam : costs::optimizer_kind::adafactor;
+    }
     else if (a == "--bucket-kib") o.bucket_bytes = std::size_t(whole(0)) * 1024;
     else if (a == "--alpha") o.alpha = real(0);
     else if (a == "--bandwidth") o.bandwidth = real(1e-9);
@@ -127,7 +134,7 @@ void describe(const options& o, const costs::machine& mc) {
   const model::config& c = o.c;
   const costs::mesh_sizes& m = o.mesh;
   const index_t B = o.per_rank * m.data * m.expert;
-  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4, o.bucket_bytes});
+  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4, o.bucket_bytes, o.optimizer});
   const auto p = costs::predict(w, m, mc);
   double params = 0;
   for (const auto& x : costs::weights(c)) params += double(x.elements());
@@ -146,8 +153,9 @@ void describe(const options& o, const costs::machine& mc) {
     std::printf("  %-15s over %-18s %6d calls %12s %10.3f s  (%s)\n", std::string(name_of(x.kind)).c_str(),
                 axes_text(x.axes).c_str(), x.calls, bytes_text(x.bytes).c_str(), p.collective_s[i], x.what.c_str());
   }
-  std::printf("memory per rank: parameters %s, gradients %s, Adam %s, activations about %s\n", bytes_text(w.parameter_bytes).c_str(),
-              bytes_text(w.gradient_bytes).c_str(), bytes_text(w.adam_bytes).c_str(), bytes_text(w.activation_bytes).c_str());
+  std::printf("memory per rank: parameters %s, gradients %s, %s %s, activations about %s\n", bytes_text(w.parameter_bytes).c_str(),
+              bytes_text(w.gradient_bytes).c_str(), o.optimizer == costs::optimizer_kind::adam ? "Adam" : "Adafactor",
+              bytes_text(w.optimizer_bytes).c_str(), bytes_text(w.activation_bytes).c_str());
   std::printf("predicted step: %.3f s = GEMMs %.3f + element-wise %.3f + communication %.3f (%.0f%%), nothing overlapped\n",
               p.total_s(), p.gemm_s, p.elementwise_s, p.communication_s, 100 * p.communication_share());
 }
@@ -165,12 +173,15 @@ void gshard_table(options o, const costs::machine& mc) {
               "machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s; network alpha %.3g s, %.3g GB/s per rank\n\n",
               o.c.gating.capacity_factor, long(o.c.vocab), long(o.per_rank), long(o.seq), o.sharded ? "sharded" : "replicated",
               mc.gemm_flops * 1e-9, mc.elementwise_bytes_per_s * 1e-9, mc.all_to_all.alpha, mc.all_to_all.beta * 1e-9);
-  std::printf("| D | params | C | TFLOP/rank | step (s) | GEMMs | element-wise | all_to_all | gradients + update | other collectives | comm share | state/rank | activations/rank |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| D | params | C | TFLOP/rank | step (s) | GEMMs | element-wise | all_to_all | gradients + update | other collectives | comm share | "
+              "parameters + gradients/rank | Adam/rank | Adafactor/rank | activations/rank |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (index_t D : {128, 512, 2048}) {
     o.c.experts = D;
     o.mesh = {1, D, 1, false};
     const auto w = costs::count_step(o.c, o.mesh, {o.per_rank * D, o.seq, o.sharded, 4, o.bucket_bytes});
+    const auto factored =
+        costs::count_step(o.c, o.mesh, {o.per_rank * D, o.seq, o.sharded, 4, o.bucket_bytes, costs::optimizer_kind::adafactor});
     const auto p = costs::predict(w, o.mesh, mc);
     double params = 0, a2a = 0, grads = 0, other = 0;
     for (const auto& x : costs::weights(o.c)) params += double(x.elements());
@@ -179,9 +190,10 @@ void gshard_table(options o, const costs::machine& mc) {
       double& into = x.kind == collective::all_to_all ? a2a : x.what == "weight gradients" || x.what == "updated weights" ? grads : other;
       into += p.collective_s[i];
     }
-    std::printf("| %ld | %.0fB | %ld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %s | %s |\n", long(D),
+    std::printf("| %ld | %.0fB | %ld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %s | %s | %s | %s |\n", long(D),
                 params * 1e-9, long(w.capacity), w.model_flops * 1e-12, p.total_s(), p.gemm_s, p.elementwise_s, a2a, grads,
-                other, 100 * p.communication_share(), bytes_text(w.parameter_bytes + w.gradient_bytes + w.adam_bytes).c_str(),
+                other, 100 * p.communication_share(), bytes_text(w.parameter_bytes + w.gradient_bytes).c_str(),
+                bytes_text(w.optimizer_bytes).c_str(), bytes_text(factored.optimizer_bytes).c_str(),
                 bytes_text(w.activation_bytes).c_str());
   }
 }

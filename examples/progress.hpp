@@ -1,5 +1,6 @@
 // examples/progress.hpp — what the trainers share: the progress line's
-// routing summary and time left, a checkpoint's step checked, and the run's
+// routing summary and time left, a checkpoint's step checked, the optimizer
+// named by --optimizer (and checked against a checkpoint's), and the run's
 // metrics file with its agreement on stopping.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -17,6 +19,7 @@
 
 #include <gshard/core/error.hpp>
 #include <gshard/core/io.hpp>
+#include <gshard/state/adafactor.hpp>
 #include <gshard/moe/stats.hpp>
 #include <gshard/runtime/collectives.hpp>
 #include <gshard/runtime/preemption.hpp>
@@ -62,6 +65,40 @@ inline std::string valid_step(const std::map<std::string, double>& meta, const s
   if (!(v >= 0 && v <= double(INT_MAX) && v == std::floor(v)))
     return path + ": its step " + std::to_string(v) + " is not a whole number from 0 to " + std::to_string(INT_MAX) + " (damaged metadata)";
   return "";
+}
+
+// The optimizer --optimizer names ("adam" or "adafactor"), with the peak
+// learning rate `lr` warmed up over `warmup` steps and decayed over `steps`.
+// Adafactor takes GShard's setting: no first moment, β̂ = min(0.99, 1 − t^−0.8),
+// updates clipped at RMS 1.
+inline std::unique_ptr<gshard::optimizer> make_optimizer(const std::string& program, const std::string& name, double lr,
+                                                         int warmup, int steps, gshard::parameters_base& ps) {
+  if (name == "adam") {
+    gshard::adam_config c;
+    c.lr = lr, c.warmup_steps = warmup, c.total_steps = steps;
+    return std::make_unique<gshard::adam>(c, ps);
+  }
+  if (name == "adafactor") {
+    gshard::adafactor_config c;
+    c.lr = lr, c.warmup_steps = warmup, c.total_steps = steps;
+    return std::make_unique<gshard::adafactor>(c, ps);
+  }
+  throw gshard::error("gshard " + program + ": --optimizer is adam or adafactor, not '" + name + "'");
+}
+
+// The metadata key a checkpoint records its optimizer under: 1 for Adafactor;
+// 0 or absent for Adam.
+inline constexpr const char* optimizer_key = "optimizer_adafactor";
+inline std::string optimizer_of(const std::map<std::string, double>& meta) {
+  const auto it = meta.find(optimizer_key);
+  return it != meta.end() && it->second != 0 ? "adafactor" : "adam";
+}
+// "" if a checkpoint with `meta` continues with optimizer `name`, else why not.
+inline std::string resumes_with(const std::map<std::string, double>& meta, const std::string& path, std::string_view name) {
+  const std::string saved = optimizer_of(meta);
+  if (saved == name) return "";
+  return path + " holds the state of --optimizer " + saved + ", but this run uses --optimizer " + std::string(name) +
+         "; resume with --optimizer " + saved + " (one optimizer's state is not the other's)";
 }
 
 // A training run's --metrics file and its stop: rank 0 opens the file

@@ -52,6 +52,8 @@ struct options {
   std::string remat = "none";  // --remat: none, all, or a list of blocks
   bool aux_coef_given = false, second_given = false;
   bool sharded_update = true;  // --weight-update sharded (the default) or replicated
+  std::string optimizer = "adam";
+  double lr = 0;               // --lr; 0: the optimizer's default
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
@@ -103,7 +105,10 @@ constexpr const char* usage =
     "  --aux-coef C       weight of the aux loss (0.01; 0 with --balance bias)\n"
     "  --ffn relu|swiglu  the FFNs' and experts' activation (relu)\n"
     "optimizer:\n"
-    "  --weight-update sharded|replicated  the Adam update of a weight replicated over batch axes on a block\n"
+    "  --optimizer adam|adafactor  Adam (beta2 0.95), or GShard's Adafactor: factored second moments, no first\n"
+    "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
+    "  --lr X             the peak learning rate, warmed up over 50 steps, cosine to a tenth (2e-3; adafactor 3e-3)\n"
+    "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
     "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n"
@@ -182,11 +187,13 @@ options parse(int argc, char** argv) {
     else if (a == "--eval-capacity-factor") g.eval_capacity_factor = real(), capacity_given = true;
     else if (a == "--z-loss") g.z_loss_coef = real();
     else if (a == "--bias-rate") g.bias_rate = real(), bias_rate_given = true;
+    else if (a == "--lr") o.lr = examples::number<double>("train", a, next(), 1e-9, 1.0);
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
-             a == "--placement" || a == "--positions") {
+             a == "--placement" || a == "--positions" || a == "--optimizer") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
+      else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
@@ -207,12 +214,14 @@ options parse(int argc, char** argv) {
                      : a == "--attention" ? "keep or recompute"
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
+                     : a == "--optimizer" ? "adam or adafactor"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
+  if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
   if (o.save.empty() && (o.save_every > 0 || o.stop_after > 0))
@@ -314,8 +323,10 @@ struct memory_estimate {
 };
 memory_estimate step_memory(const model::config& c, const model::cost::mesh_sizes& ms, const options& o, std::size_t text_bytes) {
   const auto w = model::cost::count_step(c, ms, {o.batch, o.seq, o.sharded_update, int(sizeof(float)),
-                                                 o.bucket_kib >= 0 ? std::size_t(o.bucket_kib) << 10 : default_bucket_bytes});
-  return {memory_estimate::process_bytes + double(text_bytes), w.parameter_bytes + w.gradient_bytes + w.adam_bytes,
+                                                 o.bucket_kib >= 0 ? std::size_t(o.bucket_kib) << 10 : default_bucket_bytes,
+                                                 o.optimizer == "adafactor" ? model::cost::optimizer_kind::adafactor
+                                                                            : model::cost::optimizer_kind::adam});
+  return {memory_estimate::process_bytes + double(text_bytes), w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes,
           w.activation_bytes};
 }
 
@@ -383,15 +394,16 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   if (o.bucket_kib >= 0) ps.set_bucket_bytes(std::size_t(o.bucket_kib) << 10);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
-  adam_config ac;
-  ac.lr = 2e-3, ac.warmup_steps = 50, ac.total_steps = o.steps;
-  adam opt(ac, ps);
+  const auto opt = examples::make_optimizer("train", o.optimizer, o.lr, 50, o.steps, ps);
   int start = 0;
   if (!o.resume.empty()) {
-    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
+    // The optimizer first (its state's records differ), then everything.
+    const std::string other = examples::resumes_with(load_checkpoint(o.resume, m, {}), o.resume, o.optimizer);
+    if (!other.empty()) throw checkpoint_error("gshard train: " + other);
+    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, *opt));
     if (const std::string p = examples::valid_step(meta, o.resume); !p.empty()) throw checkpoint_error("gshard train: " + p);
     start = int(meta.at("step"));
-    opt.step = start;
+    opt->step = start;
     if (root) std::printf("resumed %s at step %d on %s\n", o.resume.c_str(), start, m.describe().c_str());
     for (const auto& [key, now] : routing_meta(c))  // checkpoints of older trainers have none of these
       if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
@@ -414,8 +426,9 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
                 gshard::detail::gemm_backend());
     const memory_estimate mem = step_memory(c, ms, o, text.size());
-    std::printf("memory per rank: about %.0f MB at its peak (parameters, gradients and Adam %.0f MB, activations kept for "
-                "the backward %.0f MB)\n", mem.total() * 1e-6, mem.state * 1e-6, mem.activations * 1e-6);
+    std::printf("memory per rank: about %.0f MB at its peak (parameters, gradients and %s %.0f MB, activations kept for "
+                "the backward %.0f MB)\n", mem.total() * 1e-6, o.optimizer == "adam" ? "Adam" : "Adafactor", mem.state * 1e-6,
+                mem.activations * 1e-6);
     if (!c.remat.empty()) {
       std::string list;
       for (int b : c.remat) list += (list.empty() ? "" : ", ") + std::to_string(b);
@@ -424,13 +437,14 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     if (c.attention == attention_memory::recompute_probabilities)
       std::printf("attention: each block's probabilities computed again in the backward (two numbers per row kept)\n");
   }
-  {  // Adam's moments on this rank, and what a replicated update would hold
-    const double here = double(opt.moment1().local_bytes() + opt.moment2().local_bytes());
-    const double whole = 2.0 * double(ps.values().local_bytes());
+  {  // The optimizer's state on this rank, and Adam's moments of a replicated update
+    const double here = double(opt->state_bytes()), adam_whole = 2.0 * double(ps.values().local_bytes());
+    bool sharded = false;
+    for (auto& g : ps.grads()) sharded = sharded || g->as_sharded() != nullptr;
     if (root)
-      std::printf("optimizer: Adam, weight update %s: moments %.2f MB on rank 0 (%.2f MB replicated)\n",
-                  ps.update_axes() == 0 || whole == here ? "replicated" : "sharded over the batch axes", here * 1e-6,
-                  whole * 1e-6);
+      std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)\n",
+                  o.optimizer == "adam" ? "Adam" : "Adafactor (factored second moments, no first moment)", o.lr,
+                  sharded ? "sharded over the batch axes" : "replicated", here * 1e-6, adam_whole * 1e-6);
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());
@@ -461,7 +475,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   auto save = [&](int step) {
     auto meta = routing_meta(c);
     meta["step"] = double(step);
-    save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), meta);
+    meta[examples::optimizer_key] = o.optimizer == "adafactor";
+    save_checkpoint(o.save, m, model::checkpoint_parts(ps, *opt), meta);
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   // The metrics log, opened by rank 0; SIGTERM and SIGINT stop at the next step boundary, saved.
@@ -483,7 +498,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     barrier(m.all_axes());
     if (tracing) trace::start(o.trace, m);  // after the barrier: the trace holds the step alone
     const double flops0 = model_flops(), t0 = MPI_Wtime();
-    const auto r = model::train_step(tr, ps, opt, tok, std::uint64_t(step));
+    const auto r = model::train_step(tr, ps, *opt, tok, std::uint64_t(step));
     const double seconds = MPI_Wtime() - t0;
     // Every rank counts 1/P of each einsum's FLOPs (counters.hpp): x P is the step's.
     const double flops = (model_flops() - flops0) * double(m.nranks());

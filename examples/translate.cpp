@@ -42,7 +42,8 @@ struct options {
   std::vector<std::string> languages;  // empty: every installed one
   int steps = 6000, batch = 64, log_every = 100, eval_every = 1000, eval_sentences = 32, show = 6;
   int experts = 8, model = 128, hidden = 256, slot_hidden = 0, layers = 2, beam = 4, max_bytes = 32, save_every = 0;
-  double temperature = 5, lr = 2e-3, dropout = 0.1, label_smoothing = 0.1, capacity_factor = 2.0;
+  std::string optimizer = "adam";
+  double temperature = 5, lr = 0, dropout = 0.1, label_smoothing = 0.1, capacity_factor = 2.0;
   std::uint64_t seed = 1;
   std::string metrics, save, resume;
   bool help = false;
@@ -64,7 +65,9 @@ const char* usage =
     "  --capacity-factor C  each expert's capacity, in tokens per expert of an even split (2)\n"
     "  --dropout R        dropout while training (0.1, as GShard's M4)\n"
     "  --label-smoothing E  the target (1 - E) onehot + E/V (0.1, the value of Lingvo's MT setups)\n"
-    "  --lr X             Adam's peak learning rate (2e-3), warmed up over the first 5% of the steps\n"
+    "  --optimizer adam|adafactor  Adam, or Adafactor as GShard trained M4: factored second moments, no first\n"
+    "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
+    "  --lr X             the peak learning rate (2e-3; adafactor 3e-3), warmed up over the first 5% of the steps\n"
     "  --seed N           weights, batches, routing and dropout (1)\n"
     "  --log-every N      steps between progress lines (100)\n"
     "  --eval-every N     steps between held-out evaluations (1000; 0: at the end only)\n"
@@ -110,7 +113,12 @@ options parse(int argc, char** argv) {
     else if (a == "--capacity-factor") o.capacity_factor = real(1e-3, 1e6);
     else if (a == "--dropout") o.dropout = real(0, 0.99);
     else if (a == "--label-smoothing") o.label_smoothing = real(0, 0.99);
-    else if (a == "--lr") o.lr = real(0, 1);
+    else if (a == "--lr") o.lr = real(1e-9, 1);
+    else if (a == "--optimizer") {
+      o.optimizer = next();
+      if (o.optimizer != "adam" && o.optimizer != "adafactor")
+        throw error("gshard translate: --optimizer is adam or adafactor, not '" + o.optimizer + "'");
+    }
     else if (a == "--seed") o.seed = std::uint64_t(examples::number<long long>("translate", a, next(), 0, LLONG_MAX));
     else if (a == "--log-every") o.log_every = integer(1);
     else if (a == "--eval-every") o.eval_every = integer(0);
@@ -401,19 +409,21 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
   c.dropout = o.dropout, c.label_smoothing = o.label_smoothing, c.dropout_seed = o.seed ^ 0xD509;
   parameters<grid> ps(m, o.seed);
   const net_t net(ps, c);
-  adam_config ac;
-  ac.lr = o.lr, ac.warmup_steps = std::max(1, o.steps / 20), ac.total_steps = o.steps;
-  adam opt(ac, ps);
+  const double lr = o.lr > 0 ? o.lr : o.optimizer == "adafactor" ? 3e-3 : 2e-3;
+  const auto opt = examples::make_optimizer("translate", o.optimizer, lr, std::max(1, o.steps / 20), o.steps, ps);
   int start = 0;
   if (!o.resume.empty()) {
     // The metadata alone first (no part loaded): another run's languages or
     // sizes are named as such, before a tensor's shape would be.
-    if (const std::string p = resumable(load_checkpoint(o.resume, m, {}), run_meta(langs, c), o.resume); !p.empty())
+    const auto saved = load_checkpoint(o.resume, m, {});
+    if (const std::string p = resumable(saved, run_meta(langs, c), o.resume); !p.empty())
       throw checkpoint_error("gshard translate: " + p);
-    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, opt));
+    if (const std::string p = examples::resumes_with(saved, o.resume, o.optimizer); !p.empty())
+      throw checkpoint_error("gshard translate: " + p);
+    const auto meta = load_checkpoint(o.resume, m, model::checkpoint_parts(ps, *opt));
     if (const std::string p = examples::valid_step(meta, o.resume); !p.empty()) throw checkpoint_error("gshard translate: " + p);
     start = int(meta.at("step"));
-    opt.step = start;  // Adam's schedule and bias correction continue where they stopped
+    opt->step = start;  // the schedule (and Adam's bias correction) continue where they stopped
     if (root) std::printf("resumed %s at step %d\n", o.resume.c_str(), start);
   }
   if (root) {
@@ -439,7 +449,8 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
   auto save = [&](int step) {
     auto meta = run_meta(langs, c);
     meta["step"] = double(step);
-    save_checkpoint(o.save, m, model::checkpoint_parts(ps, opt), meta);
+    meta[examples::optimizer_key] = o.optimizer == "adafactor";
+    save_checkpoint(o.save, m, model::checkpoint_parts(ps, *opt), meta);
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   examples::run_log log(m.all_axes(), "translate", o.metrics, start > 0);
@@ -456,7 +467,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
     tape t(ps);
     const auto out = net.forward(t, d.src, d.lengths, d.tgt, std::uint64_t(step));
     t.backward(out.loss);
-    opt.update(ps);
+    opt->update(ps);
     const double seconds = MPI_Wtime() - t0, flops = (model_flops() - flops0) * double(P);
     t_window += seconds, flops_window += flops, tokens_window += tokens, ++steps_window;
     const bool evaluating = step + 1 == end || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);

@@ -165,6 +165,8 @@ def main() -> int:
         (["--resume", work], f"gshard::checkpoint: {work}: cannot read {work}: Is a directory"),
         (["--stpes", "3"], "unknown option --stpes"),
         (["--top-k"], "--top-k needs a value"),
+        (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
+        (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
     ]
     for args, want in refused:
         code, out = run(base + args, timeout=60)
@@ -279,6 +281,21 @@ def main() -> int:
         code, out = run(base + SMALL + ["--resume", bad, "--steps", "10"])
         if code in (None, 0) or out.count(want) < 2:
             problems.append(f"checkpoint with a {name} step: exit {code}, wanted '{want}':\n{out[-1500:]}")
+    # Another optimizer than the checkpoint's: refused, naming both; Adafactor
+    # saves and resumes its own state.
+    if os.path.exists(ckpt):
+        code, out = run(base + SMALL + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"])
+        want = f"{ckpt} holds the state of --optimizer adam, but this run uses --optimizer adafactor; resume with --optimizer adam"
+        if code in (None, 0) or out.count(want) < 2:
+            problems.append(f"an Adam checkpoint resumed with --optimizer adafactor: exit {code}, wanted '{want}':\n{out[-1500:]}")
+    factored = os.path.join(work, "adafactor.ckpt")
+    code, out = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--stop-after", "2", "--save", factored,
+                                    "--sample-bytes", "0"])
+    code2, out2 = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    code3, out3 = run(base + SMALL + ["--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    if code != 0 or code2 != 0 or f"resumed {factored} at step 2" not in out2 or "optimizer: Adafactor" not in out2 or \
+            code3 in (None, 0) or "holds the state of --optimizer adafactor, but this run uses --optimizer adam" not in out3:
+        problems.append(f"Adafactor saved and resumed: exits {code}, {code2}, {code3}:\n{out[-800:]}\n{out2[-800:]}\n{out3[-800:]}")
     return verdict(problems, 2)
 
 

@@ -136,6 +136,13 @@ inline void fragment(parameters<grid>& ps, const model::transformer<float, grid>
 //@fragment
 }
 
+// context: adafactor
+// docs/06: Adafactor over a model's declared parameters.
+using grid = mesh<axis<"data">, axis<"expert">>;
+inline void fragment(parameters<grid>& ps) {
+//@fragment
+}
+
 // context: trace_phase
 inline void fragment(const gshard::mesh<axis<"x">>& mesh) {
 //@fragment

@@ -81,16 +81,17 @@ struct file_size_limit {
   }
 };
 
-template <class T, class Mesh, class Roles = default_roles>
+template <class T, class Mesh, class Roles = default_roles, class Opt = adam>
 struct trainer {
   using model_t = model::transformer<T, Mesh, Roles>;
   parameters<Mesh> ps;
   model_t tr;
-  adam opt;
-  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac = {})
+  Opt opt;
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const typename Opt::config_type& ac = {})
       : ps(m, seed), tr(ps, c), opt(ac, ps) {}
   template <class Axes>
-  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const adam_config& ac, shard_weight_update<Axes> how)
+  trainer(const Mesh& m, const model::config& c, std::uint64_t seed, const typename Opt::config_type& ac,
+          shard_weight_update<Axes> how)
       : ps(m, seed, how), tr(ps, c), opt(ac, ps) {}
   typename model_t::tokens_type tokens(const local_tensor<std::int32_t, 2>& tok) const {
     return distribute<typename model_t::tokens_type>(ps.mesh(), tok);
@@ -308,10 +309,11 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   // shared experts and top-1, and for a dense model.
   const int P = world_size();
   const index_t B = 2 * P, L = 6;
-  auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
+  auto ran_with = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket, auto optimizer_tag) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
-    trainer<float, Mesh> run = sharded ? trainer<float, Mesh>(m, c, 3, {}, shard_weight_update<default_roles::batch>{})
-                                       : trainer<float, Mesh>(m, c, 3);
+    constexpr bool factored = std::is_same_v<decltype(optimizer_tag), adafactor_config>;
+    using run_t = trainer<float, Mesh, default_roles, std::conditional_t<factored, adafactor, adam>>;
+    run_t run = sharded ? run_t(m, c, 3, optimizer_tag, shard_weight_update<default_roles::batch>{}) : run_t(m, c, 3, optimizer_tag);
     run.ps.set_bucket_bytes(bucket);
     const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
@@ -326,7 +328,9 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     }
     const bool three = m.naxes() == 3;
     const model::cost::mesh_sizes ms{m.size(0), m.size(1), three ? m.size(2) : 1, three};
-    const auto w = model::cost::count_step(c, ms, {B, L, sharded, int(sizeof(float)), bucket});
+    const auto w = model::cost::count_step(
+        c, ms, {B, L, sharded, int(sizeof(float)), bucket, factored ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam,
+                factored && optimizer_tag.beta1 > 0});
     std::map<std::string, std::pair<int, std::size_t>> want;
     for (const auto& x : w.collectives) {
       std::string axes;
@@ -349,6 +353,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
         weight_diff = "weight " + std::to_string(i) + ": declared " + run.ps.name(i) + " " + run.ps.values()[i].notation() +
                       ", counted " + ws[i].name;
     INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
+                      << (factored ? ", Adafactor" : ", Adam")
                       << ", buckets of " << bucket << " B"
                       << "\nran: " << text(seen) << "\nwant: " << text(want) << "\nmodel FLOPs " << flops << " counted "
                       << w.model_flops << "\n" << weight_diff);
@@ -357,7 +362,10 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     GSHARD_REQUIRE(weight_diff.empty());
     GSHARD_REQUIRE(double(run.ps.values().local_bytes()) == w.parameter_bytes);
     GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
-    GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.adam_bytes);
+    GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.optimizer_bytes);
+  };
+  auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
+    ran_with(m, c, sharded, bucket, adam_config{});
   };
   auto shared_top1 = tiny(P, ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
@@ -371,6 +379,16 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     for (bool sharded : {false, true}) {
       ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded);
       ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded);
+    }
+  // Adafactor: its factors reduced over "model" where their means run along
+  // a model-split dim, its RMS sums over every axis, its state; without and
+  // with a first moment.
+  adafactor_config with_moment;
+  with_moment.beta1 = 0.9;
+  for (const auto& af : {adafactor_config{}, with_moment})
+    for (bool sharded : {false, true}) {
+      ran_with(grid2(MPI_COMM_WORLD, {d, e}), tiny(P), sharded, default_bucket_bytes, af);
+      ran_with(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(P), sharded, default_bucket_bytes, af);
     }
   // Gradients and gathers one collective per weight (0), and in buckets cut
   // at 1 KiB (a few weights each: the tiny model's are 32 B to 8 KiB), where

@@ -44,6 +44,7 @@
 #include "gshard/tensor/einsum_backward.hpp"
 #include "gshard/tensor/ops.hpp"
 #include "gshard/state/optim.hpp"
+#include "gshard/state/adafactor.hpp"
 
 #include "gshard/moe/dispatch.hpp"
 #include "gshard/moe/gate.hpp"

@@ -150,15 +150,22 @@ struct step_work {
   double elementwise_bytes = 0, exp_elements = 0, adam_elements = 0;
   // Memory per rank (bytes): the state, exact; the activations a step keeps
   // for its backward, an estimate.
-  double parameter_bytes = 0, gradient_bytes = 0, adam_bytes = 0, activation_bytes = 0;
+  double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;  // optimizer: its state
   index_t capacity = 0;  // C of the MoE layers
 };
+
+// The optimizer a step updates with: Adam (two moments like each gradient),
+// or Adafactor (factored second moments in double for every weight of rank
+// ≥ 2, a full one for vectors; a first moment only when its beta1 > 0).
+enum class optimizer_kind : std::uint8_t { adam, adafactor };
 
 struct step_options {
   index_t batch = 16, seq = 128;  // the global batch: B sequences of L tokens
   bool sharded_update = true;     // the weight update sharded over the batch axes (shard_weight_update)
   int element_bytes = 4;          // float
   std::size_t bucket_bytes = default_bucket_bytes;  // parameters::bucket_bytes()
+  optimizer_kind optimizer = optimizer_kind::adam;
+  bool first_moment = false;      // Adafactor with beta1 > 0
 };
 
 namespace detail_cost {
@@ -319,8 +326,38 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     const double g = double(local_elements(target, x.extents, m)) * f;
     w.parameter_bytes += double(local_elements(x.layout, x.extents, m)) * f;
     w.gradient_bytes += g;
-    w.adam_bytes += (target == x.layout ? 2 : 3) * g;  // the moments, and the weight's block a sharded update works on
+    const double block = target == x.layout ? 0 : g;  // the weight's block a sharded update works on
+    if (o.optimizer == optimizer_kind::adam) {
+      w.optimizer_bytes += 2 * g + block;  // the moments
+      continue;
+    }
+    w.optimizer_bytes += block + (o.first_moment ? g : 0);
+    const int r = int(x.extents.size());
+    if (r < 2) {
+      w.optimizer_bytes += g;  // a vector's full second moment
+      continue;
+    }
+    // The factors: the gradient's local shape without its last dim, and
+    // without its second-to-last, in double; each mean that runs along a
+    // split dim is all_reduced over that dim's axes (with each stack's Σ R
+    // beside the column sums).
+    const double local = double(local_elements(target, x.extents, m));
+    const double cols = double(x.extents[std::size_t(r - 1)] / gshard::detail::dim_parts(target, r - 1, m.sizes()));
+    const double rows = double(x.extents[std::size_t(r - 2)] / gshard::detail::dim_parts(target, r - 2, m.sizes()));
+    const double lead = local / (rows * cols);
+    w.optimizer_bytes += 8 * lead * (rows + cols);
+    const auto live = [&](const gshard::detail::rdim& d) {
+      std::uint32_t mask = 0;
+      for (int k = 0; k < d.n; ++k)
+        if (m.sizes()[d.ax[k]] > 1) mask |= 1u << d.ax[k];
+      return mask;
+    };
+    if (const auto a = live(target.dims[r - 1])) add(cs, collective::all_reduce, a, 1, 8 * lead * rows, "Adafactor's row factors");
+    if (const auto a = live(target.dims[r - 2]))
+      add(cs, collective::all_reduce, a, 1, 8 * lead * (cols + 1), "Adafactor's column factors");
   }
+  if (o.optimizer == optimizer_kind::adafactor)
+    add(cs, collective::all_reduce, all, 1, 2.0 * 8 * double(ws.size()), "Adafactor's update and weight RMS");
   for (std::size_t i = ws.size(); i-- > 0;) {
     gshard::detail::rlayout pending = ws[i].layout;
     pending.partial = batch & ~ws[i].layout.split_mask();

@@ -40,7 +40,7 @@ struct step_result {
 // (it seeds the routing noise); the trace's span names it as progress
 // lines print it, from 1.
 template <class T, mesh_type Mesh, class Roles>
-step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, adam& opt,
+step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, optimizer& opt,
                        const typename transformer<T, Mesh, Roles>::tokens_type& tokens, std::uint64_t step) {
   std::optional<trace::span> step_span;
   if (trace::enabled()) step_span.emplace("train step " + std::to_string(step + 1), "step");
@@ -87,10 +87,12 @@ eval_result evaluate(const transformer<T, Mesh, Roles>& model, parameters<Mesh>&
   return sum;
 }
 
-// Parameters, Adam's moments and the model's buffers, as checkpoint parts.
-template <mesh_type Mesh>
-std::vector<checkpoint_part> checkpoint_parts(parameters<Mesh>& ps, adam& opt) {
-  return {{"param.", &ps.values()}, {"adam.m.", &opt.moment1()}, {"adam.v.", &opt.moment2()}, {"buffer.", &ps.buffers()}};
+// Parameters, the optimizer's state and the model's buffers, as checkpoint parts.
+inline std::vector<checkpoint_part> checkpoint_parts(parameters_base& ps, optimizer& opt) {
+  std::vector<checkpoint_part> parts{{"param.", &ps.values()}};
+  for (const auto& p : opt.state_parts()) parts.push_back(p);
+  parts.push_back({"buffer.", &ps.buffers()});
+  return parts;
 }
 
 }  // namespace gshard::model

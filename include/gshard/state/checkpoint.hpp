@@ -155,13 +155,6 @@ inline void agree_or_throw(const std::string& problem_on_root, const std::string
 
 }  // namespace detail
 
-// A named set of tensors to save or load: every tensor of *set, under the
-// name "<prefix><its name>" (e.g. {"param.", &ps.values()}, {"adam.m.", &opt.moment1()}).
-struct checkpoint_part {
-  std::string prefix;
-  tensor_set* set;
-};
-
 inline void save_checkpoint(const std::string& path, const detail::mesh_base& m, const std::vector<checkpoint_part>& parts,
                             const std::map<std::string, double>& meta = {}) {
   const bool root = m.rank() == 0;

@@ -1,4 +1,6 @@
-// gshard/state/optim.hpp — Adam over a model's declared parameters: each rank
+// gshard/state/optim.hpp — the optimizer interface (what a training step and
+// a checkpoint see of any optimizer), and Adam over a model's declared
+// parameters: each rank
 // updates its own shards, and the moments are sharded like their parameter's
 // gradient (tensor_sets with the parameters' names): in the parameter's
 // sharding, or — when the parameters shard the weight update
@@ -18,6 +20,7 @@
 #include <string>
 #include <numbers>
 #include <span>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -30,6 +33,16 @@
 
 namespace gshard {
 
+namespace detail {
+// The learning rate at `step` (from 0): linear warm-up over `warmup` steps to
+// `lr`, then a cosine to min_ratio · lr at step `total`, flat after it.
+inline double warmup_cosine(double lr, int warmup, int total, double min_ratio, int step) {
+  if (step < warmup) return lr * double(step + 1) / double(warmup);
+  const double t = std::min(1.0, double(step - warmup) / double(std::max(1, total - warmup)));
+  return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(std::numbers::pi * t)));
+}
+}  // namespace detail
+
 struct adam_config {
   double lr = 3e-3;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
@@ -39,11 +52,7 @@ struct adam_config {
   int total_steps = 1000;     // the cosine reaches min_lr_ratio · lr here
   double min_lr_ratio = 0.1;
 
-  double lr_at(int step) const {  // step counts from 0
-    if (step < warmup_steps) return lr * double(step + 1) / double(warmup_steps);
-    const double t = std::min(1.0, double(step - warmup_steps) / double(std::max(1, total_steps - warmup_steps)));
-    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + std::cos(std::numbers::pi * t)));
-  }
+  double lr_at(int step) const { return detail::warmup_cosine(lr, warmup_steps, total_steps, min_lr_ratio, step); }
 };
 
 namespace detail {
@@ -82,41 +91,69 @@ inline double global_norm(tensor_set& s, const detail::mesh_base& m) {
   return std::sqrt(sq[0]);
 }
 
+// What a training step and a checkpoint see of an optimizer: one update of
+// every parameter from its gradient, the state it keeps (as checkpoint
+// parts, resharded on load like the parameters), and the updates done.
+class optimizer {
+ public:
+  virtual ~optimizer() = default;
+  int step = 0;  // updates done
+
+  virtual std::string_view name() const = 0;  // "adam", "adafactor"
+  // One update of every parameter from its gradient; returns {the
+  // gradients' global norm before clipping, the learning rate used}.
+  virtual std::pair<double, double> update(parameters_base& ps) = 0;
+  // This rank's bytes of the optimizer's state.
+  virtual std::size_t state_bytes() = 0;
+  // The state as checkpoint parts, each under the optimizer's own prefix.
+  virtual std::vector<checkpoint_part> state_parts() = 0;
+
+ protected:
+  optimizer() = default;
+  optimizer(const optimizer&) = default;
+  optimizer& operator=(const optimizer&) = default;
+
+  // The checks every optimizer makes before an update: these parameters are
+  // the ones its state was built for, and none was declared after.
+  void check_owner(const parameters_base& ps, const void* owner, std::size_t count) const {
+    const std::string who = "gshard::" + std::string(name());
+    if (static_cast<const void*>(&ps) != owner)
+      throw error(who + ": these are not the parameters the optimizer was built for (its state has their layouts); "
+                        "build one " + std::string(name()) + " per parameters");
+    if (count != ps.size())
+      throw error(who + ": built for " + std::to_string(count) + " parameters, but the parameters have " +
+                  std::to_string(ps.size()) + "; build the optimizer after the model declares its parameters");
+  }
+};
+
 // Adam's state for the parameters of one model. The moments take the
 // gradients' layouts: a weight's own, or the block of its update layout
 // when the parameters shard the weight update (shard_weight_update).
-class adam {
+class adam final : public optimizer {
  public:
-  template <mesh_type Mesh>
-  adam(const adam_config& c, parameters<Mesh>& ps)
+  using config_type = adam_config;
+  adam(const adam_config& c, parameters_base& ps)
       : cfg(c), owner_(&ps), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()) {
     for (auto& g : ps.grads()) weight_block_.push_back(g->as_sharded() ? g->zeros(g->name()) : nullptr);
   }
 
   adam_config cfg;
-  int step = 0;  // updates done
 
+  std::string_view name() const override { return "adam"; }
   tensor_set& moment1() { return m_; }
   tensor_set& moment2() { return v_; }
+  std::vector<checkpoint_part> state_parts() override { return {{"adam.m.", &m_}, {"adam.v.", &v_}}; }
   // This rank's bytes of Adam's state: both moments, and the weight blocks
   // a sharded update works on.
-  std::size_t state_bytes() {
+  std::size_t state_bytes() override {
     std::size_t b = m_.local_bytes() + v_.local_bytes();
     for (auto& w : weight_block_)
       if (w) b += w->local_bytes();
     return b;
   }
 
-  // One update of every parameter from its gradient; returns {the gradients'
-  // global norm before clipping, the learning rate used}.
-  template <mesh_type Mesh>
-  std::pair<double, double> update(parameters<Mesh>& ps) {
-    if (static_cast<const void*>(&ps) != owner_)
-      throw error("gshard::adam: these are not the parameters the optimizer was built for (its moments have their "
-                  "layouts); build one adam per parameters");
-    if (m_.size() != ps.size())
-      throw error("gshard::adam: built for " + std::to_string(m_.size()) + " parameters, but the parameters have " +
-                  std::to_string(ps.size()) + "; build the optimizer after the model declares its parameters");
+  std::pair<double, double> update(parameters_base& ps) override {
+    check_owner(ps, owner_, m_.size());
     const double norm = global_norm(ps.grads(), ps.mesh());
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
     const double lr = cfg.lr_at(step);
@@ -125,8 +162,8 @@ class adam {
     // A sharded update runs on this rank's block of the weight and
     // all_gathers the updated blocks — in buckets of weights whose gathers
     // take the same steps (gshard/state/buckets.hpp); otherwise on the whole local shard.
-    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.template bucket_memory<float>());
-    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.template bucket_memory<double>());
+    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<float>());
+    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<double>());
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
       auto* block = weight_block_[i] ? weight_block_[i]->as_sharded() : nullptr;

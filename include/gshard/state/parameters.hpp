@@ -46,23 +46,16 @@ inline initializer ones() { return initializer::constant(1.0); }
 template <class X>
 class param;
 
-// A model's parameters on one mesh: their values and, after a tape's
-// backward, their gradients (each in the parameter's own sharding, or in its
-// update layout when the update is sharded).
-template <mesh_type Mesh>
-class parameters {
+// What the optimizer, the tape's gradient reduction and checkpoints see of a
+// model's parameters, without the mesh's type: the values, the gradients
+// (each in the parameter's own sharding, or in its update layout when the
+// update is sharded), the buffers, and how the gradients travel.
+class parameters_base {
  public:
-  parameters(const Mesh& m, std::uint64_t seed) : mesh_(&m), seed_(seed) {}
-  template <class Axes>
-  parameters(const Mesh& m, std::uint64_t seed, shard_weight_update<Axes> how)
-      : mesh_(&m), seed_(seed), update_axes_(decltype(how)::template mask<Mesh>()) {
-    static_assert(decltype(how)::template mask<Mesh>() != 0,
-                  "gshard::shard_weight_update: none of its axes is an axis of the parameters' mesh");
-  }
-  parameters(const parameters&) = delete;
-  parameters& operator=(const parameters&) = delete;
+  parameters_base(const parameters_base&) = delete;
+  parameters_base& operator=(const parameters_base&) = delete;
 
-  const Mesh& mesh() const { return *mesh_; }
+  const detail::mesh_base& mesh() const { return *mesh_; }
   std::uint64_t seed() const { return seed_; }
   std::size_t size() const { return values_.size(); }
   tensor_set& values() { return values_; }
@@ -74,26 +67,6 @@ class parameters {
   // Whether parameter i received a gradient in the last backward.
   bool has_grad(std::size_t i) const { return has_grad_[i]; }
   void set_has_grad(std::size_t i, bool v) { has_grad_[i] = v; }
-
-  // Declares a parameter and initialises it; returns its position.
-  template <class X>
-    requires sharded_tensor<X>
-  std::size_t declare(std::string name, const typename X::extents_type& extents, initializer init) {
-    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
-                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
-    static_assert(X::resolved.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
-    X value(*mesh_, extents);
-    if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
-    else value.local().setConstant(typename X::value_type(init.value));
-    values_.add(name, std::move(value));
-    const auto u = detail::choose_update_layout(X::resolved, X::rank, extents.data(), mesh_->sizes(), mesh_->naxes(),
-                                                update_axes_);
-    if (u.parts == 1) grads_.add(std::move(name), X(*mesh_, extents));
-    else grads_.add_entry(std::make_unique<detail::update_shard<X>>(std::move(name), *mesh_, extents, u.layout));
-    has_grad_.push_back(false);
-    update_why_.push_back(u.why);
-    return values_.size() - 1;
-  }
 
   // The mesh axes (bit a: axis a) the update of a replicated weight is
   // sharded over; 0 for the replicated update.
@@ -107,11 +80,21 @@ class parameters {
   std::size_t bucket_bytes() const { return bucket_bytes_; }
   void set_bucket_bytes(std::size_t bytes) { bucket_bytes_ = bytes; }
   // The buckets' buffers, kept from step to step (the tape's gradient
-  // buckets and Adam's gathers take theirs from here).
+  // buckets and the optimizer's gathers take theirs from here).
   template <class T>
   const std::shared_ptr<detail::bucket_memory<T>>& bucket_memory() {
     if constexpr (std::is_same_v<T, float>) return f32_bucket_memory_;
     else return f64_bucket_memory_;
+  }
+
+  // The layout of parameter i's gradient: the weight's, or its update layout.
+  const detail::rlayout& grad_layout(std::size_t i) const { return grad_layouts_.at(i); }
+  // A factor of parameter i's gradient for a factored optimizer (Adafactor):
+  // zeros of the gradient's global shape without dim `drop`, in double,
+  // split as the gradient's other dims are (replicated over the axes that
+  // split `drop`). Null for a parameter of rank 1.
+  std::unique_ptr<detail::set_entry> zero_factor(std::size_t i, std::string name, int drop) const {
+    return factor_makers_.at(i)(std::move(name), *mesh_, values_[i].extents(), grad_layouts_[i], drop);
   }
 
   // One line per parameter: its sharding, and where its update runs.
@@ -129,21 +112,45 @@ class parameters {
     return out;
   }
 
-  // Declares a buffer (state the optimizer does not touch); returns its position.
+ protected:
+  parameters_base(const detail::mesh_base& m, std::uint64_t seed, std::uint32_t update_axes)
+      : mesh_(&m), seed_(seed), update_axes_(update_axes) {}
+  ~parameters_base() = default;
+
+  // Declares a parameter of type X and initialises it; returns its position.
   template <class X>
-    requires sharded_tensor<X>
-  std::size_t declare_buffer(std::string name, const typename X::extents_type& extents, initializer init) {
-    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
-                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
-    X value(*mesh_, extents);
-    if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
-    else value.local().setConstant(typename X::value_type(init.value));
+  std::size_t declare_value(std::string name, const typename X::extents_type& extents, initializer init) {
+    static_assert(X::resolved.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
+    const auto& m = static_cast<const typename X::mesh_type&>(*mesh_);
+    X value(m, extents);
+    initialise(value, name, init);
+    values_.add(name, std::move(value));
+    const auto u = detail::choose_update_layout(X::resolved, X::rank, extents.data(), mesh_->sizes(), mesh_->naxes(),
+                                                update_axes_);
+    if (u.parts == 1) grads_.add(std::move(name), X(m, extents));
+    else grads_.add_entry(std::make_unique<detail::update_shard<X>>(std::move(name), m, extents, u.layout));
+    has_grad_.push_back(false);
+    update_why_.push_back(u.why);
+    grad_layouts_.push_back(u.layout);
+    factor_makers_.push_back(&detail::zero_factor<X>);
+    return values_.size() - 1;
+  }
+  template <class X>
+  std::size_t declare_buffer_value(std::string name, const typename X::extents_type& extents, initializer init) {
+    X value(static_cast<const typename X::mesh_type&>(*mesh_), extents);
+    initialise(value, name, init);
     buffers_.add(std::move(name), std::move(value));
     return buffers_.size() - 1;
   }
 
  private:
-  const Mesh* mesh_;
+  template <class X>
+  void initialise(X& value, const std::string& name, initializer init) const {
+    if (init.how == initializer::kind::normal) fill_normal(value, init.value, seed_, detail::name_hash(name));
+    else value.local().setConstant(typename X::value_type(init.value));
+  }
+
+  const detail::mesh_base* mesh_;
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
@@ -152,6 +159,42 @@ class parameters {
   tensor_set values_, grads_, buffers_;
   std::vector<bool> has_grad_;
   std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)
+  std::vector<detail::rlayout> grad_layouts_;
+  std::vector<detail::factor_maker> factor_makers_;
+};
+
+// A model's parameters on one mesh of type Mesh: parameters_base with the
+// declarations, which check each parameter's type against the mesh.
+template <mesh_type Mesh>
+class parameters : public parameters_base {
+ public:
+  parameters(const Mesh& m, std::uint64_t seed) : parameters_base(m, seed, 0) {}
+  template <class Axes>
+  parameters(const Mesh& m, std::uint64_t seed, shard_weight_update<Axes> how)
+      : parameters_base(m, seed, decltype(how)::template mask<Mesh>()) {
+    static_assert(decltype(how)::template mask<Mesh>() != 0,
+                  "gshard::shard_weight_update: none of its axes is an axis of the parameters' mesh");
+  }
+
+  const Mesh& mesh() const { return static_cast<const Mesh&>(parameters_base::mesh()); }
+
+  // Declares a parameter and initialises it; returns its position.
+  template <class X>
+    requires sharded_tensor<X>
+  std::size_t declare(std::string name, const typename X::extents_type& extents, initializer init) {
+    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
+                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
+    return declare_value<X>(std::move(name), extents, init);
+  }
+
+  // Declares a buffer (state the optimizer does not touch); returns its position.
+  template <class X>
+    requires sharded_tensor<X>
+  std::size_t declare_buffer(std::string name, const typename X::extents_type& extents, initializer init) {
+    static_assert(std::is_same_v<typename X::mesh_type, Mesh>,
+                  "gshard::param: the parameter's tensor type lives on another mesh type than its parameters");
+    return declare_buffer_value<X>(std::move(name), extents, init);
+  }
 };
 
 template <mesh_type Mesh>

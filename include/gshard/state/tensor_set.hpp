@@ -180,4 +180,11 @@ class tensor_set {
   std::map<std::string, std::size_t> index_;
 };
 
+// A named set of tensors to save or load: every tensor of *set, under the
+// name "<prefix><its name>" (e.g. {"param.", &ps.values()}, {"adam.m.", &opt.moment1()}).
+struct checkpoint_part {
+  std::string prefix;
+  tensor_set* set;
+};
+
 }  // namespace gshard

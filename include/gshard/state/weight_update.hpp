@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "gshard/state/buckets.hpp"
 #include "gshard/tensor/execute_reshard.hpp"
@@ -149,6 +150,30 @@ class update_shard final : public sharded_entry {
   local_tensor<T, R> local_;
   reshard_steps to_weight_, from_weight_;
 };
+
+// Zeros of the global shape of a gradient of type X without dim `drop`, in
+// double, held in the gradient's layout `l` without that dim (so replicated
+// over the axes that split it): a second-moment factor of a factored
+// optimizer. An update_shard of a replicated tensor type, so checkpoints
+// gather and scatter it as any block. Null when X has rank 1.
+using factor_maker = std::unique_ptr<set_entry> (*)(std::string, const mesh_base&, const std::vector<index_t>&,
+                                                     const rlayout&, int);
+template <class X>
+std::unique_ptr<set_entry> zero_factor(std::string name, const mesh_base& m, const std::vector<index_t>& extents,
+                                       const rlayout& l, int drop) {
+  constexpr int R = X::rank;
+  if constexpr (R < 2) {
+    return nullptr;
+  } else {
+    using Mesh = typename X::mesh_type;
+    using Y = tensor<double, R - 1, Mesh, replicate>;
+    typename Y::extents_type e{};
+    rlayout f{};
+    for (int d = 0, k = 0; d < R; ++d)
+      if (d != drop) e[std::size_t(k)] = extents[std::size_t(d)], f.dims[k++] = l.dims[d];
+    return std::make_unique<update_shard<Y>>(std::move(name), static_cast<const Mesh&>(m), e, f);
+  }
+}
 
 // The one way an updated block returns to its weight: its plan's
 // all_gathers through the buckets (one collective per step for many weights,

@@ -1,0 +1,312 @@
+// Adafactor: every weight shape the models have (a vector, matrices split
+// over "model" along either dim, an expert stack split over "expert" and
+// "model", a replicated table) against a double reference of its formulas
+// written here on the global tensors, at every mesh, with the replicated and
+// the sharded weight update; the collectives of one update, exactly; its
+// state through a checkpoint to another rank count; misuse.
+#include <gshard/gshard.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "testing.hpp"
+
+using namespace gshard;
+using gshard::testing::data_expert_model_sizes;
+using gshard::testing::world_rank;
+using gshard::testing::world_size;
+
+namespace {
+
+using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;
+
+constexpr index_t M = 6, H = 8, E = 6, V = 10;  // E divides by the expert axis at 1, 2, 3, 4 and 8 ranks
+
+// The shapes and shardings of the models' weights.
+template <class Mesh, class T = double>
+struct weight_zoo {
+  parameters<Mesh> ps;
+  param<tensor<T, 1, Mesh, replicate>> norm;                                       // [M]
+  param<tensor<T, 2, Mesh, sharding<split<1, "model">>>> w_in;                     // [M, H{model}]
+  param<tensor<T, 2, Mesh, sharding<split<0, "model">>>> w_out;                    // [H{model}, M]
+  param<tensor<T, 3, Mesh, sharding<split<0, "expert">, split<2, "model">>>> experts;  // [E{expert}, M, H{model}]
+  param<tensor<T, 2, Mesh, replicate>> table;                                      // [V, M]
+  template <class... How>
+  weight_zoo(const Mesh& m, How... how)
+      : ps(m, 11, how...),
+        norm(ps, "norm", {M}, init::ones()),
+        w_in(ps, "w_in", {M, H}, init::normal(0.5)),
+        w_out(ps, "w_out", {H, M}, init::normal(0.5)),
+        experts(ps, "experts", {E, M, H}, init::normal(0.5)),
+        table(ps, "table", {V, M}, init::normal(1.0)) {}
+};
+
+// The gradient of weight i at `step`, element k of the global tensor: a
+// different scale per row and column, so the factors differ from the mean.
+double grad_at(std::size_t i, int step, std::size_t k, std::size_t cols) {
+  const double row = double(k / cols), col = double(k % cols);
+  return std::sin(0.7 * double(k) + 1.3 * double(i) + 0.9 * step) * (1 + 0.3 * row) * (1 + 0.2 * col) * (i == 4 ? 1e-3 : 1.0);
+}
+void set_grads(parameters_base& ps, int step) {
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const auto ext = ps.grads()[i].extents();
+    std::size_t n = 1;
+    for (index_t e : ext) n *= std::size_t(e);
+    std::vector<double> g(n);
+    std::vector<float> f(n);
+    for (std::size_t k = 0; k < n; ++k) f[k] = float(g[k] = grad_at(i, step, k, std::size_t(ext.back())));
+    ps.grads()[i].scatter_from_root(ps.grads()[i].element_bytes() == 8 ? reinterpret_cast<const char*>(g.data())
+                                                                       : reinterpret_cast<const char*>(f.data()));
+  }
+}
+
+// Adafactor's formulas on one global weight, in double.
+struct reference {
+  std::vector<index_t> ext;
+  std::vector<double> w, r, c, v, m;
+
+  void step(const std::vector<double>& g0, const adafactor_config& cfg, int t, double clip) {
+    const double beta = cfg.decay_power > 0 ? std::min(cfg.beta2, 1 - std::pow(t + 1.0, -cfg.decay_power)) : cfg.beta2;
+    const double lr = cfg.relative_step ? std::min(1e-2, 1 / std::sqrt(t + 1.0))
+                                        : detail::warmup_cosine(cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio, t);
+    const std::size_t n = w.size();
+    std::vector<double> g(n), u(n);
+    for (std::size_t k = 0; k < n; ++k) g[k] = clip * g0[k];
+    if (ext.size() == 1) {
+      v.resize(n, 0.0);
+      for (std::size_t k = 0; k < n; ++k) {
+        v[k] = beta * v[k] + (1 - beta) * (g[k] * g[k] + cfg.eps1);
+        u[k] = g[k] / std::sqrt(v[k]);
+      }
+    } else {
+      const std::size_t C = std::size_t(ext.back()), R = std::size_t(ext[ext.size() - 2]), lead = n / (R * C);
+      r.resize(lead * R, 0.0), c.resize(lead * C, 0.0);
+      for (std::size_t l = 0; l < lead; ++l) {
+        for (std::size_t i = 0; i < R; ++i) {
+          double s = 0;
+          for (std::size_t j = 0; j < C; ++j) s += g[(l * R + i) * C + j] * g[(l * R + i) * C + j] + cfg.eps1;
+          r[l * R + i] = beta * r[l * R + i] + (1 - beta) * s / double(C);
+        }
+        for (std::size_t j = 0; j < C; ++j) {
+          double s = 0;
+          for (std::size_t i = 0; i < R; ++i) s += g[(l * R + i) * C + j] * g[(l * R + i) * C + j] + cfg.eps1;
+          c[l * C + j] = beta * c[l * C + j] + (1 - beta) * s / double(R);
+        }
+        double mean_r = 0;
+        for (std::size_t i = 0; i < R; ++i) mean_r += r[l * R + i] / double(R);
+        for (std::size_t i = 0; i < R; ++i)
+          for (std::size_t j = 0; j < C; ++j)
+            u[(l * R + i) * C + j] = g[(l * R + i) * C + j] / std::sqrt(r[l * R + i] * c[l * C + j] / mean_r);
+      }
+    }
+    double uu = 0, ww = 0;
+    for (std::size_t k = 0; k < n; ++k) uu += u[k] * u[k], ww += w[k] * w[k];
+    const double shrink = cfg.clip_threshold > 0 ? std::max(1.0, std::sqrt(uu / double(n)) / cfg.clip_threshold) : 1.0;
+    const double rate = lr * (cfg.scale_parameter ? std::max(cfg.eps2, std::sqrt(ww / double(n))) : 1.0);
+    if (cfg.beta1 > 0) m.resize(n, 0.0);
+    for (std::size_t k = 0; k < n; ++k) {
+      double up = u[k] / shrink;
+      if (cfg.beta1 > 0) up = m[k] = cfg.beta1 * m[k] + (1 - cfg.beta1) * up;
+      w[k] -= rate * (up + cfg.weight_decay * w[k]);
+    }
+  }
+};
+
+std::vector<double> global_values(detail::set_entry& e) {  // on rank 0; empty elsewhere
+  const auto bytes = e.gather_to_root();
+  std::vector<double> v(bytes.size() / std::size_t(e.element_bytes()));
+  if (e.element_bytes() == 8) std::memcpy(v.data(), bytes.data(), bytes.size());
+  else
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = double(reinterpret_cast<const float*>(bytes.data())[k]);
+  return v;
+}
+
+// The worst relative difference between the weights of `a` and `b`, where
+// `b` gathers them (its mesh's rank 0); 0 elsewhere.
+double worst_difference(parameters_base& a, parameters_base& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    const auto x = global_values(a.values()[i]), y = global_values(b.values()[i]);
+    for (std::size_t k = 0; k < y.size(); ++k) worst = std::max(worst, std::abs(x[k] - y[k]) / std::max(1e-3, std::abs(x[k])));
+  }
+  return worst;
+}
+
+// `steps` updates of the zoo in T at `m` against the reference in double
+// from the same initial weights and the gradients rounded to T; the worst
+// relative difference (on rank 0).
+template <class T = double, class... How>
+double against_reference(const grid3& m, const adafactor_config& cfg, int steps, How... how) {
+  weight_zoo<grid3, T> z(m, how...);
+  adafactor opt(cfg, z.ps);
+  std::vector<reference> ref(z.ps.size());
+  for (std::size_t i = 0; i < z.ps.size(); ++i) ref[i] = {z.ps.values()[i].extents(), global_values(z.ps.values()[i]), {}, {}, {}, {}};
+  for (int t = 0; t < steps; ++t) {
+    set_grads(z.ps, t);
+    opt.update(z.ps);
+    if (world_rank() != 0) continue;
+    double sq = 0;
+    std::vector<std::vector<double>> g(ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      g[i].resize(ref[i].w.size());
+      for (std::size_t k = 0; k < g[i].size(); ++k)
+        sq += std::pow(g[i][k] = double(T(grad_at(i, t, k, std::size_t(ref[i].ext.back())))), 2);
+    }
+    const double norm = std::sqrt(sq), clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
+    for (std::size_t i = 0; i < ref.size(); ++i) ref[i].step(g[i], cfg, t, clip);
+  }
+  double worst = 0;
+  for (std::size_t i = 0; i < z.ps.size(); ++i) {
+    const auto w = global_values(z.ps.values()[i]);
+    for (std::size_t k = 0; k < w.size(); ++k)
+      worst = std::max(worst, std::abs(w[k] - ref[i].w[k]) / std::max(1e-3, std::abs(ref[i].w[k])));
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("Adafactor equals a double reference of its formulas on every weight shape, at every mesh and update sharding",
+          "[train][adafactor]") {
+  const int P = world_size();
+  grid3 m(MPI_COMM_WORLD, data_expert_model_sizes(P));
+  adafactor_config gshard_setting;  // β1 0, β̂ = min(0.99, 1 − t^−0.8), update clipping at 1
+  gshard_setting.lr = 0.05, gshard_setting.warmup_steps = 2, gshard_setting.total_steps = 6;
+  adafactor_config everything = gshard_setting;
+  everything.beta1 = 0.9, everything.decay_power = 0, everything.beta2 = 0.95, everything.scale_parameter = true;
+  everything.weight_decay = 0.1, everything.clip_norm = 2.0, everything.clip_threshold = 0.5;
+  adafactor_config relative = gshard_setting;
+  relative.relative_step = true;
+  const shard_weight_update<default_roles::batch> sharded;
+  for (const auto& [what, cfg] : {std::pair{"GShard's setting", gshard_setting}, std::pair{"first moment, fixed decay, parameter "
+                                  "scale, weight decay, both clippings", everything}, std::pair{"relative step", relative}}) {
+    const double replicated = against_reference(m, cfg, 5), in_blocks = against_reference(m, cfg, 5, sharded);
+    INFO(m.describe() << ", " << what << ": worst relative difference, replicated update " << replicated
+                      << ", sharded update " << in_blocks);
+    GSHARD_REQUIRE(replicated < 1e-11);
+    GSHARD_REQUIRE(in_blocks < 1e-11);
+    // In float (the trainers'): the factors in double, the vectors' second
+    // moment and the update in float.
+    const double f32 = against_reference<float>(m, cfg, 5), f32_blocks = against_reference<float>(m, cfg, 5, sharded);
+    INFO("in float: replicated update " << f32 << ", sharded update " << f32_blocks);
+    GSHARD_REQUIRE(f32 < 2e-5);
+    GSHARD_REQUIRE(f32_blocks < 2e-5);
+  }
+}
+
+TEST_CASE("Adafactor's update reduces a factor over an axis only where its mean runs along a dim that axis splits",
+          "[train][adafactor][collectives]") {
+  const int P = world_size();
+  const auto sizes = data_expert_model_sizes(P);
+  grid3 m(MPI_COMM_WORLD, sizes);
+  weight_zoo<grid3> z(m);
+  adafactor opt({}, z.ps);
+  set_grads(z.ps, 0);
+  collective_recorder rec;
+  opt.update(z.ps);
+  std::map<std::string, std::pair<int, std::size_t>> seen, want;  // calls and bytes per kind(axes)
+  for (const auto& e : rec.events()) {
+    auto& s = seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
+    ++s.first, s.second += e.bytes;
+  }
+  // The global gradient norm, and two numbers per weight (Σ U², Σ W²), over every axis.
+  want["all_reduce(data,expert,model)"] = {2, 8 + 2 * 8 * z.ps.size()};
+  if (sizes[2] > 1) {
+    // w_in [M, H{model}]: its row factor sums over H; w_out [H{model}, M]:
+    // its column factor sums over H, with Σ R; the experts [E{expert}, M,
+    // H{model}]: their row factors sum over H — one per local expert.
+    const std::size_t e = std::size_t(E / sizes[1]);
+    want["all_reduce(model)"] = {3, 8 * (M + (std::size_t(M) + 1) + e * M)};
+  }
+  const auto text = [](const auto& s) {
+    std::string t;
+    for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
+    return t;
+  };
+  INFO(m.describe() << "\nran: " << text(seen) << "\nwant: " << text(want));
+  GSHARD_REQUIRE(seen == want);
+}
+
+TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the same curve", "[train][adafactor][checkpoint]") {
+  const int P = world_size();
+  grid3 m(MPI_COMM_WORLD, data_expert_model_sizes(P)), self(MPI_COMM_SELF, {1, 1, 1});
+  adafactor_config cfg;
+  cfg.lr = 0.05, cfg.beta1 = 0.5, cfg.warmup_steps = 1;
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_adafactor_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto parts = [](weight_zoo<grid3>& z, adafactor& o) {
+    auto p = o.state_parts();
+    p.push_back({"param.", &z.ps.values()});
+    return p;
+  };
+  weight_zoo<grid3> straight(self);
+  adafactor so(cfg, straight.ps);
+  weight_zoo<grid3> a(m, shard_weight_update<default_roles::batch>{});
+  adafactor ao(cfg, a.ps);
+  for (int t = 0; t < 2; ++t) {
+    set_grads(straight.ps, t), so.update(straight.ps);
+    set_grads(a.ps, t), ao.update(a.ps);
+  }
+  save_checkpoint(dir + "/a.ckpt", m, parts(a, ao), {{"step", 2.0}});
+  weight_zoo<grid3> b(self);
+  adafactor bo(cfg, b.ps);
+  bo.step = int(load_checkpoint(dir + "/a.ckpt", self, parts(b, bo)).at("step"));
+  for (int t = 2; t < 4; ++t) {
+    set_grads(straight.ps, t), so.update(straight.ps);
+    set_grads(b.ps, t), bo.update(b.ps);
+  }
+  const double worst = worst_difference(straight.ps, b.ps);
+  INFO("worst relative weight difference after resuming at 1 rank: " << worst);
+  GSHARD_REQUIRE(worst < 1e-11);
+  // And back: saved by a 1-rank run (each rank its own file), loaded at P ranks.
+  const std::string mine = dir + "/b" + std::to_string(world_rank()) + ".ckpt";
+  save_checkpoint(mine, self, parts(b, bo), {{"step", 4.0}});
+  weight_zoo<grid3> c(m, shard_weight_update<default_roles::batch>{});
+  adafactor co(cfg, c.ps);
+  co.step = int(load_checkpoint(dir + "/b0.ckpt", m, parts(c, co)).at("step"));
+  for (int t = 4; t < 6; ++t) {
+    set_grads(straight.ps, t), so.update(straight.ps);
+    set_grads(c.ps, t), co.update(c.ps);
+  }
+  const double back = worst_difference(straight.ps, c.ps);
+  INFO("worst relative weight difference after resuming at " << P << " ranks: " << back);
+  GSHARD_REQUIRE(back < 1e-11);
+  // An Adam checkpoint has no Adafactor state: the record it lacks is named.
+  adam other({}, b.ps);
+  save_checkpoint(mine, self, {{"param.", &b.ps.values()}, {"adam.m.", &other.moment1()}});
+  GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(mine, self, parts(b, bo)), checkpoint_error, "no record 'adafactor.v_row.norm'");
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("Adafactor refuses bad settings and parameters it was not built for, naming them", "[train][adafactor][errors]") {
+  grid3 self(MPI_COMM_SELF, {1, 1, 1});
+  weight_zoo<grid3> z(self), other(self);
+  const auto refused = [&](auto set, const std::string& text) {
+    adafactor_config c;
+    set(c);
+    GSHARD_REQUIRE_THROWS_WITH(adafactor(c, z.ps), error, text);
+  };
+  refused([](auto& c) { c.beta1 = 1; }, "gshard::adafactor: beta1 is 1; it must be in [0, 1)");
+  refused([](auto& c) { c.beta2 = 0; }, "gshard::adafactor: beta2 is 0; it must be in (0, 1)");
+  refused([](auto& c) { c.decay_power = -0.8; }, "gshard::adafactor: decay_power is -0.8; it must be in [0, 1]");
+  refused([](auto& c) { c.eps1 = 0; }, "gshard::adafactor: eps1 is 0; it must be positive and finite");
+  refused([](auto& c) { c.clip_threshold = std::nan(""); }, "gshard::adafactor: clip_threshold is nan");
+  refused([](auto& c) { c.lr = -1e-9; }, "gshard::adafactor: lr is -1e-09; it must be positive and finite");
+  adafactor opt({}, z.ps);
+  GSHARD_REQUIRE_THROWS_WITH(opt.update(other.ps), error,
+                             "gshard::adafactor: these are not the parameters the optimizer was built for");
+  opt.cfg.beta1 = 0.9;  // no first moments were made
+  GSHARD_REQUIRE_THROWS_WITH(opt.update(z.ps), error, "gshard::adafactor: beta1 is 0.9 but the optimizer was built with beta1 0");
+  // Its state: two factors of a matrix, one per expert of a stack, a full moment of a vector.
+  GSHARD_REQUIRE(opt.second_moment_rows().size() == 5);
+  GSHARD_REQUIRE(opt.second_moment_cols().size() == 4);
+  GSHARD_REQUIRE(opt.second_moment_rows().find("experts")->extents() == std::vector<index_t>{E, M});
+  GSHARD_REQUIRE(opt.second_moment_cols().find("experts")->extents() == std::vector<index_t>{E, H});
+  GSHARD_REQUIRE(opt.state_bytes() == 8 * std::size_t(M + (M + H) * 2 + E * (M + H) + V + M));
+}
