@@ -9,6 +9,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -99,6 +101,50 @@ inline std::string resumes_with(const std::map<std::string, double>& meta, const
   if (saved == name) return "";
   return path + " holds the state of --optimizer " + saved + ", but this run uses --optimizer " + std::string(name) +
          "; resume with --optimizer " + saved + " (one optimizer's state is not the other's)";
+}
+
+// The regular files `path` names: itself, or a directory's (not its
+// subdirectories'); a dictionary's .index beside it. Nothing for "" or a
+// path that does not exist.
+inline std::vector<std::string> input_files(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (path.empty()) return files;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec))
+      if (e.is_regular_file(ec)) files.push_back(e.path().string());
+    return files;
+  }
+  files.push_back(path);
+  for (const char* dict : {".dict.dz", ".dict"})
+    if (path.size() > std::strlen(dict) && path.compare(path.size() - std::strlen(dict), std::strlen(dict), dict) == 0)
+      files.push_back(path.substr(0, path.size() - std::strlen(dict)) + ".index");
+  return files;
+}
+
+// Rank 0's check, before anything is written, that no output (option,
+// path) names an input (what, path) or another output — "" or what is
+// wrong. --save may name the --resume checkpoint: that is how a run
+// continues.
+inline std::string outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                        const std::vector<std::pair<std::string, std::string>>& inputs) {
+  namespace fs = std::filesystem;
+  const auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    return !a.empty() && !b.empty() && (a == b || fs::equivalent(a, b, ec));
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [option, path] = outputs[i];
+    for (const auto& [what, input] : inputs)
+      if (same(path, input) && !(option == "--save" && what == "--resume"))
+        return option + " " + path + " is " + (what == "--resume" ? "the --resume checkpoint" : what) +
+               "; writing it would destroy it";
+    for (std::size_t j = 0; j < i; ++j)
+      if (same(path, outputs[j].second))
+        return option + " " + path + " is also " + outputs[j].first + "'s file; give each its own";
+  }
+  return "";
 }
 
 // A training run's --metrics file and its stop: rank 0 opens the file

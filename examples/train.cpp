@@ -368,7 +368,15 @@ std::string preflight(const options& o, const model::config& c, const model::cos
                   memory / (1 << 30), ranks_here, advice);
     return b;
   }
-  // The files it will write: found out now, not after training.
+  // The files it will write: found out now, not after training; none may
+  // be a file it reads.
+  std::vector<std::pair<std::string, std::string>> inputs{{"--resume", o.resume}};
+  const std::string text_path = !o.text_path.empty() ? o.text_path
+                                : std::filesystem::exists(examples::default_dictionary) ? examples::default_dictionary
+                                                                                : examples::fallback_texts;
+  for (const auto& f : examples::input_files(text_path)) inputs.emplace_back("the training text", f);
+  const std::vector<std::pair<std::string, std::string>> outputs{{"--save", o.save}, {"--metrics", o.metrics}, {"--trace", o.trace}};
+  if (const std::string p = examples::outputs_spare_inputs(outputs, inputs); !p.empty()) return p;
   for (const auto& [option, path] : {std::pair{"--save", o.save}, std::pair{"--trace", o.trace}})
     if (!path.empty())
       if (std::string p = io::check_writable(path); !p.empty()) return std::string(option) + " " + path + ": " + p;

@@ -144,23 +144,14 @@ options parse(int argc, char** argv) {
 // metrics never overwrite a checkpoint or a dictionary (--save naming the
 // --resume checkpoint is how a run continues, and is allowed).
 std::string check_outputs(const options& o) {
-  namespace fs = std::filesystem;
-  const auto same = [](const std::string& a, const std::string& b) {
-    std::error_code ec;
-    return !a.empty() && !b.empty() && (a == b || fs::equivalent(a, b, ec));
-  };
   std::vector<std::pair<std::string, std::string>> inputs{{"--resume", o.resume}};
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(examples::freedict_dir, ec))
-    if (e.path().filename().string().rfind("freedict-", 0) == 0) inputs.emplace_back("a dictionary", e.path().string());
-  for (const auto& [option, path] : {std::pair<std::string, std::string>{"--save", o.save}, {"--metrics", o.metrics}}) {
-    if (path.empty()) continue;
-    for (const auto& [what, input] : inputs)
-      if (same(path, input) && !(option == "--save" && what == "--resume"))
-        return option + " " + path + " is " + (what == "--resume" ? "the --resume checkpoint" : what) + "; writing it would destroy it";
-    if (option == "--metrics" && same(path, o.save)) return "--metrics " + path + " is also --save's file; give each its own";
-    if (const std::string p = io::check_writable(path); !p.empty()) return option + " " + path + ": " + p;
-  }
+  for (const auto& f : examples::input_files(examples::freedict_dir))
+    if (std::filesystem::path(f).filename().string().rfind("freedict-", 0) == 0) inputs.emplace_back("a dictionary", f);
+  const std::vector<std::pair<std::string, std::string>> outputs{{"--save", o.save}, {"--metrics", o.metrics}};
+  if (const std::string p = examples::outputs_spare_inputs(outputs, inputs); !p.empty()) return p;
+  for (const auto& [option, path] : outputs)
+    if (!path.empty())
+      if (const std::string p = io::check_writable(path); !p.empty()) return option + " " + path + ": " + p;
   return "";
 }
 

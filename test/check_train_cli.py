@@ -150,6 +150,11 @@ def main() -> int:
         (["--trace", os.path.join(work, "t.json"), "--trace-step", "99", "--steps", "3"], "--trace-step 99 is after the last step (--steps 3)"),
         (["--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
         ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out part has 500 bytes"),
+        # An output naming an input or another output: refused before anything is written.
+        ([short, "--seq", "32", "--metrics", short], f"--metrics {short} is the training text; writing it would destroy it"),
+        ([short, "--seq", "32", "--save", short], f"--save {short} is the training text; writing it would destroy it"),
+        (["--save", os.path.join(work, "o.ckpt"), "--trace", os.path.join(work, "o.ckpt")],
+         f"--trace {os.path.join(work, 'o.ckpt')} is also --save's file; give each its own"),
         ([truncated], f"cannot read {truncated}: unexpected end of file"),
         ([os.path.join(work, "bad.dict")], "bad.index:1: not a dictd index line (headword, offset, length)"),
         (["--slot-hidden", "512"], "--slot-hidden 512 is for a dense model; give --experts 0"),
@@ -168,10 +173,13 @@ def main() -> int:
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
     ]
+    short_bytes = open(short, "rb").read()
     for args, want in refused:
         code, out = run(base + args, timeout=60)
         if code in (None, 0) or out.count(want) < 2 or "step     1" in out:
             problems.append(f"{' '.join(args)}: exit {code}, wanted '{want}' from every rank before training:\n{out[-1500:]}")
+    if open(short, "rb").read() != short_bytes:
+        problems.append(f"{short} changed: a refused run wrote to its training text")
     # Compressed and dictionary corpora; a held-out evaluation every step in the
     # metrics; no sample with --sample-bytes 0, a held-out prompt otherwise.
     metrics = os.path.join(work, "m.jsonl")

@@ -96,6 +96,14 @@ TEST_CASE("gating: capacity, invariants, balanced aux loss, determinism", "[moe]
   GSHARD_REQUIRE(moe::capacity(100, 8, cfg) == 16);    // floor(16.25) = 16
   cfg.capacity_factor = 1.25;
   GSHARD_REQUIRE(moe::capacity(100, 8, cfg) == 16);    // floor(15.6) = 15 -> 16
+  // At most S slots (rounded up to 4), however large the factor: never an
+  // integer overflow that would drop tokens.
+  for (double huge : {20.0, 1e6, 1e300}) {
+    cfg.capacity_factor = huge;
+    GSHARD_REQUIRE(moe::capacity(100, 8, cfg) == 100);
+    GSHARD_REQUIRE(moe::capacity(102, 8, cfg) == 104);
+  }
+  cfg.capacity_factor = 1.25;
 
   for (auto policy : {moe::second_policy::all, moe::second_policy::random}) {
     moe::gating_config c;

@@ -77,13 +77,15 @@ inline void validate(const gating_config& cfg, index_t E) {
 
 // The capacity C of a group of S tokens over E experts with k choices, as
 // Lingvo's Top2GatingOnLogits computes it for k = 2: the automatic value
-// floor(k·S·factor / 2E); if it exceeds min_capacity, rounded up to a
-// multiple of 4, else min_capacity as given. The same on every rank: it
-// depends only on the configuration and the group size.
+// floor(k·S·factor / 2E), at most S (an expert receives each token once at
+// most, so a larger C only adds empty slots); if it exceeds min_capacity,
+// rounded up to a multiple of 4, else min_capacity as given. The same on
+// every rank: it depends only on the configuration and the group size.
 inline index_t capacity(index_t S, index_t E, const gating_config& cfg, double factor = -1) {
   if (E <= 0) throw shape_error("gshard::moe::capacity: the number of experts is " + std::to_string(E));
   if (factor < 0) factor = cfg.capacity_factor;
-  const index_t automatic = index_t(std::floor(double(cfg.top_k) * double(S) * factor / (2.0 * double(E))));
+  const double wanted = std::floor(double(cfg.top_k) * double(S) * factor / (2.0 * double(E)));
+  const index_t automatic = index_t(std::min(wanted, double(S)));
   if (automatic <= cfg.min_capacity) return cfg.min_capacity;
   return (automatic + 3) / 4 * 4;
 }
