@@ -1,10 +1,12 @@
 // examples/cost.cpp — sizes a training job before it runs: one step of
-// gshard's MoE Transformer on a mesh you describe, counted by the cost model
+// gshard's MoE Transformer (or of examples/translate's encoder–decoder) on
+// a mesh you describe, counted by the cost model
 // (gshard/model/cost.hpp: every einsum, every collective as the planners
 // choose it, the state's memory) and timed from a machine — this core,
 // measured, unless given — and the network's α–β, which you give.
 //   build/examples/cost --gshard --alpha 5e-6 --bandwidth 12.5
 //   build/examples/cost --experts 64 --expert 64 --layers 12 --alpha 2e-6 --bandwidth 25
+//   build/examples/cost --encoder-decoder --source 24 --seq 32 --expert 2 --alpha 5e-6 --bandwidth 12.5
 // One process; no mpirun needed (the local measurements take a few seconds).
 #include <gshard/gshard.hpp>
 #include <gshard/model/machine.hpp>
@@ -21,13 +23,17 @@ namespace {
 
 constexpr const char* usage =
     "usage: cost [options]   (one process)\n"
-    "Counts one training step of gshard's MoE Transformer per rank — FLOPs, collectives, memory —\n"
-    "and predicts its time from this core's measured rates and the network's alpha and bandwidth.\n"
+    "Counts one training step of gshard's MoE Transformer (or encoder-decoder) per rank — FLOPs,\n"
+    "collectives, memory — and predicts its time from this core's measured rates and the network's\n"
+    "alpha and bandwidth.\n"
     "  --gshard             GShard's configurations (M 1024, H 8192, 16 heads of 64, 36 blocks, E = D\n"
     "                       experts at D = 128, 512, 2048 ranks on one expert axis), as a table\n"
     "model (default: examples/train's): --model M --heads N --head-dim K --hidden H --experts E\n"
     "  --layers N --vocab V --top-k K --capacity-factor F --min-capacity C (4) --shared-experts N --swiglu\n"
     "  --overlap-degree K (the MoE all_to_alls in K chunks of the capacity: K calls each, the same bytes)\n"
+    "  --encoder-decoder    examples/translate's model instead: --layers blocks (2) in each of its\n"
+    "                       encoder and decoder, sources of --source S positions (default: --seq), the\n"
+    "                       decoder's --seq (33), --vocab 286, --sequences-per-rank 32\n"
     "batch: --seq L (128; 1024 with --gshard)  --sequences-per-rank B (8; 4 with --gshard)\n"
     "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
     "  over expert, heads and hidden units over model\n"
@@ -44,8 +50,11 @@ struct options {
   model::config c;
   costs::mesh_sizes mesh{1, 2, 1, false};
   index_t seq = 128, per_rank = 8;
-  bool seq_given = false, per_rank_given = false;
+  bool seq_given = false, per_rank_given = false, layers_given = false, vocab_given = false;
   bool sharded = true, gshard_table = false, help = false;
+  bool encoder_decoder = false;
+  index_t source = 0;  // 0: the targets' length
+  std::vector<std::string> lm_only;  // options that apply to the Transformer alone, as given
   costs::optimizer_kind optimizer = costs::optimizer_kind::adam;
   std::size_t bucket_bytes = default_bucket_bytes;
   double alpha = -1, bandwidth = -1;
@@ -70,13 +79,15 @@ options parse(int argc, char** argv) {
     else if (a == "--head-dim") o.c.head_dim = whole(1);
     else if (a == "--hidden") o.c.hidden = whole(1);
     else if (a == "--experts") o.c.experts = whole(0);
-    else if (a == "--layers") o.c.layers = int(whole(1));
-    else if (a == "--vocab") o.c.vocab = whole(1);
+    else if (a == "--layers") o.c.layers = int(whole(1)), o.layers_given = true;
+    else if (a == "--vocab") o.c.vocab = whole(1), o.vocab_given = true;
     else if (a == "--top-k") o.c.gating.top_k = int(whole(1));
     else if (a == "--capacity-factor") o.c.gating.capacity_factor = real(0);
     else if (a == "--min-capacity") o.c.gating.min_capacity = whole(1);
-    else if (a == "--shared-experts") o.c.shared_experts = int(whole(0));
-    else if (a == "--overlap-degree") o.c.overlap_degree = int(std::min<index_t>(whole(1), 1 << 16));
+    else if (a == "--shared-experts") o.c.shared_experts = int(whole(0)), o.lm_only.push_back(a);
+    else if (a == "--overlap-degree") o.c.overlap_degree = int(std::min<index_t>(whole(1), 1 << 16)), o.lm_only.push_back(a);
+    else if (a == "--encoder-decoder") o.encoder_decoder = true;
+    else if (a == "--source") o.source = whole(1);
     else if (a == "--swiglu") o.c.ffn = ffn_kind::swiglu;
     else if (a == "--seq") o.seq = whole(1), o.seq_given = true;
     else if (a == "--sequences-per-rank") o.per_rank = whole(1), o.per_rank_given = true;
@@ -97,6 +108,16 @@ options parse(int argc, char** argv) {
     else if (a == "--exp-per-ns") o.exp = real(1e-9);
     else if (a == "--adam-per-ns") o.adam = real(1e-9);
     else throw error("gshard cost: unknown option " + a + " (--help lists them)");
+  }
+  if (o.gshard_table) o.lm_only.push_back("--gshard");
+  if (o.encoder_decoder && !o.lm_only.empty())
+    throw error("gshard cost: " + o.lm_only.front() + " describes the Transformer; the encoder-decoder has no such option");
+  if (o.source > 0 && !o.encoder_decoder) throw error("gshard cost: --source is the encoder-decoder's; give --encoder-decoder too");
+  if (o.encoder_decoder) {  // examples/translate's defaults at 2 ranks: 64 pairs of up to 32 bytes a side
+    if (!o.layers_given) o.c.layers = 2;
+    if (!o.vocab_given) o.c.vocab = 256 + 30;
+    if (!o.seq_given) o.seq = 33;
+    if (!o.per_rank_given) o.per_rank = 32;
   }
   return o;
 }
@@ -130,20 +151,44 @@ costs::machine machine_of(const options& o) {
   return mc;
 }
 
+// examples/translate's model of the options' sizes: --layers blocks in
+// each stack, an MoE FFN in every other block of both.
+model::seq2seq_config encoder_decoder_of(const options& o) {
+  const model::config& c = o.c;
+  model::seq2seq_config s;
+  s.vocab = c.vocab, s.model = c.model, s.heads = c.heads, s.head_dim = c.head_dim, s.hidden = c.hidden, s.experts = c.experts;
+  s.encoder_layers = s.decoder_layers = c.layers;
+  s.gating = c.gating, s.ffn = c.ffn;
+  return s;
+}
+
 void describe(const options& o, const costs::machine& mc) {
   const model::config& c = o.c;
   const costs::mesh_sizes& m = o.mesh;
-  const index_t B = o.per_rank * m.data * m.expert;
-  const auto w = costs::count_step(c, m, {B, o.seq, o.sharded, 4, o.bucket_bytes, o.optimizer});
+  const index_t B = o.per_rank * m.data * m.expert, S = o.source > 0 ? o.source : o.seq;
+  costs::step_options so{B, o.seq, o.sharded, 4, o.bucket_bytes, o.optimizer};
+  so.source = S;
+  const model::seq2seq_config ed = encoder_decoder_of(o);
+  const auto w = o.encoder_decoder ? costs::count_step(ed, m, so) : costs::count_step(c, m, so);
   const auto p = costs::predict(w, m, mc);
   double params = 0;
-  for (const auto& x : costs::weights(c)) params += double(x.elements());
-  std::printf("model: M %ld, %ld heads of %ld, H %ld, %d blocks, E %ld (top-%d, capacity factor %g: C %ld), V %ld; %.3gB parameters\n",
-              long(c.model), long(c.heads), long(c.head_dim), long(c.hidden), c.layers, long(c.experts), c.gating.top_k,
-              c.gating.capacity_factor, long(w.capacity), long(c.vocab), params * 1e-9);
-  std::printf("mesh: data %ld x expert %ld%s = %ld ranks; %ld sequences of %ld per rank (batch %ld); weight update %s\n",
+  for (const auto& x : o.encoder_decoder ? costs::weights(ed) : costs::weights(c)) params += double(x.elements());
+  if (o.encoder_decoder) {
+    std::printf("model: encoder-decoder, M %ld, %ld heads of %ld, H %ld, %d + %d blocks, E %ld (top-%d, capacity factor %g: "
+                "C %ld in the encoder, %ld in the decoder), V %ld; %.3gB parameters\n",
+                long(c.model), long(c.heads), long(c.head_dim), long(c.hidden), ed.encoder_layers, ed.decoder_layers,
+                long(c.experts), c.gating.top_k, c.gating.capacity_factor, long(w.capacity), long(w.decoder_capacity),
+                long(c.vocab), params * 1e-9);
+  } else {
+    std::printf("model: M %ld, %ld heads of %ld, H %ld, %d blocks, E %ld (top-%d, capacity factor %g: C %ld), V %ld; %.3gB parameters\n",
+                long(c.model), long(c.heads), long(c.head_dim), long(c.hidden), c.layers, long(c.experts), c.gating.top_k,
+                c.gating.capacity_factor, long(w.capacity), long(c.vocab), params * 1e-9);
+  }
+  const std::string rows = o.encoder_decoder ? "pairs of " + std::to_string(S) + " -> " + std::to_string(o.seq)
+                                             : "sequences of " + std::to_string(o.seq);
+  std::printf("mesh: data %ld x expert %ld%s = %ld ranks; %ld %s per rank (batch %ld); weight update %s\n",
               long(m.data), long(m.expert), m.has_model_axis ? (" x model " + std::to_string(m.model)).c_str() : "",
-              long(m.ranks()), long(o.per_rank), long(o.seq), long(B), o.sharded ? "sharded" : "replicated");
+              long(m.ranks()), long(o.per_rank), rows.c_str(), long(B), o.sharded ? "sharded" : "replicated");
   std::printf("machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s, softmax %.2f/ns, Adam %.2f/ns; network alpha %.3g s, %.3g GB/s\n",
               mc.gemm_flops * 1e-9, mc.elementwise_bytes_per_s * 1e-9, mc.exp_per_s * 1e-9, mc.adam_elements_per_s * 1e-9,
               mc.all_to_all.alpha, mc.all_to_all.beta * 1e-9);

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <set>
 
+#include "cost_tally.hpp"
 #include "gradcheck.hpp"
 #include "layouts.hpp"
 #include "testing.hpp"
@@ -1077,18 +1078,19 @@ void for_each_weight(const Net& net, Fn&& fn) {
     }
 }
 
-TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; padding changes nothing; with dropout, "
+TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's, heads over \"model\" too; padding changes nothing; with dropout, "
           "label smoothing and remat too", "[moe][seq2seq]") {
   const int P = world_size();
   const index_t B = 4 * P, S = 7, L = 9;
   using model_t = model::seq2seq<double, grid2>;
-  auto run = [&](const grid2& m, std::int32_t pad, const model::seq2seq_config& c) {
+  auto run = [&](const auto& m, std::int32_t pad, const model::seq2seq_config& c) {
+    using net_t = model::seq2seq<double, std::remove_cvref_t<decltype(m)>>;
     parameters ps(m, 5);
-    const model_t net(ps, c);
+    const net_t net(ps, c);
     const auto d = make_batch(B, S, L, pad, true);
-    const auto src = distribute<model_t::tokens_type>(m, d.src);
-    const auto tgt = distribute<model_t::tokens_type>(m, d.tgt);
-    const auto len = distribute<model_t::lengths_type>(m, d.lengths);
+    const auto src = distribute<typename net_t::tokens_type>(m, d.src);
+    const auto tgt = distribute<typename net_t::tokens_type>(m, d.tgt);
+    const auto len = distribute<typename net_t::lengths_type>(m, d.lengths);
     tape t(ps);
     auto out = net.forward(t, src, len, tgt, 3);
     t.backward(out.loss);
@@ -1111,11 +1113,12 @@ TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; p
     GSHARD_REQUIRE(ref_stats.size() == 2 && ref_stats[0].padded > 0 && ref_stats[1].padded > 0);
     if (!reg) plain_ce = ref[0];
     else GSHARD_REQUIRE(std::abs(ref[0] - plain_ce) > 1e-6);  // dropout changed the forward
-    for (const auto& sizes : {std::array<std::ptrdiff_t, 2>{1, P}, std::array<std::ptrdiff_t, 2>{P, 1}}) {
-      grid2 m(MPI_COMM_WORLD, sizes);
+    // Every mesh against 1 rank: the batch over data or expert, and heads
+    // and dense FFNs over "model" besides.
+    auto against_one = [&](const auto& m) {
       const auto [got, stats] = run(m, 0, c);
       const auto [other, other_stats] = run(m, 9, c);  // other tokens at the sources' padded positions
-      INFO("mesh (" << sizes[0] << "," << sizes[1] << ")");
+      INFO(m.describe());
       GSHARD_REQUIRE(got == other);
       double worst = got.size() == ref.size() ? 0.0 : 1e300;
       for (std::size_t i = 0; worst < 1e300 && i < got.size(); ++i)
@@ -1128,7 +1131,10 @@ TEST_CASE("encoder–decoder: loss and gradients at every mesh equal 1 rank's; p
         with_remat.remat = true;
         GSHARD_REQUIRE(run(m, 0, with_remat).first == got);
       }
-    }
+    };
+    against_one(grid2(MPI_COMM_WORLD, {1, P}));
+    against_one(grid2(MPI_COMM_WORLD, {P, 1}));
+    against_one(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)));
   }
   {  // The regularised loss against finite differences of every weight (a recording tape: dropout and smoothing on)
     grid2 m(MPI_COMM_WORLD, {1, P});
@@ -1240,6 +1246,78 @@ TEST_CASE("encoder–decoder: decoding with a cache gives the full forward's log
   };
   check(1e-12);
   check(1e-5f);
+}
+
+TEST_CASE("encoder–decoder: one training step runs exactly the collectives, FLOPs and state the cost model counts",
+          "[moe][seq2seq][cost]") {
+  // cost::count_step(seq2seq_config) counts a step of the encoder–decoder
+  // from its config and the mesh's sizes; a real step's counters must equal
+  // it: every collective's calls and bytes per kind and axes, the model
+  // FLOPs, the declared weights, the bytes of parameters, gradients and
+  // the optimizer's state — on (data, expert) meshes of every shape and on
+  // (data, expert, model), with the replicated and the sharded update, Adam
+  // and Adafactor, sources and targets of different lengths (the encoder's
+  // and the decoder's capacities differ), padded, regularised, and dense.
+  const int P = world_size();
+  const index_t B = 4 * P, S = 7, L = 9;
+  const auto d = make_batch(B, S, L, 0, true);
+  auto ran = [&](const auto& m, const model::seq2seq_config& c, bool sharded, bool factored) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    using model_t = model::seq2seq<double, Mesh>;
+    parameters<Mesh> ps = sharded ? parameters<Mesh>(m, 5, shard_weight_update<default_roles::batch>{}) : parameters<Mesh>(m, 5);
+    const model_t net(ps, c);
+    std::unique_ptr<optimizer> opt;
+    if (factored) opt = std::make_unique<adafactor>(adafactor_config{}, ps);
+    else opt = std::make_unique<adam>(adam_config{}, ps);
+    const auto src = distribute<typename model_t::tokens_type>(m, d.src);
+    const auto tgt = distribute<typename model_t::tokens_type>(m, d.tgt);
+    const auto len = distribute<typename model_t::lengths_type>(m, d.lengths);
+    collective_recorder rec;
+    const double f0 = model_flops();
+    {
+      tape t(ps);
+      t.backward(net.forward(t, src, len, tgt, 3).loss);
+    }
+    opt->update(ps);
+    const double flops = model_flops() - f0;
+    const auto ms = gshard::testing::cost_mesh(m);
+    model::cost::step_options o{B, L, sharded, int(sizeof(double))};
+    o.source = S;
+    o.optimizer = factored ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam;
+    const auto w = model::cost::count_step(c, ms, o);
+    const auto seen = gshard::testing::tally(rec), want = gshard::testing::tally(w, m, ms);
+    const std::string weight_diff = gshard::testing::weight_difference(ps, model::cost::weights(c, ms.has_model_axis), ms, sizeof(double));
+    INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
+                      << (c.dropout > 0 ? ", regularised" : "") << (factored ? ", Adafactor" : ", Adam")
+                      << "\nran: " << gshard::testing::text(seen) << "\nwant: " << gshard::testing::text(want)
+                      << "\nmodel FLOPs " << flops << " counted " << w.model_flops << "\n" << weight_diff);
+    GSHARD_REQUIRE(seen == want);
+    GSHARD_REQUIRE(std::abs(flops - w.model_flops) <= 1e-12 * w.model_flops);
+    GSHARD_REQUIRE(weight_diff.empty());
+    GSHARD_REQUIRE(double(ps.values().local_bytes()) == w.parameter_bytes);
+    GSHARD_REQUIRE(double(ps.grads().local_bytes()) == w.gradient_bytes);
+    GSHARD_REQUIRE(double(opt->state_bytes()) == w.optimizer_bytes);
+    if (c.experts > 0) GSHARD_REQUIRE((w.capacity == moe::capacity(S, c.experts, c.gating) && w.decoder_capacity == moe::capacity(L, c.experts, c.gating)));
+  };
+  model::seq2seq_config regularised = small_seq2seq<double>(P);
+  regularised.dropout = 0.1, regularised.label_smoothing = 0.1;
+  model::seq2seq_config dense = small_seq2seq<double>(P);
+  dense.experts = 0, dense.slot_hidden = 48;
+  model::seq2seq_config swiglu = small_seq2seq<double>(P);
+  swiglu.ffn = ffn_kind::swiglu, swiglu.gating.top_k = 1, swiglu.encoder_layers = 3, swiglu.decoder_layers = 4;
+  const index_t dd = P == 4 || P == 8 ? 2 : 1;
+  for (const auto& c : {small_seq2seq<double>(P), regularised, dense, swiglu})
+    for (const bool sharded : {false, true})
+      for (const bool factored : {false, true}) {
+        ran(grid2(MPI_COMM_WORLD, {1, P}), c, sharded, factored);
+        ran(grid2(MPI_COMM_WORLD, {dd, P / dd}), c, sharded, factored);
+        ran(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), c, sharded, factored);
+      }
+  // The count refuses what it cannot count.
+  model::cost::step_options none{B, L};
+  GSHARD_REQUIRE_THROWS_WITH(model::cost::count_step(small_seq2seq<double>(P), {1, P, 1, false}, none), shape_error,
+                             "gshard::model::cost: an encoder–decoder step needs sources and targets of 1 position or more; "
+                             "step_options.source = 0, seq = 9");
 }
 
 TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[moe][model]") {

@@ -16,6 +16,7 @@
 
 #include "gradcheck.hpp"
 #include "layouts.hpp"
+#include "cost_tally.hpp"
 #include "pmpi.hpp"
 #include "testing.hpp"
 
@@ -320,38 +321,14 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     const double f0 = model_flops();
     model::train_step(run.tr, run.ps, run.opt, tokens, 0);
     const double flops = model_flops() - f0;
-    std::map<std::string, std::pair<int, std::size_t>> seen;  // calls and bytes per kind(axes)
-    for (const auto& e : rec.events()) {
-      auto& s = seen[std::string(name_of(e.kind)) + "(" + e.axes + ")"];
-      ++s.first;
-      s.second += e.bytes;
-    }
-    const bool three = m.naxes() == 3;
-    const model::cost::mesh_sizes ms{m.size(0), m.size(1), three ? m.size(2) : 1, three};
+    const auto ms = gshard::testing::cost_mesh(m);
     const auto w = model::cost::count_step(
         c, ms, {B, L, sharded, int(sizeof(float)), bucket, factored ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam,
                 factored && optimizer_tag.beta1 > 0});
-    std::map<std::string, std::pair<int, std::size_t>> want;
-    for (const auto& x : w.collectives) {
-      std::string axes;
-      for (int a = 0; a < ms.naxes(); ++a)
-        if ((x.axes >> a) & 1u) axes += (axes.empty() ? "" : ",") + std::string(Mesh::names[std::size_t(a)].view());
-      auto& to = want[std::string(name_of(x.kind)) + "(" + axes + ")"];
-      to.first += x.calls, to.second += std::size_t(x.bytes);
-    }
-    auto text = [](const std::map<std::string, std::pair<int, std::size_t>>& s) {
-      std::string t;
-      for (const auto& [k, v] : s) t += k + " x" + std::to_string(v.first) + " " + std::to_string(v.second) + " B; ";
-      return t;
-    };
+    const auto seen = gshard::testing::tally(rec), want = gshard::testing::tally(w, m, ms);
+    using gshard::testing::text;
     // The declared weights, and the state's bytes on this rank.
-    const auto ws = model::cost::weights(c, three);
-    std::string weight_diff = ws.size() == run.ps.size() ? "" : "counted " + std::to_string(ws.size()) + " weights";
-    for (std::size_t i = 0; weight_diff.empty() && i < ws.size(); ++i)
-      if (ws[i].name != run.ps.name(i) || ws[i].extents != run.ps.values()[i].extents() ||
-          double(run.ps.values()[i].local_bytes()) != double(model::cost::local_elements(ws[i].layout, ws[i].extents, ms)) * sizeof(float))
-        weight_diff = "weight " + std::to_string(i) + ": declared " + run.ps.name(i) + " " + run.ps.values()[i].notation() +
-                      ", counted " + ws[i].name;
+    const std::string weight_diff = gshard::testing::weight_difference(run.ps, model::cost::weights(c, ms.has_model_axis), ms, sizeof(float));
     INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
                       << (factored ? ", Adafactor" : ", Adam")
                       << ", buckets of " << bucket << " B"

@@ -1,11 +1,12 @@
-// gshard/model/cost.hpp — a training step of the MoE Transformer counted
-// from its config and its mesh's sizes, without running it: every einsum
-// (FLOPs and local GEMM shape), every collective as the planners choose it
-// (kind, axes, calls, bytes — what the counters would record), the
-// element-wise traffic, the memory per rank; and, from a machine's GEMM rate,
-// memory bandwidth and each collective's α–β, the step's predicted time.
-// So a job can be sized before it runs (examples/cost.cpp), and the count is
-// checked against the counters of real steps (test_training.cpp).
+// gshard/model/cost.hpp — a training step of the MoE Transformer or of the
+// encoder–decoder counted from its config and its mesh's sizes, without
+// running it: every einsum (FLOPs and local GEMM shape), every collective as
+// the planners choose it (kind, axes, calls, bytes — what the counters
+// would record), the element-wise traffic, the memory per rank; and, from a
+// machine's GEMM rate, memory bandwidth and each collective's α–β, the
+// step's predicted time. So a job can be sized before it runs
+// (examples/cost.cpp), and the count is checked against the counters of
+// real steps (test_training.cpp, test_moe.cpp).
 #pragma once
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "gshard/state/buckets.hpp"
 #include "gshard/layout/shard_geometry.hpp"
 #include "gshard/layout/einsum_spec.hpp"
+#include "gshard/model/seq2seq.hpp"
 #include "gshard/model/transformer.hpp"
 #include "gshard/layout/reshard_steps.hpp"
 
@@ -57,49 +59,88 @@ struct weight {
   }
 };
 
-// Every weight the transformer declares for `c`, in its order, on a mesh
-// with or without a model axis: transformer::declare_blocks, moe::layer's
-// constructor and ffn_weights declare them; test_training's "[cost]" case
-// compares this list with their declarations (names, extents, shards).
-inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = true) {
+namespace detail_cost {
+// The weights a model declares, listed in its order as it declares them,
+// each split over the cost model's axes as the model's types split it.
+struct weight_list {
   std::vector<weight> w;
-  auto add = [&](std::string name, std::vector<index_t> extents, std::vector<std::vector<int>> split, bool expert = false) {
+  bool model_axis_in_mesh = true;
+
+  void add(std::string name, std::vector<index_t> extents, std::vector<std::vector<int>> split, bool expert = false) {
     weight x{std::move(name), std::move(extents), {}, expert};
     for (std::size_t d = 0; d < split.size(); ++d)
       for (int a : split[d])
         if (a != model_axis || model_axis_in_mesh) x.layout.push(int(d), a);
     w.push_back(std::move(x));
-  };
-  const index_t M = c.model, N = c.heads, K = c.head_dim, E = c.experts;
-  add("embed", {c.vocab, M}, {});
-  if (c.positions == position_kind::learned) add("positions", {c.max_len, M}, {});
+  }
+  // An attention's projections [M,N{model},K] ×3 and [N{model},K,M].
+  void attention(const std::string& p, index_t M, index_t N, index_t K) {
+    for (const char* q : {"wq", "wk", "wv"}) add(p + q, {M, N, K}, {{}, {model_axis}});
+    add(p + "wo", {N, K, M}, {{model_axis}});
+  }
+  // A dense FFN (ffn_weights): [M,H{model}] (twice for SwiGLU) and [H{model},M].
+  void ffn(const std::string& w1, const std::string& w1_up, const std::string& w2, ffn_kind k, index_t M, index_t H) {
+    add(w1, {M, H}, {{}, {model_axis}});
+    if (k == ffn_kind::swiglu) add(w1_up, {M, H}, {{}, {model_axis}});
+    add(w2, {H, M}, {{model_axis}});
+  }
+  // moe::layer's: the router, the experts' stacks over expert, the shared experts.
+  void moe(const std::string& b, ffn_kind k, index_t M, index_t H, index_t E, index_t shared) {
+    add(b + "gate", {M, E}, {});
+    add(b + "wi", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
+    if (k == ffn_kind::swiglu) add(b + "wi_up", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
+    add(b + "wo_experts", {E, H, M}, {{expert_axis}, {model_axis}}, true);
+    if (shared > 0) ffn(b + "shared_w1", b + "shared_w1_up", b + "shared_w2", k, M, H * shared);
+  }
+};
+}  // namespace detail_cost
+
+// Every weight the transformer declares for `c`, in its order, on a mesh
+// with or without a model axis: transformer::declare_blocks, moe::layer's
+// constructor and ffn_weights declare them; test_training's "[cost]" case
+// compares this list with their declarations (names, extents, shards).
+inline std::vector<weight> weights(const config& c, bool model_axis_in_mesh = true) {
+  detail_cost::weight_list w{{}, model_axis_in_mesh};
+  const index_t M = c.model;
+  w.add("embed", {c.vocab, M}, {});
+  if (c.positions == position_kind::learned) w.add("positions", {c.max_len, M}, {});
   for (int l = 0; l < c.layers; ++l) {
     const std::string b = "block" + std::to_string(l) + ".";
-    const index_t H = c.ffn_hidden(l);
-    add(b + "norm1", {M}, {});
-    for (const char* q : {"wq", "wk", "wv"}) add(b + q, {M, N, K}, {{}, {model_axis}});
-    add(b + "wo", {N, K, M}, {{model_axis}});
-    add(b + "norm2", {M}, {});
-    if (c.is_moe(l)) {
-      add(b + "gate", {M, E}, {});
-      add(b + "wi", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
-      if (c.ffn == ffn_kind::swiglu) add(b + "wi_up", {E, M, H}, {{expert_axis}, {}, {model_axis}}, true);
-      add(b + "wo_experts", {E, H, M}, {{expert_axis}, {model_axis}}, true);
-      if (c.shared_experts > 0) {
-        const index_t Hs = H * c.shared_experts;
-        add(b + "shared_w1", {M, Hs}, {{}, {model_axis}});
-        if (c.ffn == ffn_kind::swiglu) add(b + "shared_w1_up", {M, Hs}, {{}, {model_axis}});
-        add(b + "shared_w2", {Hs, M}, {{model_axis}});
-      }
-    } else {
-      add(b + "w1", {M, H}, {{}, {model_axis}});
-      if (c.ffn == ffn_kind::swiglu) add(b + "w1_up", {M, H}, {{}, {model_axis}});
-      add(b + "w2", {H, M}, {{model_axis}});
-    }
+    w.add(b + "norm1", {M}, {});
+    w.attention(b, M, c.heads, c.head_dim);
+    w.add(b + "norm2", {M}, {});
+    if (c.is_moe(l)) w.moe(b, c.ffn, M, c.ffn_hidden(l), c.experts, c.shared_experts);
+    else w.ffn(b + "w1", b + "w1_up", b + "w2", c.ffn, M, c.ffn_hidden(l));
   }
-  add("final_norm", {M}, {});
-  add("unembed", {M, c.vocab}, {});
-  return w;
+  w.add("final_norm", {M}, {});
+  w.add("unembed", {M, c.vocab}, {});
+  return std::move(w.w);
+}
+
+// Every weight model::seq2seq declares for `c`, in its order: "embed", the
+// encoder's blocks "enc<l>.", "enc_norm", the decoder's "dec<l>." (with
+// cross-attention's "cross_" projections), "dec_norm", "unembed".
+inline std::vector<weight> weights(const seq2seq_config& c, bool model_axis_in_mesh = true) {
+  detail_cost::weight_list w{{}, model_axis_in_mesh};
+  const index_t M = c.model;
+  w.add("embed", {c.vocab, M}, {});
+  auto stack = [&](const std::string& name, int layers, bool decoder) {
+    for (int l = 0; l < layers; ++l) {
+      const std::string b = name + std::to_string(l) + ".";
+      w.add(b + "norm1", {M}, {});
+      w.attention(b, M, c.heads, c.head_dim);
+      if (decoder) w.add(b + "norm_cross", {M}, {}), w.attention(b + "cross_", M, c.heads, c.head_dim);
+      w.add(b + "norm2", {M}, {});
+      if (c.is_moe(l)) w.moe(b, c.ffn, M, c.hidden, c.experts, 0);
+      else w.ffn(b + "w1", b + "w1_up", b + "w2", c.ffn, M, c.ffn_hidden(l));
+    }
+  };
+  stack("enc", c.encoder_layers, false);
+  w.add("enc_norm", {M}, {});
+  stack("dec", c.decoder_layers, true);
+  w.add("dec_norm", {M}, {});
+  w.add("unembed", {M, c.vocab}, {});
+  return std::move(w.w);
 }
 
 // Elements of a layout's shard.
@@ -151,7 +192,9 @@ struct step_work {
   // Memory per rank (bytes): the state, exact; the activations a step keeps
   // for its backward, an estimate.
   double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;  // optimizer: its state
-  index_t capacity = 0;  // C of the MoE layers
+  // C of the MoE layers: an encoder–decoder's encoder's, and its decoder's
+  // (of target groups) in decoder_capacity.
+  index_t capacity = 0, decoder_capacity = 0;
 };
 
 // The optimizer a step updates with: Adam (two moments like each gradient),
@@ -166,6 +209,7 @@ struct step_options {
   std::size_t bucket_bytes = default_bucket_bytes;  // parameters::bucket_bytes()
   optimizer_kind optimizer = optimizer_kind::adam;
   bool first_moment = false;      // Adafactor with beta1 > 0
+  index_t source = 0;             // an encoder–decoder's source positions (its decoder runs `seq`)
 };
 
 namespace detail_cost {
@@ -194,100 +238,50 @@ inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, cons
 }
 }  // namespace detail_cost
 
-// What one training step (forward, backward, Adam) does on each rank, in
-// the steps marked below: the einsums, the collectives, the weights'
-// gradients and updates (through buckets), the element-wise work and the
-// memory. Every step reads the same derived extents (B, L, the local
-// batch, heads, experts, capacity) and adds to one step_work. Not counted:
-// rematerialisation's recomputed forward and attention's recomputed logits.
-inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
-  const index_t d = m.data, e = m.expert, mm = m.model;
-  const index_t B = o.batch, L = o.seq, M = c.model, N = c.heads, K = c.head_dim, V = c.vocab, E = c.experts;
-  if (B % (d * e) != 0 || N % mm != 0 || (E > 0 && E % e != 0))
-    throw shape_error("gshard::model::cost: batch " + std::to_string(B) + ", heads " + std::to_string(N) + " and experts " +
-                      std::to_string(E) + " do not divide over data " + std::to_string(d) + " x expert " + std::to_string(e) +
-                      " x model " + std::to_string(mm));
-  const int f = o.element_bytes, k = c.gating.top_k;
-  const index_t Bl = B / (d * e), Tl = Bl * L, Nl = N / mm;
-  step_work w;
-  w.capacity = E > 0 ? moe::capacity(L, E, c.gating) : 0;
-  const index_t C = w.capacity;
+namespace detail_cost {
+// One block of a network as the cost model counts it.
+struct block_shape {
+  index_t len = 0;       // positions of its sequence: its queries, and self-attention's keys
+  index_t cross = 0;     // cross-attention's keys (the source's positions); 0: none
+  bool causal = true;    // self-attention over earlier keys only (half the exponentials)
+  bool moe = false;
+  index_t hidden = 0;    // the dense FFN's width, or each expert's
+  index_t capacity = 0;  // an MoE block's C
+};
 
-  // Einsums, with each label's global and local extent.
-  const double P = double(m.ranks());
-  const index_t Gd = B / d;  // groups at the experts: G over data only
-  auto einsum = [&](std::string spec, int calls, std::initializer_list<std::tuple<char, index_t, index_t>> labels) {
-    einsum_work x{std::move(spec), calls, {}, {}, 0};
-    for (const auto& [l, g, loc] : labels) x.global[std::size_t(l)] = g, x.local[std::size_t(l)] = loc;
-    x.flops = einsum_work::passes * double(calls) * gshard::detail::parse_einsum(x.spec).flops(x.global.data()) / P;
-    w.model_flops += x.flops;
-    w.einsums.push_back(std::move(x));
-  };
-  const int ffn_inputs = c.ffn == ffn_kind::swiglu ? 2 : 1;
-  int moe_layers = 0, dense_layers = 0;
-  for (int l = 0; l < c.layers; ++l) (c.is_moe(l) ? moe_layers : dense_layers)++;
-  const int layers = c.layers;
-  const std::tuple<char, index_t, index_t> b_{'B', B, Bl}, l_{'L', L, L}, t_{'T', L, L}, m_{'M', M, M}, n_{'N', N, Nl}, k_{'K', K, K},
-      v_{'V', V, V};
-  einsum("BLM,MNK->BLNK", 3 * layers, {b_, l_, m_, n_, k_});
-  einsum("BLNK,BTNK->BNLT", layers, {b_, l_, t_, n_, k_});
-  einsum("BNLT,BTNK->BLNK", layers, {b_, l_, t_, n_, k_});
-  einsum("BLNK,NKM->BLM", layers, {b_, l_, n_, k_, m_});
-  // Dense FFNs (and a dense model's "slot" FFNs, of their own width).
-  for (int l = 0; l < layers; ++l) {
-    if (c.is_moe(l)) continue;
-    const std::tuple<char, index_t, index_t> h_{'H', c.ffn_hidden(l), c.ffn_hidden(l) / mm};
-    einsum("BLM,MH->BLH", ffn_inputs, {b_, l_, m_, h_});
-    einsum("BLH,HM->BLM", 1, {b_, l_, m_, h_});
-  }
-  if (moe_layers > 0) {
-    const std::tuple<char, index_t, index_t> g_{'G', B, Bl}, s_{'S', L, L}, e_{'E', E, E}, ee_{'E', E, E / e},
-        gd_{'G', B, Gd}, c_{'C', C, C}, h_{'H', c.hidden, c.hidden / mm};
-    einsum("GSM,ME->GSE", moe_layers, {g_, s_, m_, e_});
-    einsum("EGCM,EMH->EGCH", ffn_inputs * moe_layers, {ee_, gd_, c_, m_, h_});
-    einsum("EGCH,EHM->EGCM", moe_layers, {ee_, gd_, c_, m_, h_});
-    if (c.shared_experts > 0) {
-      const index_t Hs = c.hidden * c.shared_experts;
-      const std::tuple<char, index_t, index_t> hs_{'H', Hs, Hs / mm};
-      einsum("GSM,MH->GSH", ffn_inputs * moe_layers, {g_, s_, m_, hs_});
-      einsum("GSH,HM->GSM", moe_layers, {g_, s_, m_, hs_});
-    }
-  }
-  einsum("BLM,MV->BLV", 1, {b_, l_, m_, v_});
+// What a step runs, model-independent: the extents, the blocks in the order
+// the forward runs them, the positions embedded and unembedded per
+// sequence, and the weights.
+struct network_shape {
+  index_t model = 0, heads = 0, head_dim = 0, vocab = 0, experts = 0, shared_experts = 0;
+  ffn_kind ffn = ffn_kind::relu;
+  int top_k = 2;
+  index_t overlap_degree = 1;
+  bool dropless = false;
+  attention_memory attention = attention_memory::keep_probabilities;
+  bool smoothed = false;  // label smoothing: the loss's all_reduce carries the unsmoothed sum too
+  std::vector<block_shape> blocks;
+  index_t embedded = 0;  // positions embedded per sequence (both sides')
+  index_t out = 0;       // positions unembedded into the loss
+  // The encoder's output positions, cross-attended by every decoder block:
+  // its gradient, summed over them, is reduced once (0: no encoder).
+  index_t memory = 0;
+  std::vector<weight> weights;
+};
 
-  // Collectives. The forward's and their transposes in the backward.
+// The state (parameters, gradients, the optimizer's) and the collectives of
+// the weights' gradients and update: from the pending sum over the batch
+// axes that do not split a weight, into the weight (replicated update) or
+// its update layout; and, sharded, the updated blocks gathered back. Plans
+// that can share a collective go through buckets (gshard/state/buckets.hpp)
+// as the tape fills them — gradients in the order they complete, the
+// reverse of the weights' first use (here: of their declaration) — and as
+// the optimizer fills them, in declaration order.
+inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_sizes& m, const step_options& o) {
   auto& cs = w.collectives;
-  using detail_cost::add;
+  const int f = o.element_bytes;
   const std::uint32_t batch = data_bit | expert_bit, all = batch | (m.has_model_axis ? model_bit : 0u);
-  // The MoE layers' all_to_alls pipelined in chunks of C (overlap_degree):
-  // as many calls per all_to_all, the same bytes in all. (The expert
-  // einsums are counted whole: their FLOPs are the chunks' sum.)
-  const int chunks = int(std::min<index_t>(std::max(c.overlap_degree, 1), std::max<index_t>(C, 1)));
-  if (moe_layers > 0) {
-    const double xe = double((E)*Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
-    add(cs, collective::all_to_all, expert_bit, 4 * moe_layers * chunks, 4.0 * moe_layers * xe,
-        "MoE dispatch and combine, forward and backward");
-    // The gating counters, aux loss and z-loss: 2E + 2k + 6 doubles per MoE layer (with the padded positions and a check of the paddings).
-    add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * double(2 * E + 2 * k + 6) * 8, "MoE statistics");
-    if (c.gating.dropless) add(cs, collective::all_reduce, batch, moe_layers, double(moe_layers) * 8, "dropless capacity");
-  }
-  add(cs, collective::all_reduce, batch, 1, 2 * 8, "cross-entropy's sum and count");
-  if (m.has_model_axis) {  // after each model-split contraction, and its input's gradient
-    const double act = double(Tl * M) * f;
-    int per_tokens = 2 * layers + 2 * dense_layers + (c.shared_experts > 0 ? 2 * moe_layers : 0);
-    add(cs, collective::all_reduce, model_bit, per_tokens, per_tokens * act, "activations of model-split contractions");
-    if (moe_layers > 0)
-      add(cs, collective::all_reduce, model_bit, 2 * moe_layers * chunks,
-          2.0 * moe_layers * double((E / e) * (B / d) * C * M) * f, "expert FFN outputs and inputs' gradients");
-  }
   add(cs, collective::all_reduce, all, 1, 8, "global gradient norm");
-  // The weights' gradients: from the pending sum over the batch axes that do
-  // not split them, into the weight (replicated update) or its update
-  // layout; and, sharded, the updated blocks gathered back. Plans that can
-  // share a collective go through buckets (gshard/state/buckets.hpp) as the tape
-  // fills them — gradients in the order they complete, the reverse of the
-  // weights' first use (here: of their declaration) — and as Adam fills
-  // them, in declaration order.
   struct bucket {
     gshard::detail::reshard_steps plan{};  // its steps (its first member's plan)
     std::string what;
@@ -304,19 +298,18 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
     }
     b.members.clear(), b.bytes = 0;
   };
-  auto reduce = [&](const weight& x, const gshard::detail::rlayout& from, const gshard::detail::rlayout& to, const std::string& what) {
+  auto reduce = [&](const weight& x, const rlayout& from, const rlayout& to, const std::string& what) {
     const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
-    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan)) return detail_cost::add_plan(cs, from, to, x.extents, m, f, what);
+    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan)) return add_plan(cs, from, to, x.extents, m, f, what);
     auto it = std::find_if(open.begin(), open.end(), [&](const bucket& b) { return gshard::detail::same_steps(b.plan, plan) && b.what == what; });
     if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0});
     it->members.push_back({&x, plan});
     it->bytes += double(local_elements(from, x.extents, m)) * f;
     if (it->bytes >= double(o.bucket_bytes)) run(*it);
   };
-  const std::vector<weight> ws = weights(c, m.has_model_axis);
-  std::vector<gshard::detail::rlayout> targets;
+  std::vector<rlayout> targets;
   for (const weight& x : ws) {
-    gshard::detail::rlayout target = x.layout;
+    rlayout target = x.layout;
     if (o.sharded_update) {
       const auto u = gshard::detail::choose_update_layout(x.layout, int(x.extents.size()), x.extents.data(), m.sizes(),
                                                           m.naxes(), batch);
@@ -359,7 +352,7 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   if (o.optimizer == optimizer_kind::adafactor)
     add(cs, collective::all_reduce, all, 1, 2.0 * 8 * double(ws.size()), "Adafactor's update and weight RMS");
   for (std::size_t i = ws.size(); i-- > 0;) {
-    gshard::detail::rlayout pending = ws[i].layout;
+    rlayout pending = ws[i].layout;
     pending.partial = batch & ~ws[i].layout.split_mask();
     reduce(ws[i], pending, targets[i], "weight gradients");
   }
@@ -368,43 +361,151 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   for (std::size_t i = 0; i < ws.size(); ++i)
     if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights");
   for (auto& b : open) run(b);
+}
+
+// What one training step (forward, backward, the optimizer) of `n` does on
+// each rank: the einsums, the collectives, the state (count_state), the
+// element-wise work and the activations kept. Not counted:
+// rematerialisation's recomputed forward and attention's recomputed logits.
+inline step_work count(const network_shape& n, const mesh_sizes& m, const step_options& o) {
+  const index_t d = m.data, e = m.expert, mm = m.model;
+  const index_t B = o.batch, M = n.model, N = n.heads, K = n.head_dim, V = n.vocab, E = n.experts;
+  if (B % (d * e) != 0 || N % mm != 0 || (E > 0 && E % e != 0))
+    throw shape_error("gshard::model::cost: batch " + std::to_string(B) + ", heads " + std::to_string(N) + " and experts " +
+                      std::to_string(E) + " do not divide over data " + std::to_string(d) + " x expert " + std::to_string(e) +
+                      " x model " + std::to_string(mm));
+  const int f = o.element_bytes, k = n.top_k;
+  const index_t Bl = B / (d * e), Nl = N / mm;
+  const index_t Gd = B / d;  // groups at the experts: G over data only
+  const double P = double(m.ranks());
+  const int ffn_inputs = n.ffn == ffn_kind::swiglu ? 2 : 1;
+  step_work w;
+
+  // Einsums, with each label's global and local extent; the same einsum on
+  // the same extents is one entry.
+  using label = std::tuple<char, index_t, index_t>;
+  auto einsum = [&](std::string spec, int calls, std::initializer_list<label> labels) {
+    einsum_work x{std::move(spec), calls, {}, {}, 0};
+    for (const auto& [l, g, loc] : labels) x.global[std::size_t(l)] = g, x.local[std::size_t(l)] = loc;
+    x.flops = einsum_work::passes * double(calls) * gshard::detail::parse_einsum(x.spec).flops(x.global.data()) / P;
+    w.model_flops += x.flops;
+    for (einsum_work& y : w.einsums)
+      if (y.spec == x.spec && y.global == x.global && y.local == x.local) {
+        y.calls += x.calls, y.flops += x.flops;
+        return;
+      }
+    w.einsums.push_back(std::move(x));
+  };
+  const label b_{'B', B, Bl}, m_{'M', M, M}, n_{'N', N, Nl}, k_{'K', K, K}, v_{'V', V, V};
+  auto attention = [&](index_t queries, index_t keys, int projected) {  // projections of queries (and keys and values: 3)
+    const label l_{'L', queries, queries}, t_{'T', keys, keys};
+    einsum("BLM,MNK->BLNK", projected, {b_, l_, m_, n_, k_});
+    if (projected == 1) einsum("BLM,MNK->BLNK", 2, {b_, {'L', keys, keys}, m_, n_, k_});
+    einsum("BLNK,BTNK->BNLT", 1, {b_, l_, t_, n_, k_});
+    einsum("BNLT,BTNK->BLNK", 1, {b_, l_, t_, n_, k_});
+    einsum("BLNK,NKM->BLM", 1, {b_, l_, n_, k_, m_});
+  };
+  for (const block_shape& blk : n.blocks) {
+    const label l_{'L', blk.len, blk.len};
+    attention(blk.len, blk.len, 3);
+    if (blk.cross > 0) attention(blk.len, blk.cross, 1);
+    if (!blk.moe) {  // a dense FFN (a dense model's "slot" FFNs of their own width)
+      const label h_{'H', blk.hidden, blk.hidden / mm};
+      einsum("BLM,MH->BLH", ffn_inputs, {b_, l_, m_, h_});
+      einsum("BLH,HM->BLM", 1, {b_, l_, m_, h_});
+      continue;
+    }
+    const index_t C = blk.capacity;
+    const label g_{'G', B, Bl}, s_{'S', blk.len, blk.len}, e_{'E', E, E}, ee_{'E', E, E / e}, gd_{'G', B, Gd}, c_{'C', C, C},
+        h_{'H', blk.hidden, blk.hidden / mm};
+    einsum("GSM,ME->GSE", 1, {g_, s_, m_, e_});
+    einsum("EGCM,EMH->EGCH", ffn_inputs, {ee_, gd_, c_, m_, h_});
+    einsum("EGCH,EHM->EGCM", 1, {ee_, gd_, c_, m_, h_});
+    if (n.shared_experts > 0) {
+      const index_t Hs = blk.hidden * n.shared_experts;
+      const label hs_{'H', Hs, Hs / mm};
+      einsum("GSM,MH->GSH", ffn_inputs, {g_, s_, m_, hs_});
+      einsum("GSH,HM->GSM", 1, {g_, s_, m_, hs_});
+    }
+  }
+  einsum("BLM,MV->BLV", 1, {b_, {'L', n.out, n.out}, m_, v_});
+
+  // Collectives: the forward's and their transposes in the backward.
+  auto& cs = w.collectives;
+  const std::uint32_t batch = data_bit | expert_bit;
+  for (const block_shape& blk : n.blocks) {
+    if (!blk.moe) continue;
+    // The all_to_alls pipelined in chunks of C (overlap_degree): as many
+    // calls per all_to_all, the same bytes in all. (The expert einsums are
+    // counted whole: their FLOPs are the chunks' sum.)
+    const index_t C = blk.capacity;
+    const int chunks = int(std::min<index_t>(std::max<index_t>(n.overlap_degree, 1), std::max<index_t>(C, 1)));
+    const double xe = double(E * Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
+    add(cs, collective::all_to_all, expert_bit, 4 * chunks, 4.0 * xe, "MoE dispatch and combine, forward and backward");
+    // The gating counters, aux loss and z-loss: 2E + 2k + 6 doubles (with the padded positions and a check of the paddings).
+    add(cs, collective::all_reduce, batch, 1, double(2 * E + 2 * k + 6) * 8, "MoE statistics");
+    if (n.dropless) add(cs, collective::all_reduce, batch, 1, 8, "dropless capacity");
+    if (m.has_model_axis)
+      add(cs, collective::all_reduce, model_bit, 2 * chunks, 2.0 * double((E / e) * Gd * C * M) * f,
+          "expert FFN outputs and inputs' gradients");
+  }
+  add(cs, collective::all_reduce, batch, 1, (n.smoothed ? 3 : 2) * 8, "cross-entropy's sum and count");
+  if (m.has_model_axis) {  // after each model-split contraction, and its input's gradient
+    for (const block_shape& blk : n.blocks) {
+      const int calls = 2 + (blk.cross > 0 ? 2 : 0) + (!blk.moe || n.shared_experts > 0 ? 2 : 0);
+      add(cs, collective::all_reduce, model_bit, calls, calls * double(Bl * blk.len * M) * f, "activations of model-split contractions");
+    }
+    if (n.memory > 0)
+      add(cs, collective::all_reduce, model_bit, 1, double(Bl * n.memory * M) * f, "activations of model-split contractions");
+  }
+  count_state(w, n.weights, m, o);
 
   // Element-wise work, an estimate: the stream passes (elements read or
   // written by norms, residual adds, attention's probabilities, dispatch,
   // combine and the all_to_alls' packing, activations; the backward twice
-  // the forward's), the exponentials (softmaxes, SwiGLU's sigmoid) and
-  // Adam's elements; and the activations the backward keeps (the einsums'
-  // inputs, attention's probabilities, the activations' outputs, the norms'
-  // inputs).
-  const double act = double(Tl * M), scores = double(Bl * Nl * L * L), qkv = double(Tl * Nl * K);
-  double stream = 4 * act, exps = 2 * double(Tl * V), keep = 2 * double(Tl * V);  // embedding; cross-entropy, forward and backward
-  stream += 2 * 3 * double(Tl * V);
-  for (int l = 0; l < layers; ++l) {
-    // Two norms and two residual adds; causal attention's probabilities,
-    // written by the forward and read by the backward (its logits and their
-    // gradients live in cache-sized blocks), and the exps of the half at
-    // or below the diagonal.
-    // With attention_memory::recompute_probabilities it keeps two numbers
-    // per row, and its backward computes the exps again (the extra QKᵀ
-    // GEMM, a sixth of attention's, is not counted).
-    const bool kept = c.attention == attention_memory::keep_probabilities;
+  // the forward's), the exponentials (softmaxes, SwiGLU's sigmoid) and the
+  // optimizer's elements; and the activations the backward keeps (the
+  // einsums' inputs, attention's probabilities, the activations' outputs,
+  // the norms' inputs).
+  const bool kept = n.attention == attention_memory::keep_probabilities;
+  const double out = double(Bl * n.out);
+  double stream = 4 * double(Bl * n.embedded * M) + 2 * 3 * out * double(V);  // embedding; cross-entropy, forward and backward
+  double exps = 2 * out * double(V), keep = 2 * out * double(V);
+  for (const block_shape& blk : n.blocks) {
+    const index_t Tl = Bl * blk.len;
+    const double act = double(Tl * M), qkv = double(Tl * Nl * K);
+    // Two norms and two residual adds; attention's probabilities, written
+    // by the forward and read by the backward (its logits and their
+    // gradients live in cache-sized blocks), and their exps (causal: the
+    // half at or below the diagonal). With
+    // attention_memory::recompute_probabilities it keeps two numbers per
+    // row, and its backward computes the exps again (the extra QKᵀ GEMM, a
+    // sixth of attention's, is not counted).
+    const double scores = double(Bl * Nl * blk.len * blk.len);
     stream += 2 * (6 * act + 6 * act) + (kept ? 2 * scores : 0.0);
-    exps += (kept ? 1.0 : 2.0) * scores / 2;
-    keep += 4 * act + 4 * qkv + (kept ? scores : 2.0 * double(Bl * Nl * L));  // norms' inputs and outputs, q k v o, the probabilities
+    exps += (kept ? 1.0 : 2.0) * scores * (blk.causal ? 0.5 : 1.0);
+    keep += 4 * act + 4 * qkv + (kept ? scores : 2.0 * double(Bl * Nl * blk.len));  // norms' inputs and outputs, q k v o, the probabilities
+    if (blk.cross > 0) {  // a third norm and residual add; the queries over the memory's keys and values
+      const double cross = double(Bl * Nl * blk.len * blk.cross);
+      stream += 2 * (3 * act + 3 * act) + (kept ? 2 * cross : 0.0);
+      exps += (kept ? 1.0 : 2.0) * cross;
+      keep += 2 * act + 2 * qkv + 2 * double(Bl * blk.cross * Nl * K) + (kept ? cross : 2.0 * double(Bl * Nl * blk.len));
+    }
     const double gated = ffn_inputs == 2 ? 1.0 : 0.0;
-    if (c.is_moe(l)) {
-      const double slots = double((E / e) * (B / d) * C), Hl = double(c.hidden / mm), xe = double(E * Bl * C * M);
+    if (blk.moe) {
+      const index_t C = blk.capacity;
+      const double slots = double((E / e) * Gd * C), Hl = double(blk.hidden / mm), xe = double(E * Bl * C * M);
       stream += 2 * (xe + 4 * double(k) * act + 4 * xe + (2 + 3 * gated) * slots * Hl);  // dispatch, combine, packing, activation
       exps += double(Tl * E) + 2 * gated * slots * Hl;
       keep += 2 * xe + ffn_inputs * slots * Hl + slots * double(M);
-      if (c.shared_experts > 0) {  // the shared experts: a dense FFN of shared_experts · H hidden units over every token
-        const double Hs = double(c.hidden * c.shared_experts / mm);
+      if (n.shared_experts > 0) {  // the shared experts: a dense FFN of shared_experts · H hidden units over every token
+        const double Hs = double(blk.hidden * n.shared_experts / mm);
         stream += 2 * (2 + 3 * gated) * double(Tl) * Hs;
         exps += 2 * gated * double(Tl) * Hs;
         keep += ffn_inputs * double(Tl) * Hs + act;
       }
     } else {
-      const double Hl = double(c.ffn_hidden(l) / mm);
+      const double Hl = double(blk.hidden / mm);
       stream += 2 * (2 + 3 * gated) * double(Tl) * Hl;
       exps += 2 * gated * double(Tl) * Hl;
       keep += ffn_inputs * double(Tl) * Hl + act;
@@ -414,7 +515,39 @@ inline step_work count_step(const config& c, const mesh_sizes& m, const step_opt
   w.exp_elements = exps;
   w.adam_elements = w.gradient_bytes / f;
   w.activation_bytes = keep * f;
+  for (const block_shape& blk : n.blocks)
+    if (blk.moe) (w.capacity == 0 ? w.capacity : w.decoder_capacity) = blk.capacity;
   return w;
+}
+}  // namespace detail_cost
+
+// What one training step (forward, backward, the optimizer) of the MoE
+// Transformer `c` does on each rank, for a global batch of o.batch
+// sequences of o.seq tokens.
+inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
+  detail_cost::network_shape n{c.model, c.heads, c.head_dim, c.vocab, c.experts, c.shared_experts, c.ffn, c.gating.top_k,
+                               c.overlap_degree, c.gating.dropless, c.attention, false, {}, o.seq, o.seq, 0, weights(c, m.has_model_axis)};
+  const index_t C = c.experts > 0 ? moe::capacity(o.seq, c.experts, c.gating) : 0;
+  for (int l = 0; l < c.layers; ++l) n.blocks.push_back({o.seq, 0, true, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? C : 0});
+  return detail_cost::count(n, m, o);
+}
+
+// What one training step of the encoder–decoder `c` does on each rank, for
+// a global batch of o.batch pairs: sources of o.source positions, targets
+// of o.seq + 1 (the decoder runs o.seq positions, as model::seq2seq::forward).
+// The capacities are the encoder's (capacity) and the decoder's (decoder_capacity).
+inline step_work count_step(const seq2seq_config& c, const mesh_sizes& m, const step_options& o) {
+  const index_t S = o.source, L = o.seq;
+  if (S < 1 || L < 1)
+    throw shape_error("gshard::model::cost: an encoder–decoder step needs sources and targets of 1 position or more; "
+                      "step_options.source = " + std::to_string(S) + ", seq = " + std::to_string(L));
+  detail_cost::network_shape n{c.model, c.heads, c.head_dim, c.vocab, c.experts, 0, c.ffn, c.gating.top_k, 1, c.gating.dropless,
+                               c.attention, c.label_smoothing > 0, {}, S + L, L, S, weights(c, m.has_model_axis)};
+  const index_t Cs = c.experts > 0 ? moe::capacity(S, c.experts, c.gating) : 0;
+  const index_t Cl = c.experts > 0 ? moe::capacity(L, c.experts, c.decoder_gating()) : 0;
+  for (int l = 0; l < c.encoder_layers; ++l) n.blocks.push_back({S, 0, false, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? Cs : 0});
+  for (int l = 0; l < c.decoder_layers; ++l) n.blocks.push_back({L, S, true, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? Cl : 0});
+  return detail_cost::count(n, m, o);
 }
 
 // A collective's cost: α seconds per message round, β bytes per second on a
