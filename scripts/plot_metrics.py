@@ -21,31 +21,69 @@ COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8
 W, H, LEFT, RIGHT, TOP, BOTTOM = 860, 500, 70, 200, 40, 55
 
 
+def fail(message):
+    """Bad input: one line on stderr, exit status 2 (as argparse's usage errors)."""
+    print(f"plot_metrics: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def finite(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def load(path, x_kind):
+    """The run's training curve and held-out points. A loss the trainer wrote as null (NaN) or that is
+    infinite is left out of the curve and counted; a last line cut short (a run ended while writing it)
+    is left out with a note; anything else that is not the trainer's JSON lines is refused."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        fail(f"{path}: {e.strerror}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        fail(f"{path}: not text; a --metrics file is JSON lines")
+    lines = text.split("\n")
     steps = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                sys.exit(f"plot_metrics: {path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
-            if "step" not in r or "ce" not in r:
-                sys.exit(f"plot_metrics: {path}:{n}: no 'step' or 'ce': is it the trainer's --metrics file?")
-            if x_kind == "tokens" and "tokens" not in r:
-                sys.exit(f"plot_metrics: {path}:{n}: no 'tokens' (written by an older trainer); plot it with --x seconds")
-            steps[r["step"]] = r  # a resumed run repeats no step; a re-run from scratch replaces
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # no newline after it: the write was cut short
+                print(f"plot_metrics: {path}:{n}: the last line is incomplete; left out", file=sys.stderr)
+                break
+            fail(f"{path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
+        if not isinstance(r, dict):
+            fail(f"{path}:{n}: a JSON {type(r).__name__}, not an object; is it the trainer's --metrics file?")
+        if "step" not in r or "ce" not in r:
+            fail(f"{path}:{n}: no 'step' or 'ce'; is it the trainer's --metrics file?")
+        if not finite(r["step"]):
+            fail(f"{path}:{n}: 'step' is {json.dumps(r['step'])}, not a number")
+        if x_kind == "tokens" and "tokens" not in r:
+            fail(f"{path}:{n}: no 'tokens' (written by an older trainer); plot it with --x seconds")
+        if x_kind == "tokens" and not finite(r["tokens"]):
+            fail(f"{path}:{n}: 'tokens' is {json.dumps(r['tokens'])}, not a number")
+        if "seconds" in r and not finite(r["seconds"]):
+            fail(f"{path}:{n}: 'seconds' is {json.dumps(r['seconds'])}, not a number")
+        steps[r["step"]] = r  # a resumed run repeats no step; a re-run from scratch replaces
     rows = [steps[s] for s in sorted(steps)]
     if not rows:
-        sys.exit(f"plot_metrics: {path} holds no step")
+        fail(f"{path} holds no step")
     x, elapsed = [], 0.0
     for r in rows:
         elapsed += r.get("seconds", 0.0)
         x.append(r["tokens"] if x_kind == "tokens" else elapsed)
-    train = [(xi, r["ce"] / math.log(2)) for xi, r in zip(x, rows)]
-    held = [(xi, r["held_out_bpb"]) for xi, r in zip(x, rows) if "held_out_bpb" in r]
+    train = [(xi, r["ce"] / math.log(2)) for xi, r in zip(x, rows) if finite(r["ce"])]
+    held = [(xi, r["held_out_bpb"]) for xi, r in zip(x, rows) if finite(r.get("held_out_bpb"))]
+    skipped = len(rows) - len(train) + sum(1 for r in rows if "held_out_bpb" in r and not finite(r["held_out_bpb"]))
+    if skipped:
+        print(f"plot_metrics: {path}: {skipped} losses are NaN or infinite (null in the file); left out", file=sys.stderr)
+    if not train:
+        fail(f"{path}: no finite training loss to draw")
     curve = smooth(train, max(1, len(train) // 40))
     every = max(1, len(curve) // 300)  # a few hundred points draw the same line
     return curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else []), held
@@ -88,11 +126,16 @@ def main():
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("runs", nargs="+")
     a = ap.parse_args()
+    folder = os.path.dirname(a.out) or "."
+    if not os.path.isdir(folder):
+        fail(f"-o {a.out}: no directory {folder}")
     runs = []
     for spec in a.runs:
         name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        if os.path.isdir(path):
+            fail(f"{path}: a directory, not a --metrics file")
         if not os.path.isfile(path):
-            sys.exit(f"plot_metrics: {path}: no such file")
+            fail(f"{path}: no such file")
         runs.append((name or os.path.splitext(os.path.basename(path))[0], *load(path, a.x)))
     xs = [p[0] for _, t, h in runs for p in t + h]
     ys = [p[1] for _, t, h in runs for p in t[len(t) // 10:] + h]  # the first steps' losses would flatten the rest
@@ -133,8 +176,11 @@ def main():
     svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph}" fill="#555">thin: training (smoothed)</text>')
     svg.append(f'<text x="{LEFT + pw + 14}" y="{TOP + ph + 14}" fill="#555">thick: held-out</text>')
     svg.append("</svg>")
-    with open(a.out, "w") as f:
-        f.write("\n".join(svg) + "\n")
+    try:
+        with open(a.out, "w") as f:
+            f.write("\n".join(svg) + "\n")
+    except OSError as e:
+        fail(f"-o {a.out}: {e.strerror}")
     print(f"plot_metrics: wrote {a.out} ({len(runs)} runs)")
 
 

@@ -17,7 +17,7 @@ import struct
 import sys
 import time
 
-from checks import interrupted, run, verdict
+from checks import interrupted, rank_pids, run, verdict
 
 SMALL = ["--batch", "4", "--seq", "32"]
 
@@ -46,25 +46,6 @@ def with_step(src, dst, value=None, rename=None):
         at += 4 + n + 8
     body = data[:-(9 + 8)]
     open(dst, "wb").write(bytes(body) + b"GSHARDEND" + struct.pack("<Q", fnv1a(body)))
-
-
-def rank_pids(parent_cmd_tail):
-    """The trainer's rank processes, by their OMPI or PMI rank."""
-    pids = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if not cmd or not cmd[0].endswith(parent_cmd_tail.encode()):
-            continue
-        for kv in env:
-            if kv.startswith(b"OMPI_COMM_WORLD_RANK=") or kv.startswith(b"PMI_RANK="):
-                pids[int(kv.split(b"=")[1])] = int(pid)
-    return pids
 
 
 # OpenMPI 4.1.4's mpirun, given SIGTERM or SIGINT, sends the ranks SIGCONT at once, SIGTERM
@@ -245,7 +226,7 @@ def main() -> int:
 
     # SIGTERM to the last rank only: every rank stops after the same step.
     def last_rank(p):
-        pids = rank_pids(os.path.basename(trainer))
+        pids = rank_pids(p.pid)
         if pids:
             os.kill(pids[max(pids)], signal.SIGTERM)
     code, out = interrupted(mpi, trainer, args, last_rank, env=SIGKILL_WAIT)
@@ -266,7 +247,7 @@ def main() -> int:
     # signal, and nothing is saved.
     def twice(p):
         time.sleep(0.2)
-        pids = rank_pids(os.path.basename(trainer))
+        pids = rank_pids(p.pid)
         if pids:
             os.kill(pids[max(pids)], signal.SIGTERM)
             time.sleep(0.1)

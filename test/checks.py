@@ -25,6 +25,34 @@ def run(cmd, timeout=90, env=None):
         return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
 
 
+def rank_pids(launcher):
+    """The MPI ranks among the launcher's descendants, by their OpenMPI or PMI rank: found through the
+    launcher's own process tree (parent ids in /proc), so another job's processes are never touched."""
+    children = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    pids, todo = {}, list(children.get(launcher, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"OMPI_COMM_WORLD_RANK=") or kv.startswith(b"PMI_RANK="):
+                pids[int(kv.split(b"=")[1])] = pid
+    return pids
+
+
 def interrupted(mpi, trainer, args, send, timeout=120, env=None):
     """Starts the trainer, waits for its first progress line, then `send(proc)`; returns (code, output)."""
     p = subprocess.Popen(mpi + [trainer] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
