@@ -5,10 +5,18 @@
 //   scripts/mpirun -np 2 build/bench/bench_einsum --benchmark_filter=matmul_split
 // local/<spec>: counters gemm_gflops (the direct GEMM loop: one sgemm per batch
 // on contiguous matrices) and speed = gemm time / einsum time (1.0 = as fast).
+// gemm_backends/<m>x<n>x<k>: every fp32 GEMM backend of this build and the
+// bf16 GEMM (bf16 × bf16 → fp32) on one shape in the same run, as GFLOP/s
+// and as fractions of this core's fp32 FMA peak, measured in the run.
+//   scripts/mpirun -np 1 build/bench/bench_einsum --benchmark_filter=gemm_backends
 #include <gshard/gshard.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "mpi_bench.hpp"
 
@@ -46,6 +54,49 @@ void local(benchmark::State& state, shape<RA> ea, shape<RB> eb, gemm_case g) {
   state.counters["gemm_gflops"] = flop / c.median_time[0] * 1e-9;
   state.counters["einsum_gflops"] = flop / c.median_time[1] * 1e-9;
   state.counters["speed"] = 1.0 / c.median_ratio[1];
+}
+
+// One shape, every backend: C[m,n] = A[m,k]·B[k,n] in fp32 by Eigen,
+// OpenBLAS and oneDNN (those built in), and gemm_bf16 with fp32 output —
+// on the bf16 units when oneDNN can, converted to fp32 otherwise.
+void gemm_backends(benchmark::State& state, index_t m, index_t n, index_t k) {
+  using detail::gemm_kind;
+  std::vector<float> a(std::size_t(m * k)), b(std::size_t(k * n)), c(std::size_t(m * n));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = float(i % 7) * 0.25f - 0.5f;
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = float(i % 5) * 0.25f - 0.5f;
+  std::vector<Eigen::bfloat16> a16(a.size()), b16(b.size());
+  std::transform(a.begin(), a.end(), a16.begin(), [](float x) { return Eigen::bfloat16(x); });
+  std::transform(b.begin(), b.end(), b16.begin(), [](float x) { return Eigen::bfloat16(x); });
+  std::vector<std::pair<std::string, gemm_kind>> fp32{{"eigen", gemm_kind::eigen}};
+  if (detail::have_openblas) fp32.push_back({"openblas", gemm_kind::openblas});
+  if (detail::have_onednn) fp32.push_back({"onednn", gemm_kind::onednn});
+  const int chosen = detail::options().gemm;
+  std::vector<std::function<void()>> forms;
+  for (const auto& [name, kind] : fp32)
+    forms.push_back([&, kind = kind] {
+      detail::options().gemm = int(kind);
+      detail::gemm<float>(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+    });
+  forms.push_back([&] {
+    detail::options().gemm = chosen;
+    detail::gemm_bf16<float>(false, false, m, n, k, 1.0f, a16.data(), k, b16.data(), n, 0.0f, c.data(), n);
+  });
+  const auto cmp = gshard::bench::compare(state, forms, 0);
+  detail::options().gemm = chosen;
+  static const double peak = measure_fma_peak(world_group());
+  const double flop = 2.0 * double(m * n * k);
+  double best32 = 0;
+  for (std::size_t i = 0; i < fp32.size(); ++i) {
+    const double g = flop / cmp.median_time[i] * 1e-9;
+    state.counters[fp32[i].first + "_gflops"] = g;
+    state.counters[fp32[i].first + "/peak"] = g / peak;
+    best32 = std::max(best32, g);
+  }
+  const double g16 = flop / cmp.median_time.back() * 1e-9;
+  state.counters["bf16_gflops"] = g16;
+  state.counters["bf16/peak"] = g16 / peak;
+  state.counters["bf16/best_fp32"] = g16 / best32;
+  state.SetLabel(detail::gemm_bf16_native() ? "bf16 on the bf16 units (oneDNN)" : "bf16 converted to fp32");
 }
 
 // ij,jk->ik with j split over every rank: the partial product is summed by an
@@ -88,6 +139,13 @@ const int registered = [] {
   reg("local/BLNK,BTNK->BNLT/f32", [](benchmark::State& s) { local<"BLNK,BTNK->BNLT", float, 4, 4>(s, {1, 512, 2, 256}, {1, 512, 2, 256}, {"", 2, 512, 512, 256}); });
   reg("local/BNLT,BTNK->BLNK/f32", [](benchmark::State& s) { local<"BNLT,BTNK->BLNK", float, 4, 4>(s, {1, 2, 512, 512}, {1, 512, 2, 256}, {"", 2, 512, 256, 512}); });
   reg("local/BLNK,NKM->BLM/f32", [](benchmark::State& s) { local<"BLNK,NKM->BLM", float, 4, 3>(s, {2, 256, 4, 64}, {4, 64, 512}, {"", 1, 512, 512, 256}); });
+  // The trainer's and the MoE benchmark's GEMMs (tokens × M × H, the
+  // expert FFNs, the unembedding) and attention's K = 32 blocks.
+  for (const auto& [m, n, k] : std::vector<std::array<index_t, 3>>{{1024, 128, 128}, {2048, 512, 128}, {2048, 128, 512},
+                                                                    {2048, 256, 128}, {4096, 2048, 512}, {4096, 512, 2048},
+                                                                    {512, 512, 32}, {512, 32, 512}})
+    reg(("gemm_backends/" + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k)).c_str(),
+        [m = m, n = n, k = k](benchmark::State& s) { gemm_backends(s, m, n, k); });
   benchmark::RegisterBenchmark("matmul_split", matmul_split)->Arg(1024)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

@@ -9,7 +9,10 @@
 
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <fstream>
 #include <string>
+#include <vector>
 
 #include "layouts.hpp"
 #include "testing.hpp"
@@ -353,6 +356,107 @@ TEST_CASE("gemm_recorder: the local GEMMs an einsum runs, in order, with their s
                    calls[i].ldb == K);
   gemm_recorder inner;  // a second recorder sees only what runs in its lifetime
   GSHARD_REQUIRE(inner.calls().empty() && rec.calls().size() == calls.size());
+}
+
+namespace {
+// Whether /proc/cpuinfo lists `flag` (false where there is no such file).
+bool cpu_has(const std::string& flag) {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("flags", 0) == 0) return (line + " ").find(" " + flag + " ") != std::string::npos;
+  return false;
+}
+}  // namespace
+
+TEST_CASE("GEMM backends: each gives the product for every transpose, leading dim, alpha and beta; bf16 within its rounding",
+          "[einsum][gemm]") {
+  // Each backend this build has, against a double product of the same
+  // operands: C = alpha·op(A)·op(B) + beta·C with padded leading dims.
+  // fp32: within 4·(k+1)·2^-24 of Σ|alpha·a·b| + |beta·c| (the
+  // accumulation's bound). bf16: the operands rounded to bf16, against the
+  // double product of the rounded values — their products are exact in
+  // fp32, so the same bound; a bf16 C adds one rounding, 2^-8 of |C|
+  // (8 significant bits).
+  using detail::gemm_kind;
+  const int chosen = detail::options().gemm;
+  std::vector<gemm_kind> kinds{gemm_kind::eigen};
+  if (detail::have_openblas) kinds.push_back(gemm_kind::openblas);
+  if (detail::have_onednn) kinds.push_back(gemm_kind::onednn);
+  std::uint64_t seed = 1;
+  auto value = [&seed] {  // in [-1, 1), 24 significant bits
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
+  };
+  auto to_bf16 = [](const std::vector<float>& v) { return std::vector<Eigen::bfloat16>(v.begin(), v.end()); };
+  auto to_f32 = [](const std::vector<Eigen::bfloat16>& v) { return std::vector<float>(v.begin(), v.end()); };
+  double worst32 = 0, worst16 = 0, worst16out = 0;
+  for (const gemm_kind kind : kinds) {
+    detail::options().gemm = int(kind);
+    for (const auto& [m, n, k] : std::vector<std::array<index_t, 3>>{{1, 1, 1}, {5, 7, 3}, {33, 17, 65}, {64, 48, 128}, {3, 4, 0}})
+      for (const bool ta : {false, true})
+        for (const bool tb : {false, true})
+          for (const auto& [alpha, beta] : std::vector<std::pair<float, float>>{{1, 0}, {0.5f, 1}, {-2, -0.75f}}) {
+            const index_t ra = ta ? k : m, ca = ta ? m : k, rb = tb ? n : k, cb = tb ? k : n;
+            const index_t lda = ca + 3, ldb = cb + 1, ldc = n + 2;
+            std::vector<float> a(std::size_t(std::max<index_t>(ra, 1) * lda)), b(std::size_t(std::max<index_t>(rb, 1) * ldb)),
+                c(std::size_t(m * ldc));
+            for (float& x : a) x = value();
+            for (float& x : b) x = value();
+            for (float& x : c) x = value();
+            // How far `out` is from the double product of a, b and c, over the bound (plus `extra` of |C|).
+            auto over_bound = [&](const std::vector<float>& a_, const std::vector<float>& b_, const std::vector<float>& c_,
+                                  const auto& out, double extra) {
+              double w = 0;
+              for (index_t i = 0; i < m; ++i)
+                for (index_t j = 0; j < n; ++j) {
+                  double sum = 0, mag = 0;
+                  for (index_t p = 0; p < k; ++p) {
+                    const double x = a_[std::size_t(ta ? p * lda + i : i * lda + p)], y = b_[std::size_t(tb ? j * ldb + p : p * ldb + j)];
+                    sum += x * y, mag += std::abs(x * y);
+                  }
+                  const double cij = c_[std::size_t(i * ldc + j)], r = alpha * sum + beta * cij;
+                  const double bound = 4.0 * double(k + 1) * 0x1p-24 * (std::abs(alpha) * mag + std::abs(beta * cij)) + 1e-30;
+                  w = std::max(w, std::abs(double(out[std::size_t(i * ldc + j)]) - r) / (bound * (1 + extra) + extra * std::abs(r)));
+                }
+              return w;
+            };
+            std::vector<float> c32 = c;
+            detail::gemm<float>(ta, tb, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c32.data(), ldc);
+            // bf16: the operands rounded; their double product is the reference.
+            const std::vector<Eigen::bfloat16> a16 = to_bf16(a), b16 = to_bf16(b);
+            std::vector<Eigen::bfloat16> c16 = to_bf16(c);
+            const std::vector<float> c16_in = to_f32(c16);
+            std::vector<float> cf = c;
+            detail::gemm_bf16<float>(ta, tb, m, n, k, alpha, a16.data(), lda, b16.data(), ldb, beta, cf.data(), ldc);
+            detail::gemm_bf16<Eigen::bfloat16>(ta, tb, m, n, k, alpha, a16.data(), lda, b16.data(), ldb, beta, c16.data(), ldc);
+            INFO(detail::gemm_name(kind) << " m " << m << " n " << n << " k " << k << (ta ? " A^T" : "") << (tb ? " B^T" : "")
+                                         << " alpha " << alpha << " beta " << beta);
+            worst32 = std::max(worst32, over_bound(a, b, c, c32, 0.0));
+            worst16 = std::max(worst16, over_bound(to_f32(a16), to_f32(b16), c, cf, 0.0));
+            worst16out = std::max(worst16out, over_bound(to_f32(a16), to_f32(b16), c16_in, c16, 0x1p-8));
+            // The padding between rows is left alone.
+            bool pads = true;
+            for (index_t i = 0; i < m; ++i)
+              for (index_t j = n; j < ldc; ++j)
+                pads = pads && c32[std::size_t(i * ldc + j)] == c[std::size_t(i * ldc + j)] &&
+                       cf[std::size_t(i * ldc + j)] == c[std::size_t(i * ldc + j)] &&
+                       float(c16[std::size_t(i * ldc + j)]) == c16_in[std::size_t(i * ldc + j)];
+            GSHARD_REQUIRE(pads);
+          }
+  }
+  detail::options().gemm = chosen;
+  INFO("worst error over its bound: fp32 " << worst32 << ", bf16 -> fp32 " << worst16 << ", bf16 -> bf16 " << worst16out);
+  GSHARD_REQUIRE(worst32 <= 1.0);
+  GSHARD_REQUIRE(worst16 <= 1.0);
+  GSHARD_REQUIRE(worst16out <= 1.0);
+  // Where oneDNN is built in and the CPU has bf16 units, they run gemm_bf16.
+  if (detail::have_onednn && cpu_has("avx512_bf16")) GSHARD_REQUIRE(detail::gemm_bf16_native());
+  // A recorder lists a bf16 GEMM once, with 2-byte elements, whichever path ran it.
+  std::vector<Eigen::bfloat16> x(12, Eigen::bfloat16(1.0f));
+  std::vector<float> y(9);
+  gemm_recorder rec;
+  detail::gemm_bf16<float>(false, false, 3, 3, 4, 1.0f, x.data(), 4, x.data(), 3, 0.0f, y.data(), 3);
+  GSHARD_REQUIRE(rec.calls().size() == 1 && rec.calls()[0].element_bytes == 2 && y[4] == 4.0f);
 }
 
 TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {

@@ -4,7 +4,7 @@
 // replicated tensors drift apart), so mpi::environment takes rank 0's values
 // and broadcasts them. Without the environment each process reads its own.
 //   GSHARD_REDUCE_SCATTER=ring|mpi gshard's ring (default) or MPI_Reduce_scatter_block
-//   GSHARD_GEMM=eigen|openblas     the local GEMM backend (default: the faster, see gemm.hpp)
+//   GSHARD_GEMM=eigen|openblas|onednn  the local GEMM backend (default: the faster, see default_gemm)
 //   GSHARD_DEBUG=0|1               compare a fingerprint across ranks before every collective (runtime/debug.hpp)
 //   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG; 0: off)
 #pragma once
@@ -20,7 +20,23 @@ extern "C" char* openblas_get_corename(void);
 
 namespace gshard::detail {
 
-enum class gemm_kind : int { eigen = 1, openblas = 2 };
+// The GEMM backends this build has besides Eigen's.
+#if defined(GSHARD_USE_OPENBLAS)
+inline constexpr bool have_openblas = true;
+#else
+inline constexpr bool have_openblas = false;
+#endif
+#if defined(GSHARD_USE_ONEDNN)
+inline constexpr bool have_onednn = true;
+#else
+inline constexpr bool have_onednn = false;
+#endif
+
+enum class gemm_kind : int { eigen = 1, openblas = 2, onednn = 3 };
+
+inline const char* gemm_name(gemm_kind k) {
+  return k == gemm_kind::openblas ? "openblas" : k == gemm_kind::onednn ? "onednn" : "eigen";
+}
 
 struct run_options {
   int reduce_scatter_mpi = 0;  // 1: MPI_Reduce_scatter_block
@@ -30,11 +46,17 @@ struct run_options {
   std::string problem;          // a variable's value that is not allowed, or ""
 };
 
-// OpenBLAS unless its active kernel lacks AVX-512 while this build has it
-// (measured: OpenBLAS SkylakeX ~145 GFLOP/s, Haswell kernel ~100, Eigen with
-// -march=native ~140). Without OpenBLAS: Eigen.
+// oneDNN where this build has it: its fp32 matmul ran at 0.89–0.94 of a
+// Zen 5 core's FMA peak on the trainer's GEMM shapes, against 0.52–0.63
+// for Eigen and 0.42–0.47 for OpenBLAS's Haswell kernel, and on a par
+// with OpenBLAS's Zen kernels on Zen 4 (bench_einsum's gemm_backends).
+// Otherwise OpenBLAS unless its active kernel lacks AVX-512 while this
+// build has it (OpenBLAS SkylakeX ~145 GFLOP/s, Haswell kernel ~100, Eigen
+// with -march=native ~140). Without either: Eigen.
 inline gemm_kind default_gemm() {
-#if defined(GSHARD_USE_OPENBLAS)
+#if defined(GSHARD_USE_ONEDNN)
+  return gemm_kind::onednn;
+#elif defined(GSHARD_USE_OPENBLAS)
 #if defined(__AVX512F__)
   const std::string_view core = openblas_get_corename();
   const bool avx512_kernel = core.find("kylakeX") != std::string_view::npos ||
@@ -78,13 +100,16 @@ inline run_options options_from_env() {
   }
   if (const char* g = std::getenv("GSHARD_GEMM"); g && *g) {
     const std::string_view v = g;
+    constexpr bool openblas = have_openblas, onednn = have_onednn;
     if (v == "eigen") o.gemm = int(gemm_kind::eigen);
-#if defined(GSHARD_USE_OPENBLAS)
-    else if (v == "openblas") o.gemm = int(gemm_kind::openblas);
-    else refuse("GSHARD_GEMM", v, "eigen or openblas");
-#else
-    else refuse("GSHARD_GEMM", v, "eigen (this build has no OpenBLAS: meson setup -Dblas=openblas)");
-#endif
+    else if (v == "openblas" && openblas) o.gemm = int(gemm_kind::openblas);
+    else if (v == "onednn" && onednn) o.gemm = int(gemm_kind::onednn);
+    else
+      refuse("GSHARD_GEMM", v,
+             openblas && onednn ? "eigen, openblas or onednn"
+             : openblas         ? "eigen or openblas (this build has no oneDNN: install libdnnl-dev, meson setup -Donednn=enabled)"
+             : onednn           ? "eigen or onednn (this build has no OpenBLAS: meson setup -Dblas=openblas)"
+                                : "eigen (this build has neither OpenBLAS nor oneDNN: meson setup -Dblas=openblas -Donednn=enabled)");
   }
   return o;
 }

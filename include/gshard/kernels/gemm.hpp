@@ -1,21 +1,27 @@
 // gshard/kernels/gemm.hpp — the one GEMM every local einsum calls:
 // C = alpha·op(A)·op(B) + beta·C on row-major strided matrices, by OpenBLAS
-// (when built with GSHARD_USE_OPENBLAS, Meson option blas=openblas) or by
-// Eigen's own product; with both available the faster runs (default_gemm in
+// (when built with GSHARD_USE_OPENBLAS, Meson option blas=openblas), by
+// oneDNN (GSHARD_USE_ONEDNN, Meson option onednn) or by Eigen's own
+// product; the backend is chosen at start-up (default_gemm in
 // core/options.hpp; GSHARD_GEMM overrides). Other element types (integers)
-// take a plain loop: correct, not fast. A gemm_recorder (core/counters.hpp)
-// lists the calls.
+// take a plain loop: correct, not fast. gemm_bf16 multiplies bf16 operands
+// with fp32 accumulation: on the CPU's bf16 units through oneDNN where it
+// can, otherwise converted to fp32 in blocks. A gemm_recorder
+// (core/counters.hpp) lists the calls.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <climits>
 #include <type_traits>
+#include <vector>
 
 #include "gshard/core/options.hpp"
 
 #include "gshard/core/counters.hpp"
 #include "gshard/core/types.hpp"
+
+#include "gshard/kernels/onednn.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
 #include <cblas.h>
@@ -23,8 +29,8 @@
 
 namespace gshard::detail {
 
-// "openblas" or "eigen": the backend gemm() uses (agreed across ranks: core/options.hpp).
-inline const char* gemm_backend() { return options().gemm == int(gemm_kind::openblas) ? "openblas" : "eigen"; }
+// "openblas", "onednn" or "eigen": the backend gemm() uses (agreed across ranks: core/options.hpp).
+inline const char* gemm_backend() { return gemm_name(gemm_kind(options().gemm)); }
 
 template <class T>
 void gemm_eigen(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda,
@@ -56,16 +62,19 @@ void gemm_loop(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T al
     }
 }
 
-// Row-major: op(A) is m×k (A stored k×m when trans_a), op(B) is k×n, C is m×n.
+// The product by the chosen backend, unrecorded.
 template <class T>
-void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
-          index_t ldb, T beta, T* c, index_t ldc) {
-  if (m == 0 || n == 0) return;
-  if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
-    log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
+void gemm_run(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
+              index_t ldb, T beta, T* c, index_t ldc) {
   if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
     gemm_loop(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
+#if defined(GSHARD_USE_ONEDNN)
+    if constexpr (std::is_same_v<T, float>)
+      if (options().gemm == int(gemm_kind::onednn) && k > 0 &&
+          onednn_gemm<float, float>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+        return;
+#endif
 #if defined(GSHARD_USE_OPENBLAS)
     const bool fits_int = std::max({m, n, k, lda, ldb, ldc}) <= index_t(INT_MAX);  // BLAS takes int sizes
     if (options().gemm == int(gemm_kind::openblas) && fits_int) {
@@ -78,6 +87,67 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, 
     }
 #endif
     gemm_eigen(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+// Row-major: op(A) is m×k (A stored k×m when trans_a), op(B) is k×n, C is m×n.
+template <class T>
+void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
+          index_t ldb, T beta, T* c, index_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
+    log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
+  gemm_run(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// Whether gemm_bf16 runs on the CPU's bf16 units (oneDNN's bf16 matmul),
+// rather than converting to fp32.
+inline bool gemm_bf16_native() {
+#if defined(GSHARD_USE_ONEDNN)
+  return onednn_has_bf16();
+#else
+  return false;
+#endif
+}
+
+// rows × cols of a bf16 matrix with leading dim ld, as packed fp32 in `to`.
+inline const float* widen(const Eigen::bfloat16* from, index_t rows, index_t cols, index_t ld, std::vector<float>& to) {
+  to.resize(std::size_t(rows * cols));
+  for (index_t r = 0; r < rows; ++r)
+    Eigen::Map<Eigen::ArrayXf>(to.data() + r * cols, cols) =
+        Eigen::Map<const Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(from + r * ld, cols).cast<float>();
+  return to.data();
+}
+
+// C = alpha·op(A)·op(B) + beta·C with A and B in bf16, the products
+// accumulated in fp32 and C in fp32 or bf16 (rounded once, to nearest
+// even). oneDNN's bf16 matmul where the CPU has bf16 units; otherwise A
+// and B (and a bf16 C) widened to fp32 in buffers kept between calls and
+// multiplied by gemm's fp32 backend — the same result to fp32 rounding.
+template <class Out>
+void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const Eigen::bfloat16* a,
+               index_t lda, const Eigen::bfloat16* b, index_t ldb, float beta, Out* c, index_t ldc) {
+  static_assert(std::is_same_v<Out, float> || std::is_same_v<Out, Eigen::bfloat16>,
+                "gshard::gemm_bf16: the output is float or bf16");
+  if (m == 0 || n == 0) return;
+  if (auto& log = gemm_log(); log.recorders > 0)
+    log.add({2, trans_a, trans_b, beta != 0.0f, m, n, k, lda, ldb, ldc});
+#if defined(GSHARD_USE_ONEDNN)
+  if (k > 0 && onednn_gemm<Eigen::bfloat16, Out>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+#endif
+  thread_local std::vector<float> a32, b32, c32;
+  const float* aw = widen(a, trans_a ? k : m, trans_a ? m : k, lda, a32);
+  const float* bw = widen(b, trans_b ? n : k, trans_b ? k : n, ldb, b32);
+  const index_t lda32 = trans_a ? m : k, ldb32 = trans_b ? k : n;
+  if constexpr (std::is_same_v<Out, float>) {
+    gemm_run<float>(trans_a, trans_b, m, n, k, alpha, aw, lda32, bw, ldb32, beta, c, ldc);
+  } else {
+    if (beta != 0.0f) widen(c, m, n, ldc, c32);
+    else c32.resize(std::size_t(m * n));
+    gemm_run<float>(trans_a, trans_b, m, n, k, alpha, aw, lda32, bw, ldb32, beta, c32.data(), n);
+    for (index_t r = 0; r < m; ++r)
+      Eigen::Map<Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(c + r * ldc, n) =
+          Eigen::Map<const Eigen::ArrayXf>(c32.data() + r * n, n).cast<Eigen::bfloat16>();
   }
 }
 

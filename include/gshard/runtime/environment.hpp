@@ -11,6 +11,9 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#if defined(GSHARD_USE_ONEDNN)
+#include <dlfcn.h>
+#endif
 
 #include "gshard/runtime/collectives.hpp"
 #include "gshard/core/options.hpp"
@@ -81,10 +84,16 @@ inline void start_trace_from_env() {
   trace::start(path);
 }
 
-// One BLAS thread per rank unless the user asked otherwise.
+// One BLAS thread per rank unless the user asked otherwise: OpenBLAS's,
+// and oneDNN's OpenMP threads (libgomp, loaded with libdnnl, is asked
+// through the symbol it exports; nothing links against it).
 inline void one_blas_thread() {
 #if defined(GSHARD_USE_OPENBLAS)
   if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(1);
+#endif
+#if defined(GSHARD_USE_ONEDNN)
+  if (!std::getenv("OMP_NUM_THREADS"))
+    if (void* set = dlsym(RTLD_DEFAULT, "omp_set_num_threads")) reinterpret_cast<void (*)(int)>(set)(1);
 #endif
 }
 

@@ -1,0 +1,123 @@
+// gshard/kernels/onednn.hpp — GEMMs by oneDNN's matmul (built with
+// GSHARD_USE_ONEDNN, Meson option onednn): fp32 × fp32 → fp32, and bf16 ×
+// bf16 with fp32 accumulation into fp32 or bf16, on the CPU's bf16 units
+// where it has them (AVX512_BF16, AMX). A primitive is made once per shape,
+// layout and scaling and kept (a few hundred shapes in a training step);
+// where oneDNN cannot make a bf16 primitive (AVX2-only CPUs) onednn_gemm
+// returns false and the caller computes in fp32.
+#pragma once
+
+#if defined(GSHARD_USE_ONEDNN)
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <unordered_map>
+
+#include "gshard/core/types.hpp"
+
+namespace gshard::detail {
+
+template <class T>
+constexpr dnnl::memory::data_type onednn_type() {
+  if constexpr (std::is_same_v<T, float>) return dnnl::memory::data_type::f32;
+  else {
+    static_assert(std::is_same_v<T, Eigen::bfloat16>, "gshard::onednn_gemm: the element types are float and bf16");
+    return dnnl::memory::data_type::bf16;
+  }
+}
+
+// What a primitive is made for: the types, the layouts and the scaling.
+struct onednn_key {
+  int a_type = 0, c_type = 0;
+  bool trans_a = false, trans_b = false;
+  index_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  float alpha = 1, beta = 0;
+  bool operator==(const onednn_key&) const = default;
+};
+struct onednn_key_hash {
+  std::size_t operator()(const onednn_key& k) const {
+    std::uint64_t h = 1469598103934665603ull;
+    auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(std::uint64_t(k.a_type) | std::uint64_t(k.c_type) << 8 | std::uint64_t(k.trans_a) << 16 | std::uint64_t(k.trans_b) << 17);
+    for (index_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) mix(std::uint64_t(v));
+    std::uint32_t a = 0, b = 0;
+    std::memcpy(&a, &k.alpha, 4), std::memcpy(&b, &k.beta, 4);
+    mix(std::uint64_t(a) << 32 | b);
+    return std::size_t(h);
+  }
+};
+
+// The engine, the stream and the primitives made so far (one rank, one thread).
+struct onednn_state {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  struct entry {
+    bool made = false;  // false: oneDNN cannot run this on this CPU
+    dnnl::matmul prim;
+    dnnl::memory::desc a, b, c;
+  };
+  std::unordered_map<onednn_key, entry, onednn_key_hash> primitives;
+  static constexpr std::size_t max_primitives = 4096;  // then the cache starts over
+};
+inline onednn_state& onednn() {
+  static onednn_state s;
+  return s;
+}
+
+// C = alpha·op(A)·op(B) + beta·C, row-major as gemm(); false when oneDNN
+// cannot make the primitive on this CPU (then nothing was written).
+template <class In, class Out>
+bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const In* a, index_t lda,
+                 const In* b, index_t ldb, float beta, Out* c, index_t ldc) {
+  using dims = dnnl::memory::dims;
+  onednn_state& s = onednn();
+  const onednn_key key{int(onednn_type<In>()), int(onednn_type<Out>()), trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta};
+  auto it = s.primitives.find(key);
+  if (it == s.primitives.end()) {
+    if (s.primitives.size() >= onednn_state::max_primitives) s.primitives.clear();
+    onednn_state::entry e;
+    // op(A) is m×k: stored k×m (strides 1, lda) when transposed.
+    e.a = dnnl::memory::desc(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1});
+    e.b = dnnl::memory::desc(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1});
+    e.c = dnnl::memory::desc(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
+    dnnl::primitive_attr attr;
+    if (alpha != 1) attr.set_output_scales(0, {alpha});
+    if (beta != 0) {
+      dnnl::post_ops po;
+      po.append_sum(beta);
+      attr.set_post_ops(po);
+    }
+    try {
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, s.engine);
+      e.prim = dnnl::matmul(pd);
+      e.made = true;
+    } catch (const dnnl::error&) {
+      e.made = false;  // unsupported here (bf16 without AVX512_BF16 or AVX512_CORE)
+    }
+    it = s.primitives.emplace(key, std::move(e)).first;
+  }
+  onednn_state::entry& e = it->second;
+  if (!e.made) return false;
+  dnnl::memory am(e.a, s.engine, const_cast<In*>(a)), bm(e.b, s.engine, const_cast<In*>(b)), cm(e.c, s.engine, c);
+  e.prim.execute(s.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  s.stream.wait();
+  return true;
+}
+
+// Whether oneDNN runs bf16 × bf16 matmuls on this CPU.
+inline bool onednn_has_bf16() {
+  static const bool yes = [] {
+    const Eigen::bfloat16 a[1] = {Eigen::bfloat16(1.0f)};
+    float c[1] = {0};
+    return onednn_gemm<Eigen::bfloat16, float>(false, false, 1, 1, 1, 1.0f, a, 1, a, 1, 0.0f, c, 1) && c[0] == 1.0f;
+  }();
+  return yes;
+}
+
+}  // namespace gshard::detail
+
+#endif
