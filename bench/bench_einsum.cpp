@@ -7,7 +7,9 @@
 // on contiguous matrices) and speed = gemm time / einsum time (1.0 = as fast).
 // gemm_backends/<m>x<n>x<k>: every fp32 GEMM backend of this build and the
 // bf16 GEMM (bf16 × bf16 → fp32) on one shape in the same run, as GFLOP/s
-// and as fractions of this core's fp32 FMA peak, measured in the run.
+// and as fractions of this core's fp32 FMA peak, measured in the run
+// (gemm_bf16 through the backend the build chose: oneDNN's bf16 matmul on
+// CPUs with bf16 units, else widened to fp32).
 //   scripts/mpirun -np 1 build/bench/bench_einsum --benchmark_filter=gemm_backends
 #include <gshard/gshard.hpp>
 
@@ -67,13 +69,11 @@ void gemm_backends(benchmark::State& state, index_t m, index_t n, index_t k) {
   std::vector<Eigen::bfloat16> a16(a.size()), b16(b.size());
   std::transform(a.begin(), a.end(), a16.begin(), [](float x) { return Eigen::bfloat16(x); });
   std::transform(b.begin(), b.end(), b16.begin(), [](float x) { return Eigen::bfloat16(x); });
-  std::vector<std::pair<std::string, gemm_kind>> fp32{{"eigen", gemm_kind::eigen}};
-  if (detail::have_openblas) fp32.push_back({"openblas", gemm_kind::openblas});
-  if (detail::have_onednn) fp32.push_back({"onednn", gemm_kind::onednn});
+  const std::vector<gemm_kind> fp32 = detail::gemm_kinds();
   const int chosen = detail::options().gemm;
   std::vector<std::function<void()>> forms;
-  for (const auto& [name, kind] : fp32)
-    forms.push_back([&, kind = kind] {
+  for (const gemm_kind kind : fp32)
+    forms.push_back([&, kind] {
       detail::options().gemm = int(kind);
       detail::gemm<float>(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
     });
@@ -88,8 +88,9 @@ void gemm_backends(benchmark::State& state, index_t m, index_t n, index_t k) {
   double best32 = 0;
   for (std::size_t i = 0; i < fp32.size(); ++i) {
     const double g = flop / cmp.median_time[i] * 1e-9;
-    state.counters[fp32[i].first + "_gflops"] = g;
-    state.counters[fp32[i].first + "/peak"] = g / peak;
+    const std::string name = detail::gemm_name(fp32[i]);
+    state.counters[name + "_gflops"] = g;
+    state.counters[name + "/peak"] = g / peak;
     best32 = std::max(best32, g);
   }
   const double g16 = flop / cmp.median_time.back() * 1e-9;

@@ -11,6 +11,7 @@
 #include <gshard/gshard.hpp>
 #include <gshard/model/machine.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -33,7 +34,7 @@ constexpr const char* usage =
     "  --overlap-degree K (the MoE all_to_alls in K chunks of the capacity: K calls each, the same bytes)\n"
     "  --encoder-decoder    examples/translate's model instead: --layers blocks (2) in each of its\n"
     "                       encoder and decoder, sources of --source S positions (default: --seq), the\n"
-    "                       decoder's --seq (33), --vocab 286, --sequences-per-rank 32\n"
+    "                       decoder's --seq (33), --vocab 286, --sequences-per-rank 32, --head-dim M/4\n"
     "batch: --seq L (128; 1024 with --gshard)  --sequences-per-rank B (8; 4 with --gshard)\n"
     "mesh: --data D --expert E --model-axis M (1, 2, none): the batch over data x expert, experts\n"
     "  over expert, heads and hidden units over model\n"
@@ -50,7 +51,7 @@ struct options {
   model::config c;
   costs::mesh_sizes mesh{1, 2, 1, false};
   index_t seq = 128, per_rank = 8;
-  bool seq_given = false, per_rank_given = false, layers_given = false, vocab_given = false;
+  bool seq_given = false, per_rank_given = false, layers_given = false, vocab_given = false, head_dim_given = false;
   bool sharded = true, gshard_table = false, help = false;
   bool encoder_decoder = false;
   index_t source = 0;  // 0: the targets' length
@@ -76,7 +77,7 @@ options parse(int argc, char** argv) {
     else if (a == "--gshard") o.gshard_table = true;
     else if (a == "--model") o.c.model = whole(1);
     else if (a == "--heads") o.c.heads = whole(1);
-    else if (a == "--head-dim") o.c.head_dim = whole(1);
+    else if (a == "--head-dim") o.c.head_dim = whole(1), o.head_dim_given = true;
     else if (a == "--hidden") o.c.hidden = whole(1);
     else if (a == "--experts") o.c.experts = whole(0);
     else if (a == "--layers") o.c.layers = int(whole(1)), o.layers_given = true;
@@ -115,6 +116,7 @@ options parse(int argc, char** argv) {
   if (o.source > 0 && !o.encoder_decoder) throw error("gshard cost: --source is the encoder-decoder's; give --encoder-decoder too");
   if (o.encoder_decoder) {  // examples/translate's defaults at 2 ranks: 64 pairs of up to 32 bytes a side
     if (!o.layers_given) o.c.layers = 2;
+    if (!o.head_dim_given) o.c.head_dim = std::max<index_t>(1, o.c.model / 4);  // translate's 4 heads of M/4
     if (!o.vocab_given) o.c.vocab = 256 + 30;
     if (!o.seq_given) o.seq = 33;
     if (!o.per_rank_given) o.per_rank = 32;
@@ -152,13 +154,15 @@ costs::machine machine_of(const options& o) {
 }
 
 // examples/translate's model of the options' sizes: --layers blocks in
-// each stack, an MoE FFN in every other block of both.
+// each stack, an MoE FFN in every other block of both, label smoothing 0.1
+// (its default: the loss's all_reduce carries a third number).
 model::seq2seq_config encoder_decoder_of(const options& o) {
   const model::config& c = o.c;
   model::seq2seq_config s;
   s.vocab = c.vocab, s.model = c.model, s.heads = c.heads, s.head_dim = c.head_dim, s.hidden = c.hidden, s.experts = c.experts;
   s.encoder_layers = s.decoder_layers = c.layers;
   s.gating = c.gating, s.ffn = c.ffn;
+  s.label_smoothing = 0.1;
   return s;
 }
 

@@ -23,12 +23,16 @@ W, H, LEFT, RIGHT, TOP, BOTTOM = 860, 500, 70, 200, 40, 55
 
 def fail(message):
     """Bad input: one line on stderr, exit status 2 (as argparse's usage errors)."""
-    print(f"plot_metrics: {message}", file=sys.stderr)
+    print(f"gshard plot_metrics: {message}", file=sys.stderr)
     sys.exit(2)
 
 
+def number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def finite(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return number(v) and math.isfinite(v)
 
 
 def load(path, x_kind):
@@ -54,7 +58,7 @@ def load(path, x_kind):
             r = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines):  # no newline after it: the write was cut short
-                print(f"plot_metrics: {path}:{n}: the last line is incomplete; left out", file=sys.stderr)
+                print(f"gshard plot_metrics: {path}:{n}: the last line is incomplete; left out", file=sys.stderr)
                 break
             fail(f"{path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
         if not isinstance(r, dict):
@@ -67,6 +71,9 @@ def load(path, x_kind):
             fail(f"{path}:{n}: no 'tokens' (written by an older trainer); plot it with --x seconds")
         if x_kind == "tokens" and not finite(r["tokens"]):
             fail(f"{path}:{n}: 'tokens' is {json.dumps(r['tokens'])}, not a number")
+        for key in ("ce", "held_out_bpb"):  # null: the trainer's NaN; a number, maybe infinite
+            if key in r and r[key] is not None and not number(r[key]):
+                fail(f"{path}:{n}: '{key}' is {json.dumps(r[key])}, not a number")
         if "seconds" in r and not finite(r["seconds"]):
             fail(f"{path}:{n}: 'seconds' is {json.dumps(r['seconds'])}, not a number")
         steps[r["step"]] = r  # a resumed run repeats no step; a re-run from scratch replaces
@@ -81,7 +88,7 @@ def load(path, x_kind):
     held = [(xi, r["held_out_bpb"]) for xi, r in zip(x, rows) if finite(r.get("held_out_bpb"))]
     skipped = len(rows) - len(train) + sum(1 for r in rows if "held_out_bpb" in r and not finite(r["held_out_bpb"]))
     if skipped:
-        print(f"plot_metrics: {path}: {skipped} losses are NaN or infinite (null in the file); left out", file=sys.stderr)
+        print(f"gshard plot_metrics: {path}: {skipped} losses are NaN or infinite (null in the file); left out", file=sys.stderr)
     if not train:
         fail(f"{path}: no finite training loss to draw")
     curve = smooth(train, max(1, len(train) // 40))
@@ -181,7 +188,7 @@ def main():
             f.write("\n".join(svg) + "\n")
     except OSError as e:
         fail(f"-o {a.out}: {e.strerror}")
-    print(f"plot_metrics: wrote {a.out} ({len(runs)} runs)")
+    print(f"gshard plot_metrics: wrote {a.out} ({len(runs)} runs)")
 
 
 if __name__ == "__main__":

@@ -379,9 +379,7 @@ TEST_CASE("GEMM backends: each gives the product for every transpose, leading di
   // (8 significant bits).
   using detail::gemm_kind;
   const int chosen = detail::options().gemm;
-  std::vector<gemm_kind> kinds{gemm_kind::eigen};
-  if (detail::have_openblas) kinds.push_back(gemm_kind::openblas);
-  if (detail::have_onednn) kinds.push_back(gemm_kind::onednn);
+  const std::vector<gemm_kind> kinds = detail::gemm_kinds();  // gemm_bf16 widens to fp32 under all but oneDNN
   std::uint64_t seed = 1;
   auto value = [&seed] {  // in [-1, 1), 24 significant bits
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
@@ -449,8 +447,13 @@ TEST_CASE("GEMM backends: each gives the product for every transpose, leading di
   GSHARD_REQUIRE(worst32 <= 1.0);
   GSHARD_REQUIRE(worst16 <= 1.0);
   GSHARD_REQUIRE(worst16out <= 1.0);
-  // Where oneDNN is built in and the CPU has bf16 units, they run gemm_bf16.
-  if (detail::have_onednn && cpu_has("avx512_bf16")) GSHARD_REQUIRE(detail::gemm_bf16_native());
+  // Where oneDNN is built in and the CPU has bf16 units, they run gemm_bf16
+  // under oneDNN, and never under another backend.
+  for (const gemm_kind kind : kinds) {
+    detail::options().gemm = int(kind);
+    GSHARD_REQUIRE(detail::gemm_bf16_native() == (kind == gemm_kind::onednn && cpu_has("avx512_bf16")));
+  }
+  detail::options().gemm = chosen;
   // A recorder lists a bf16 GEMM once, with 2-byte elements, whichever path ran it.
   std::vector<Eigen::bfloat16> x(12, Eigen::bfloat16(1.0f));
   std::vector<float> y(9);

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #if defined(GSHARD_USE_OPENBLAS)
 extern "C" char* openblas_get_corename(void);
@@ -38,6 +39,14 @@ inline const char* gemm_name(gemm_kind k) {
   return k == gemm_kind::openblas ? "openblas" : k == gemm_kind::onednn ? "onednn" : "eigen";
 }
 
+// The GEMM backends of this build, Eigen's first.
+inline std::vector<gemm_kind> gemm_kinds() {
+  std::vector<gemm_kind> k{gemm_kind::eigen};
+  if (have_openblas) k.push_back(gemm_kind::openblas);
+  if (have_onednn) k.push_back(gemm_kind::onednn);
+  return k;
+}
+
 struct run_options {
   int reduce_scatter_mpi = 0;  // 1: MPI_Reduce_scatter_block
   int gemm = 0;                // a gemm_kind
@@ -46,13 +55,13 @@ struct run_options {
   std::string problem;          // a variable's value that is not allowed, or ""
 };
 
-// oneDNN where this build has it: its fp32 matmul ran at 0.89–0.94 of a
-// Zen 5 core's FMA peak on the trainer's GEMM shapes, against 0.52–0.63
-// for Eigen and 0.42–0.47 for OpenBLAS's Haswell kernel, and on a par
-// with OpenBLAS's Zen kernels on Zen 4 (bench_einsum's gemm_backends).
-// Otherwise OpenBLAS unless its active kernel lacks AVX-512 while this
-// build has it (OpenBLAS SkylakeX ~145 GFLOP/s, Haswell kernel ~100, Eigen
-// with -march=native ~140). Without either: Eigen.
+// oneDNN where this build has it: its fp32 matmul ran at 0.86–0.95 of a
+// Zen 5 core's FMA peak on the trainer's GEMM shapes, against 0.52–0.64
+// for Eigen and 0.41–0.47 for OpenBLAS's Haswell kernel there
+// (bench_einsum's gemm_backends; not measured against OpenBLAS's AVX-512
+// kernel on one host). Otherwise OpenBLAS unless its active kernel lacks
+// AVX-512 while this build has it (OpenBLAS SkylakeX ~145 GFLOP/s, Haswell
+// kernel ~100, Eigen with -march=native ~140). Without either: Eigen.
 inline gemm_kind default_gemm() {
 #if defined(GSHARD_USE_ONEDNN)
   return gemm_kind::onednn;

@@ -91,6 +91,7 @@ void gemm_run(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alp
 }
 
 // Row-major: op(A) is m×k (A stored k×m when trans_a), op(B) is k×n, C is m×n.
+// Called by one thread of a process at a time (the backends' state is the process's).
 template <class T>
 void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
           index_t ldb, T beta, T* c, index_t ldc) {
@@ -104,7 +105,7 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, 
 // rather than converting to fp32.
 inline bool gemm_bf16_native() {
 #if defined(GSHARD_USE_ONEDNN)
-  return onednn_has_bf16();
+  return options().gemm == int(gemm_kind::onednn) && onednn_has_bf16();
 #else
   return false;
 #endif
@@ -121,9 +122,10 @@ inline const float* widen(const Eigen::bfloat16* from, index_t rows, index_t col
 
 // C = alpha·op(A)·op(B) + beta·C with A and B in bf16, the products
 // accumulated in fp32 and C in fp32 or bf16 (rounded once, to nearest
-// even). oneDNN's bf16 matmul where the CPU has bf16 units; otherwise A
-// and B (and a bf16 C) widened to fp32 in buffers kept between calls and
-// multiplied by gemm's fp32 backend — the same result to fp32 rounding.
+// even). oneDNN's bf16 matmul where it is the backend and the CPU has bf16
+// units; otherwise A and B (and a bf16 C) widened to fp32 in buffers kept
+// between calls and multiplied by gemm's fp32 backend — the same result to
+// fp32 rounding.
 template <class Out>
 void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const Eigen::bfloat16* a,
                index_t lda, const Eigen::bfloat16* b, index_t ldb, float beta, Out* c, index_t ldc) {
@@ -133,7 +135,9 @@ void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, floa
   if (auto& log = gemm_log(); log.recorders > 0)
     log.add({2, trans_a, trans_b, beta != 0.0f, m, n, k, lda, ldb, ldc});
 #if defined(GSHARD_USE_ONEDNN)
-  if (k > 0 && onednn_gemm<Eigen::bfloat16, Out>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+  if (options().gemm == int(gemm_kind::onednn) && k > 0 && onednn_has_bf16() &&
+      onednn_gemm<Eigen::bfloat16, Out>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+    return;
 #endif
   thread_local std::vector<float> a32, b32, c32;
   const float* aw = widen(a, trans_a ? k : m, trans_a ? m : k, lda, a32);

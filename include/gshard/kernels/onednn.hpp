@@ -1,15 +1,19 @@
-// gshard/kernels/onednn.hpp — GEMMs by oneDNN's matmul (built with
+// gshard/kernels/onednn.hpp — GEMMs by oneDNN 2.x's matmul (built with
 // GSHARD_USE_ONEDNN, Meson option onednn): fp32 × fp32 → fp32, and bf16 ×
-// bf16 with fp32 accumulation into fp32 or bf16, on the CPU's bf16 units
-// where it has them (AVX512_BF16, AMX). A primitive is made once per shape,
-// layout and scaling and kept (a few hundred shapes in a training step);
-// where oneDNN cannot make a bf16 primitive (AVX2-only CPUs) onednn_gemm
-// returns false and the caller computes in fp32.
+// bf16 with fp32 accumulation into fp32 or bf16. A primitive is made once
+// per shape, layout and scaling and kept (a few hundred shapes in a
+// training step); where oneDNN cannot make one, onednn_gemm returns false
+// and the caller computes another way. One thread per process calls it
+// (the state is the process's, as gemm()'s backend choice is).
 #pragma once
 
 #if defined(GSHARD_USE_ONEDNN)
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <oneapi/dnnl/dnnl_version.h>
+
+static_assert(DNNL_VERSION_MAJOR == 2, "gshard::onednn: this is written for oneDNN 2.x (Debian 12's libdnnl-dev 2.6); "
+                                        "configure with -Donednn=disabled for another version");
 
 #include <Eigen/Core>
 #include <cstdint>
@@ -75,28 +79,31 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
                  const In* b, index_t ldb, float beta, Out* c, index_t ldc) {
   using dims = dnnl::memory::dims;
   onednn_state& s = onednn();
-  const onednn_key key{int(onednn_type<In>()), int(onednn_type<Out>()), trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta};
+  // + 0.0f: -0 and +0 scale alike, and are one key.
+  const onednn_key key{int(onednn_type<In>()), int(onednn_type<Out>()), trans_a, trans_b, m, n, k, lda, ldb, ldc,
+                       alpha + 0.0f, beta + 0.0f};
   auto it = s.primitives.find(key);
   if (it == s.primitives.end()) {
     if (s.primitives.size() >= onednn_state::max_primitives) s.primitives.clear();
     onednn_state::entry e;
-    // op(A) is m×k: stored k×m (strides 1, lda) when transposed.
-    e.a = dnnl::memory::desc(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1});
-    e.b = dnnl::memory::desc(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1});
-    e.c = dnnl::memory::desc(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
-    dnnl::primitive_attr attr;
-    if (alpha != 1) attr.set_output_scales(0, {alpha});
-    if (beta != 0) {
-      dnnl::post_ops po;
-      po.append_sum(beta);
-      attr.set_post_ops(po);
-    }
     try {
+      // op(A) is m×k: stored k×m (strides 1, lda) when transposed.
+      e.a = dnnl::memory::desc(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1});
+      e.b = dnnl::memory::desc(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1});
+      e.c = dnnl::memory::desc(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
+      // dst = alpha·(A·B) + beta·dst: the output scale, then the sum post-op.
+      dnnl::primitive_attr attr;
+      if (alpha != 1) attr.set_output_scales(0, {alpha});
+      if (beta != 0) {
+        dnnl::post_ops po;
+        po.append_sum(beta);
+        attr.set_post_ops(po);
+      }
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, s.engine);
       e.prim = dnnl::matmul(pd);
       e.made = true;
     } catch (const dnnl::error&) {
-      e.made = false;  // unsupported here (bf16 without AVX512_BF16 or AVX512_CORE)
+      e.made = false;  // not supported here (bf16 without AVX-512)
     }
     it = s.primitives.emplace(key, std::move(e)).first;
   }
@@ -108,9 +115,13 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
   return true;
 }
 
-// Whether oneDNN runs bf16 × bf16 matmuls on this CPU.
+// Whether oneDNN runs bf16 × bf16 matmuls on this CPU's bf16 units
+// (AVX512_BF16 or AMX). oneDNN also emulates them with AVX512_CORE alone,
+// slower than fp32 there; that does not count.
 inline bool onednn_has_bf16() {
   static const bool yes = [] {
+    const auto isa = unsigned(dnnl::get_effective_cpu_isa()), bf16 = unsigned(dnnl::cpu_isa::avx512_core_bf16);
+    if ((isa & bf16) != bf16) return false;
     const Eigen::bfloat16 a[1] = {Eigen::bfloat16(1.0f)};
     float c[1] = {0};
     return onednn_gemm<Eigen::bfloat16, float>(false, false, 1, 1, 1, 1.0f, a, 1, a, 1, 0.0f, c, 1) && c[0] == 1.0f;

@@ -236,9 +236,7 @@ inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, cons
     add(cs, collective_of(s.kind), s.mask, 1, double(local_elements(plan.state[i], extents, m)) * element_bytes, what);
   }
 }
-}  // namespace detail_cost
 
-namespace detail_cost {
 // One block of a network as the cost model counts it.
 struct block_shape {
   index_t len = 0;       // positions of its sequence: its queries, and self-attention's keys
@@ -515,8 +513,6 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
   w.exp_elements = exps;
   w.adam_elements = w.gradient_bytes / f;
   w.activation_bytes = keep * f;
-  for (const block_shape& blk : n.blocks)
-    if (blk.moe) (w.capacity == 0 ? w.capacity : w.decoder_capacity) = blk.capacity;
   return w;
 }
 }  // namespace detail_cost
@@ -525,11 +521,16 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
 // Transformer `c` does on each rank, for a global batch of o.batch
 // sequences of o.seq tokens.
 inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
-  detail_cost::network_shape n{c.model, c.heads, c.head_dim, c.vocab, c.experts, c.shared_experts, c.ffn, c.gating.top_k,
-                               c.overlap_degree, c.gating.dropless, c.attention, false, {}, o.seq, o.seq, 0, weights(c, m.has_model_axis)};
+  detail_cost::network_shape n{.model = c.model, .heads = c.heads, .head_dim = c.head_dim, .vocab = c.vocab,
+                               .experts = c.experts, .shared_experts = c.shared_experts, .ffn = c.ffn,
+                               .top_k = c.gating.top_k, .overlap_degree = c.overlap_degree, .dropless = c.gating.dropless,
+                               .attention = c.attention, .smoothed = false, .blocks = {}, .embedded = o.seq, .out = o.seq,
+                               .memory = 0, .weights = weights(c, m.has_model_axis)};
   const index_t C = c.experts > 0 ? moe::capacity(o.seq, c.experts, c.gating) : 0;
   for (int l = 0; l < c.layers; ++l) n.blocks.push_back({o.seq, 0, true, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? C : 0});
-  return detail_cost::count(n, m, o);
+  step_work w = detail_cost::count(n, m, o);
+  w.capacity = C;
+  return w;
 }
 
 // What one training step of the encoder–decoder `c` does on each rank, for
@@ -541,13 +542,18 @@ inline step_work count_step(const seq2seq_config& c, const mesh_sizes& m, const 
   if (S < 1 || L < 1)
     throw shape_error("gshard::model::cost: an encoder–decoder step needs sources and targets of 1 position or more; "
                       "step_options.source = " + std::to_string(S) + ", seq = " + std::to_string(L));
-  detail_cost::network_shape n{c.model, c.heads, c.head_dim, c.vocab, c.experts, 0, c.ffn, c.gating.top_k, 1, c.gating.dropless,
-                               c.attention, c.label_smoothing > 0, {}, S + L, L, S, weights(c, m.has_model_axis)};
+  detail_cost::network_shape n{.model = c.model, .heads = c.heads, .head_dim = c.head_dim, .vocab = c.vocab,
+                               .experts = c.experts, .shared_experts = 0, .ffn = c.ffn, .top_k = c.gating.top_k,
+                               .overlap_degree = 1, .dropless = c.gating.dropless, .attention = c.attention,
+                               .smoothed = c.label_smoothing > 0, .blocks = {}, .embedded = S + L, .out = L, .memory = S,
+                               .weights = weights(c, m.has_model_axis)};
   const index_t Cs = c.experts > 0 ? moe::capacity(S, c.experts, c.gating) : 0;
   const index_t Cl = c.experts > 0 ? moe::capacity(L, c.experts, c.decoder_gating()) : 0;
   for (int l = 0; l < c.encoder_layers; ++l) n.blocks.push_back({S, 0, false, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? Cs : 0});
   for (int l = 0; l < c.decoder_layers; ++l) n.blocks.push_back({L, S, true, c.is_moe(l), c.ffn_hidden(l), c.is_moe(l) ? Cl : 0});
-  return detail_cost::count(n, m, o);
+  step_work w = detail_cost::count(n, m, o);
+  w.capacity = Cs, w.decoder_capacity = Cl;
+  return w;
 }
 
 // A collective's cost: α seconds per message round, β bytes per second on a
