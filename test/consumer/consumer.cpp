@@ -1,7 +1,8 @@
 // test/consumer/consumer.cpp — a user's program against the installed
 // gshard, built three ways by test/check_consumers.py (pkg-config, CMake's
 // find_package, a Meson subproject): a matrix product with the rows split
-// over every rank, checked against the same product on one rank.
+// over every rank, checked against the same product on one rank, and a
+// vector split over the ranks gathered again.
 #include <gshard/tensor/einsum.hpp>
 #include <gshard/runtime/environment.hpp>
 #include <gshard/tensor/reshard.hpp>
@@ -30,6 +31,10 @@ int main(int argc, char** argv) {
       for (index_t k = 0; k < K; ++k) ref += x(b, k) * w(k, n);
       worst = std::max(worst, std::abs(y(b, n) - ref));
     }
+  local_tensor<double, 1> v(B);
+  for (index_t i = 0; i < B; ++i) v(i) = double(i);
+  const auto vg = gather(reshard<replicate>(distribute<sharding<split<0, "rows">>>(m, v)));  // an all_gather
+  for (index_t i = 0; i < B; ++i) worst = std::max(worst, std::abs(vg(i) - v(i)));
   if (m.rank() == 0) std::cout << (worst < 1e-12 ? "consumer ok" : "consumer WRONG") << " on " << m.describe() << "\n";
   return worst < 1e-12 ? 0 : 1;
 }

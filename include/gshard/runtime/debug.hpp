@@ -193,7 +193,7 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
       const std::int64_t v = all[std::size_t(5 * r + f)];
       switch (f) {
         case 1: return std::string(name_of(collective(v)));
-        case 2: return "{" + std::string(names.data() + 64 * r) + "}";
+        case 2: return std::string("{").append(names.data() + 64 * r) + "}";  // not "{" + string: GCC 12's -Wrestrict at -O3
         case 3: return type_name(v);
         default: return std::to_string(v);
       }

@@ -55,6 +55,7 @@ inline int permute_source(const mesh_base& m, const rlayout& from, const rlayout
 // Copies piece `j` of `in` along dim d (j-th of `parts` equal pieces) into `out`.
 template <class T, int Rank>
 void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out) {
+  if (d < 0 || d >= Rank) __builtin_unreachable();  // tells GCC the stores below stay in the arrays
   shape<Rank> piece = e, off{}, zero{};
   piece[std::size_t(d)] = e[std::size_t(d)] / parts;
   off[std::size_t(d)] = j * piece[std::size_t(d)];
@@ -63,6 +64,7 @@ void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t
 // Copies `piece` into `out` (extents e) at position j along dim d.
 template <class T, int Rank>
 void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, const shape<Rank>& e) {
+  if (d < 0 || d >= Rank) __builtin_unreachable();
   shape<Rank> off{}, zero{};
   off[std::size_t(d)] = j * pe[std::size_t(d)];
   copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
