@@ -23,6 +23,10 @@
 
 namespace examples {
 
+// The most text the examples read: rank 0 sends it to every rank in one
+// MPI_Bcast, whose count is an int.
+inline constexpr std::size_t max_text_bytes = std::size_t(INT_MAX);
+
 // A number from the command line in [lo, hi], or an error naming the option,
 // the text and what is allowed.
 template <class N>
@@ -103,11 +107,9 @@ inline std::string load_text(const std::string& program, const std::string& path
     else files.push_back(path);
     for (std::size_t i = 0; i < files.size() && problem.empty(); ++i) {
       std::string one;
-      problem = gshard::io::read_file(files[i], one);
+      problem = gshard::io::read_file(files[i], one, max_text_bytes - text.size());
       text += one;
     }
-    if (problem.empty() && text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
-      problem = "the text has " + std::to_string(text.size()) + " bytes; the examples read at most 2 GiB";
   }
   if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())
     throw gshard::io_error("gshard " + program + ": " + p);

@@ -67,8 +67,10 @@ inline std::string read_gzip(const std::string& path, std::string& out) {
       }
       break;
     }
-    if (out.size() > std::size_t(INT_MAX)) {
-      problem = path + " holds more than 2 GiB; the examples read at most 2 GiB";
+    if (out.size() > max_text_bytes) {
+      problem = path + " holds more than " + std::to_string(max_text_bytes) + " bytes; at most " +
+                std::to_string(max_text_bytes) + " are read";
+      out.clear();
       break;
     }
   }
@@ -78,7 +80,7 @@ inline std::string read_gzip(const std::string& path, std::string& out) {
 
 inline std::string read_any(const std::string& path, std::string& out) {
   if (ends_with(path, ".gz") || ends_with(path, ".dz")) return read_gzip(path, out);
-  return gshard::io::read_file(path, out);
+  return gshard::io::read_file(path, out, max_text_bytes);
 }
 
 // One document: its text, and for a dictionary entry its headword (the
@@ -114,7 +116,7 @@ inline std::string dictionary_entries(const std::string& path, const std::string
   std::error_code ec;
   indexed = std::filesystem::is_regular_file(base + ".index", ec);
   if (indexed) {
-    if (std::string p = gshard::io::read_file(base + ".index", index); !p.empty()) return p;
+    if (std::string p = gshard::io::read_file(base + ".index", index, max_text_bytes); !p.empty()) return p;
     struct span {
       long long at, n;
       std::string headword;
@@ -130,11 +132,17 @@ inline std::string dictionary_entries(const std::string& path, const std::string
       const std::size_t t1 = l.find('\t'), t2 = t1 == std::string::npos ? t1 : l.find('\t', t1 + 1);
       const long long at = t2 == std::string::npos ? -1 : dict_number(l.substr(t1 + 1, t2 - t1 - 1));
       const long long n = t2 == std::string::npos ? -1 : dict_number(l.substr(t2 + 1));
-      if (at < 0 || n < 0 || std::size_t(at + n) > text.size())
-        return base + ".index:" + std::to_string(line) + ": not a dictd index line (headword, offset, length) within " + path;
+      if (at < 0 || n < 0) return base + ".index:" + std::to_string(line) + ": not a dictd index line (headword, offset, length)";
       const std::string headword = l.substr(0, t1);
+      if (std::size_t(at + n) > text.size())
+        return path + " holds " + std::to_string(text.size()) + " bytes, but " + base + ".index:" + std::to_string(line) +
+               " places '" + headword + "' at bytes " + std::to_string(at) + " to " + std::to_string(at + n) +
+               ": the dictionary is cut short, or the index is another dictionary's";
       if (!dictd_header(headword)) spans.push_back({at, n, headword});
     }
+    if (spans.empty() && !text.empty())
+      return base + ".index lists no entry for the " + std::to_string(text.size()) + " bytes of " + path +
+             ": restore it, or remove it to read the entries by their blank lines";
     std::sort(spans.begin(), spans.end(), [](const span& a, const span& b) { return a.at < b.at; });
     for (std::size_t i = 0; i < spans.size(); ++i)
       if (i == 0 || spans[i].at != spans[i - 1].at)
@@ -163,9 +171,13 @@ inline std::string read_documents(const std::string& path, std::vector<document>
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> files;
     if (std::string p = list_files(path, files); !p.empty()) return p;
+    std::size_t bytes = 0;
     for (const auto& f : files) {
       docs.emplace_back();
       if (std::string p = read_any(f, docs.back().text); !p.empty()) return p;
+      if ((bytes += docs.back().text.size()) > max_text_bytes)
+        return path + "'s files hold more than " + std::to_string(max_text_bytes) + " bytes; at most " +
+               std::to_string(max_text_bytes) + " are read";
     }
     what = path + ", " + std::to_string(docs.size()) + " files";
     return "";
@@ -237,7 +249,7 @@ inline corpus load_corpus(const std::string& program, const std::string& path) {
       what += "; scripts/setup installs the default corpus (apt-get install dict-gcide)";
     if (problem.empty()) c = detail::split_documents(docs, what);
     if (problem.empty() && c.text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
-      problem = "the text has " + std::to_string(c.text.size()) + " bytes; the examples read at most 2 GiB";
+      problem = "the text has " + std::to_string(c.text.size()) + " bytes; at most " + std::to_string(max_text_bytes) + " are read";
     header = std::to_string(c.split) + "\n" + c.source;
   }
   if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())

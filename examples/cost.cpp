@@ -12,6 +12,8 @@
 #include <gshard/model/machine.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -71,7 +73,7 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw error("gshard cost: " + a + " needs a value");
       return argv[++i];
     };
-    auto whole = [&](long long lo) { return index_t(examples::number<long long>("cost", a, next(), lo)); };
+    auto whole = [&](long long lo, long long hi = INT_MAX) { return index_t(examples::number<long long>("cost", a, next(), lo, hi)); };
     auto real = [&](double lo) { return examples::number<double>("cost", a, next(), lo); };
     if (a == "--help" || a == "-h") o.help = true;
     else if (a == "--gshard") o.gshard_table = true;
@@ -80,7 +82,7 @@ options parse(int argc, char** argv) {
     else if (a == "--head-dim") o.c.head_dim = whole(1), o.head_dim_given = true;
     else if (a == "--hidden") o.c.hidden = whole(1);
     else if (a == "--experts") o.c.experts = whole(0);
-    else if (a == "--layers") o.c.layers = int(whole(1)), o.layers_given = true;
+    else if (a == "--layers") o.c.layers = int(whole(1, 10000)), o.layers_given = true;  // the count lists every block's weights
     else if (a == "--vocab") o.c.vocab = whole(1), o.vocab_given = true;
     else if (a == "--top-k") o.c.gating.top_k = int(whole(1));
     else if (a == "--capacity-factor") o.c.gating.capacity_factor = real(0);
@@ -111,6 +113,9 @@ options parse(int argc, char** argv) {
     else throw error("gshard cost: unknown option " + a + " (--help lists them)");
   }
   if (o.gshard_table) o.lm_only.push_back("--gshard");
+  if (o.c.experts > 0 && o.c.gating.top_k > o.c.experts)
+    throw error("gshard cost: --top-k " + std::to_string(o.c.gating.top_k) + " is more than the " + std::to_string(o.c.experts) +
+                " experts (--experts)");
   if (o.encoder_decoder && !o.lm_only.empty())
     throw error("gshard cost: " + o.lm_only.front() + " describes the Transformer; the encoder-decoder has no such option");
   if (o.source > 0 && !o.encoder_decoder) throw error("gshard cost: --source is the encoder-decoder's; give --encoder-decoder too");
@@ -122,6 +127,28 @@ options parse(int argc, char** argv) {
     if (!o.per_rank_given) o.per_rank = 32;
   }
   return o;
+}
+
+// The counts are 64-bit integers: a configuration whose weights or whose
+// largest per-rank tensor (attention's scores, the logits, an expert's
+// activations) would pass 2^53 elements is refused, naming its size, before
+// anything is counted.
+void check_size(const options& o) {
+  const model::config& c = o.c;
+  const double M = double(c.model), NK = double(c.heads) * double(c.head_dim), H = double(c.hidden), V = double(c.vocab);
+  const double E = double(std::max<index_t>(c.experts, 1)) + double(c.shared_experts);
+  const double stacks = o.encoder_decoder ? 2 : 1, L = double(std::max(o.seq, o.source));
+  const double params = stacks * double(c.layers) * (4 * M * NK + E * 3 * M * H) + 2 * V * M;
+  const double rows = double(o.per_rank) * L;  // tokens per rank
+  const double widest = rows * std::max({M, NK, H * std::max(1.0, double(c.gating.top_k)), V, double(c.heads) * L});
+  const double ranks = double(o.mesh.data) * double(o.mesh.expert) * double(o.mesh.model);
+  constexpr double most = 9007199254740992.0;  // 2^53
+  char b[256];
+  if (params > most || widest > most || ranks > most || rows * ranks > most) {
+    std::snprintf(b, sizeof b, "gshard cost: %.3g parameters, %.3g elements in a rank's largest tensor and %.3g ranks: more than "
+                  "the 2^53 the counts hold; give smaller sizes", params, widest, ranks);
+    throw error(b);
+  }
 }
 
 std::string bytes_text(double b) {
@@ -175,6 +202,10 @@ void describe(const options& o, const costs::machine& mc) {
   const model::seq2seq_config ed = encoder_decoder_of(o);
   const auto w = o.encoder_decoder ? costs::count_step(ed, m, so) : costs::count_step(c, m, so);
   const auto p = costs::predict(w, m, mc);
+  if (!std::isfinite(p.total_s()))
+    throw error("gshard cost: the predicted step time is not finite (GEMMs " + std::to_string(p.gemm_s) + " s, element-wise " +
+                std::to_string(p.elementwise_s) + " s, communication " + std::to_string(p.communication_s) +
+                " s): check the machine's and the network's rates");
   double params = 0;
   for (const auto& x : o.encoder_decoder ? costs::weights(ed) : costs::weights(c)) params += double(x.elements());
   if (o.encoder_decoder) {
@@ -261,6 +292,7 @@ int main(int argc, char** argv) {
   if (many && (o.alpha < 0 || o.bandwidth < 0))
     throw error("gshard cost: give the network's --alpha (seconds per message round) and --bandwidth (GB/s per rank) "
                 "for a mesh of more than one rank; e.g. --alpha 5e-6 --bandwidth 12.5 for 100 Gbit/s links");
+  check_size(o);
   const costs::machine mc = machine_of(o);
   if (o.gshard_table) gshard_table(o, mc);
   else describe(o, mc);

@@ -326,7 +326,7 @@ inline std::vector<language_corpus> load_freedict(const std::string& program, st
       problem = read_freedict(dir + "/freedict-" + code + "-eng.dict.dz", c, held_one_in);
       packed.push_back(detail::pack_language(c));
       if (problem.empty() && packed.back().size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
-        problem = c.path + " gives " + std::to_string(packed.back().size()) + " bytes of pairs; the examples read at most 2 GiB";
+        problem = c.path + " gives " + std::to_string(packed.back().size()) + " bytes of pairs; at most " + std::to_string(max_text_bytes) + " are sent";
     }
   }
   if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())

@@ -5,10 +5,13 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -16,8 +19,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <gshard/core/error.hpp>
 #include <gshard/core/io.hpp>
@@ -147,6 +154,84 @@ inline std::string outputs_spare_inputs(const std::vector<std::pair<std::string,
   return "";
 }
 
+// What the launcher allows a run told to stop, said at start when it saves:
+// OpenMPI's mpirun, given SIGTERM or Ctrl-C, passes SIGTERM on after a
+// second and SIGKILLs the ranks a second later (odls_base_sigkill_timeout),
+// too soon for a long step, evaluation or save. "" under other launchers or
+// a timeout of 10 s and more.
+inline std::string launcher_grace_note(const std::string& save_path) {
+  if (save_path.empty() || !std::getenv("OMPI_COMM_WORLD_SIZE")) return "";
+  const char* set = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
+  const double timeout = set ? std::atof(set) : 1.0;
+  if (timeout >= 10) return "";
+  char b[320];
+  std::snprintf(b, sizeof b, "SIGTERM or Ctrl-C to mpirun ends the ranks about %g s later (OpenMPI's odls_base_sigkill_timeout "
+                "%g s); a step, evaluation or save that takes longer is lost: export OMPI_MCA_odls_base_sigkill_timeout=30 "
+                "to give them time", 1 + timeout, timeout);
+  return b;
+}
+
+// Rank 0's standard output through a relay: while it lives, what the
+// program prints goes into a pipe of its own (1 MiB) that a thread copies to
+// the real output. A launcher that stops reading (mpirun, once signalled)
+// then blocks that thread, not the training: the run still reaches the step
+// boundary where it stops and saves. On destruction the relay drains what is
+// left, waiting at most `drain_seconds` for a reader that has gone.
+class stdout_relay {
+ public:
+  explicit stdout_relay(bool active, double drain_seconds = 2.0) : drain_seconds_(drain_seconds) {
+    int p[2];
+    if (!active || ::pipe(p) != 0) return;
+    std::fflush(stdout);
+    out_ = ::dup(STDOUT_FILENO);
+    if (out_ < 0 || ::dup2(p[1], STDOUT_FILENO) < 0) {
+      ::close(p[0]), ::close(p[1]);
+      if (out_ >= 0) ::close(out_), out_ = -1;
+      return;
+    }
+    ::close(p[1]);
+    in_ = p[0];
+#if defined(F_SETPIPE_SZ)
+    ::fcntl(STDOUT_FILENO, F_SETPIPE_SZ, 1 << 20);
+#endif
+    copier_ = std::thread([in = in_, out = out_, done = done_] {
+      char buf[1 << 16];
+      for (ssize_t n; (n = ::read(in, buf, sizeof buf)) != 0;) {
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) break;
+        for (ssize_t at = 0; at < n;) {
+          const ssize_t w = ::write(out, buf + at, std::size_t(n - at));
+          if (w < 0 && errno == EINTR) continue;
+          if (w < 0) break;
+          at += w;
+        }
+      }
+      done->store(true);
+    });
+  }
+  stdout_relay(const stdout_relay&) = delete;
+  stdout_relay& operator=(const stdout_relay&) = delete;
+  ~stdout_relay() {
+    if (out_ < 0) return;
+    std::fflush(stdout);
+    ::dup2(out_, STDOUT_FILENO);  // the program's own output again; the pipe's last writer closed: the copier reads to its end
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_seconds_);
+    while (!done_->load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (done_->load()) {
+      copier_.join();
+      ::close(in_);
+    } else {
+      copier_.detach();  // blocked on a reader that has gone; it ends with the process
+    }
+  }
+
+ private:
+  double drain_seconds_;
+  int in_ = -1, out_ = -1;
+  std::shared_ptr<std::atomic<bool>> done_ = std::make_shared<std::atomic<bool>>(false);
+  std::thread copier_;
+};
+
 // A training run's --metrics file and its stop: rank 0 opens the file
 // (appending when resuming; a path it cannot open stops every rank before
 // training) and writes whole lines; from construction on, SIGTERM and SIGINT
@@ -172,30 +257,54 @@ class run_log {
   bool writing() const { return file_ != nullptr; }  // rank 0 with --metrics
 
   // One line (its newline included), flushed so a reader sees whole lines.
+  // A line that cannot be written whole (a full disk) is cut off again, so
+  // the file ends with its last whole line, and nothing more is written.
   void write(const std::string& line) {
-    if (file_ && (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)) failed_errno_ = errno ? errno : EIO;
+    if (!file_ || failed_errno_) return;
+    const long whole = std::ftell(file_);
+    if (std::fputs(line.c_str(), file_) >= 0 && std::fflush(file_) == 0) return;
+    failed_errno_ = errno ? errno : EIO;
+    std::clearerr(file_);
+    if (whole >= 0 && ::ftruncate(::fileno(file_), off_t(whole)) == 0) std::fseek(file_, whole, SEEK_SET);
   }
 
   // 0, or the signal that stops the run after `step` of `last`: then says so
   // and, when `save_path` is given and a step was trained since `first`,
-  // calls save(step) and says how to resume.
+  // calls save(step) and says how to resume. A metrics line that could not
+  // be written ends the run too, saved the same way, as an io_error.
   int stop(int step, int first, int last, const std::string& save_path, const std::function<void(int)>& save) {
     std::int32_t why[2] = {gshard::preemption::received(), failed_errno_};
     gshard::all_reduce(*all_, std::span<std::int32_t>(why, 2), gshard::reduction::max);
-    if (why[1])
-      throw gshard::io_error("gshard " + program_ + ": --metrics " + path_ + ": writing failed: " + gshard::io::reason(why[1]));
-    if (!why[0]) return 0;
     const bool root = all_->rank == 0;
-    if (root) std::printf("stopped by %s after step %d of %d\n", gshard::preemption::name(why[0]), step, last);
-    if (!save_path.empty() && step > first) {
-      save(step);
-      if (root) std::printf("resume with the same options and --resume %s\n", save_path.c_str());
-    } else if (root) {
-      std::printf(save_path.empty() ? "nothing saved: no --save FILE was given\n" : "nothing new to save\n");
+    if (why[1]) {
+      std::string saved = "; no --save FILE was given";
+      if (!save_path.empty() && step > first) {
+        save(step);
+        saved = "; saved " + save_path + " at step " + std::to_string(step) + ": free space and resume with --resume " + save_path;
+      }
+      throw gshard::io_error("gshard " + program_ + ": --metrics " + path_ + ": writing failed: " + gshard::io::reason(why[1]) +
+                             saved);
+    }
+    if (!why[0]) return 0;
+    // Saved before anything is printed: the launcher may no longer read the
+    // output it is about to stop, and a full pipe would block the save.
+    const bool saving = !save_path.empty() && step > first;
+    if (saving) save(step);
+    if (root) {
+      std::printf("stopped by %s after step %d of %d\n", gshard::preemption::name(why[0]), step, last);
+      if (saving) std::printf("resume with the same options and --resume %s\n", save_path.c_str());
+      else std::printf(save_path.empty() ? "nothing saved: no --save FILE was given\n" : "nothing new to save\n");
     }
     std::fflush(stdout);
     return 128 + why[0];
   }
+
+  // Whether this rank has been told to stop: the step's output then waits
+  // until the checkpoint is written (stop()).
+  static bool stop_received() { return gshard::preemption::received() != 0; }
+  // Whether any rank has (one all_reduce): an evaluation is skipped then, so
+  // the save comes within the launcher's grace.
+  bool stop_requested() const { return stop_signals_.requested(*all_) != 0; }
 
  private:
   const gshard::detail::axis_group* all_;

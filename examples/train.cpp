@@ -330,6 +330,23 @@ memory_estimate step_memory(const model::config& c, const model::cost::mesh_size
           w.activation_bytes};
 }
 
+// The options the mesh splits, named when they do not divide: the batch
+// over data x expert, the experts over expert, the FFNs' hidden units over
+// model. "" or what is wrong; the same on every rank.
+std::string splits_over(const options& o, const model::config& c, const model::cost::mesh_sizes& ms, const std::string& mesh) {
+  const auto check = [&](const char* option, index_t v, index_t parts, const char* over) -> std::string {
+    if (v % parts == 0) return "";
+    return std::string(option) + " " + std::to_string(v) + " does not split over the " + std::to_string(parts) + " ranks of " +
+           over + " of " + mesh + "; give a multiple of " + std::to_string(parts);
+  };
+  for (const std::string& p : {check("--batch", o.batch, ms.data * ms.expert, "data x expert"),
+                               check("--experts", c.experts, ms.expert, "'expert'"),
+                               check("--hidden", c.hidden, ms.model, "'model'"),
+                               check("--slot-hidden", c.slot_hidden, ms.model, "'model'")})
+    if (!p.empty()) return p;
+  return "";
+}
+
 // Everything about the options that can be checked before step 1, on rank 0
 // (where the files are written): "" or what is wrong.
 // `ms`: the mesh's sizes, as the cost model takes them.
@@ -337,6 +354,11 @@ std::string preflight(const options& o, const model::config& c, const model::cos
                       std::size_t split) {
   const double L = double(o.seq), held = double(text.size() - split), train = double(split);
   char b[640];
+  if (held < 2 || train < 2) {
+    std::snprintf(b, sizeof b, "the text's %s part has %.0f bytes: give a longer text (a tenth of a dictionary's headwords, "
+                  "or every 10th file, is held out)", held < 2 ? "held-out" : "training", std::min(held, train));
+    return b;
+  }
   if (held < L + 1 || train < L + 1) {
     std::snprintf(b, sizeof b, "--seq %ld needs windows of %ld bytes, but the text's %s part has %.0f bytes; "
                   "give a longer text or --seq %.0f at most", long(o.seq), long(o.seq + 1), held < L + 1 ? "held-out" : "training",
@@ -395,6 +417,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   const std::size_t split = corpus.split;
   constexpr int model_axis = Mesh::index_of("model");
   const model::cost::mesh_sizes ms{m.size(0), m.size(1), model_axis >= 0 ? m.size(model_axis) : 1, model_axis >= 0};
+  if (const std::string p = splits_over(o, c, ms, m.describe()); !p.empty()) throw error("gshard train: " + p);
   if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, c, ms, text, split) : ""); !p.empty())
     throw error("gshard train: " + p);
   parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})
@@ -456,6 +479,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());
+  if (const std::string grace = examples::launcher_grace_note(o.save); root && !grace.empty()) std::printf("note: %s\n", grace.c_str());
   if (root && c.experts > 0) {
     char cap[64], aux[64];
     std::snprintf(cap, sizeof cap, "capacity factor %g (eval %g)", c.gating.capacity_factor,
@@ -489,6 +513,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   };
   // The metrics log, opened by rank 0; SIGTERM and SIGINT stop at the next step boundary, saved.
   examples::run_log log(m.all_axes(), "train", o.metrics, start > 0);
+  const examples::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
   // The progress line's window: step time, tokens and model FLOPs since the
   // last line, and the wall time (batches, evaluations and all) for the ETA.
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
@@ -517,7 +542,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step + 1, o.trace.c_str());
     }
     tokens_window += double(o.batch * o.seq);
-    const bool evaluating = step + 1 == o.steps || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
+    const bool evaluating = (step + 1 == o.steps || (o.eval_every > 0 && (step + 1) % o.eval_every == 0)) && !log.stop_requested();
     if (evaluating) {
       held_out = evaluate();
       if (root && step + 1 < o.steps)
@@ -536,7 +561,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       for (std::size_t l = 0; l < r.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(r.moe[l]);
       log.write(line + "]}\n");
     }
-    if (root && ((step + 1) % o.log_every == 0 || step == start)) {
+    if (root && ((step + 1) % o.log_every == 0 || step == start) && !log.stop_received()) {
       const double now = MPI_Wtime(), per_step = (now - wall_mark) / steps_window;
       char aux[32] = "";
       if (!r.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", r.aux);  // a dense model has no routing
@@ -546,7 +571,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       std::fflush(stdout);
       t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
     }
-    if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0) save(step + 1);
+    if (!o.save.empty() && o.save_every > 0 && (step + 1) % o.save_every == 0 && step + 1 < end) save(step + 1);
   }
   if (const int code = stopping(end)) return code;
   if (!o.save.empty()) save(end);

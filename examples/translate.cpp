@@ -431,6 +431,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
                 count * 1e-6, long(c.vocab), langs.size(), m.describe().c_str());
     std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
                 gshard::detail::gemm_backend());
+    if (const std::string grace = examples::launcher_grace_note(o.save); !grace.empty()) std::printf("note: %s\n", grace.c_str());
   }
   const int end = o.steps;
   if (start >= end) {
@@ -445,6 +446,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   examples::run_log log(m.all_axes(), "translate", o.metrics, start > 0);
+  const examples::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
   auto stopping = [&](int step) { return log.stop(step, start, end, o.save, save); };
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
   int steps_window = 0;
@@ -461,7 +463,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
     opt->update(ps);
     const double seconds = MPI_Wtime() - t0, flops = (model_flops() - flops0) * double(P);
     t_window += seconds, flops_window += flops, tokens_window += tokens, ++steps_window;
-    const bool evaluating = step + 1 == end || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
+    const bool evaluating = (step + 1 == end || (o.eval_every > 0 && (step + 1) % o.eval_every == 0)) && !log.stop_requested();
     std::string eval_json;
     if (evaluating) eval_json = evaluate_all(net, ps, langs, o, step + 1, step + 1 == end);
     if (log.writing()) {
@@ -475,7 +477,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
       for (std::size_t l = 0; l < out.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(out.moe[l]);
       log.write(line + "]}\n");
     }
-    if (root && ((step + 1) % o.log_every == 0 || step == start)) {
+    if (root && ((step + 1) % o.log_every == 0 || step == start) && !log.stop_received()) {
       const double now = MPI_Wtime(), per_step = (now - wall_mark) / steps_window;
       char aux[32] = "";
       if (!out.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", out.aux);

@@ -16,8 +16,9 @@ import signal
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from checks import interrupted, rank_pids, run, verdict
+from checks import interrupted, rank_pids, refusal, run, verdict
 
 SMALL = ["--batch", "4", "--seq", "32"]
 
@@ -50,10 +51,10 @@ def with_step(src, dst, value=None, rename=None):
 
 # OpenMPI 4.1.4's mpirun, given SIGTERM or SIGINT, sends the ranks SIGCONT at once, SIGTERM
 # odls_base_sigkill_timeout (1 s) later and SIGKILL as long again after that, and stops reading
-# the ranks' output from the start: a rank that prints a line per step fills the pipe (about 120
-# steps of ~5 ms) and blocks in write(2) before its SIGTERM comes, never reaching the step boundary
-# that would stop it (seen with strace). So the runs stopped through mpirun print a line every 10
-# steps. The step (~10 ms here), the save (~18 MB, ~60 ms) and the prints fit in the second between
+# the ranks' output from the start: a rank printing a line per step would fill the pipe and block
+# before its SIGTERM comes, were it not for rank 0's stdout relay (one case below runs so). The
+# other runs stopped through mpirun print a line every 10 steps, so their messages are forwarded.
+# The step (~10 ms here), the save (~18 MB, ~60 ms) and the prints fit in the second between
 # SIGTERM and SIGKILL.
 SIGKILL_WAIT = {}
 
@@ -105,6 +106,17 @@ def main() -> int:
     open(os.path.join(work, "indexed.index"), "w").write("\n".join(lines) + "\n")
     open(os.path.join(work, "bad.dict"), "w").write(body)
     open(os.path.join(work, "bad.index"), "w").write("Word0\tA\n")
+    # An empty index beside its dictionary; a valid index beside a dictionary cut short.
+    open(os.path.join(work, "noindex.dict"), "w").write(body)
+    open(os.path.join(work, "noindex.index"), "w").write("")
+    open(os.path.join(work, "cut.dict"), "w").write(body[:len(body) // 2])
+    open(os.path.join(work, "cut.index"), "w").write("\n".join(lines) + "\n")
+    # A dictionary of one headword, not among the held-out tenth: nothing held out.
+    kept = next(f"word{i}" for i in range(20) if fnv1a(f"word{i}".encode()) % 10 != 9)
+    open(os.path.join(work, "one.dict"), "w").write("".join(f"{kept} \\{kept}\\, n.\n   {'sense ' * 80}\n\n" for _ in range(12)))
+    huge = os.path.join(work, "huge.txt")  # sparse: refused by its size, never read
+    with open(huge, "wb") as f:
+        f.truncate(3_000_000_000)
     empty_dir = os.path.join(work, "empty")
     os.makedirs(empty_dir, exist_ok=True)
     ckpt = os.path.join(work, "run.ckpt")
@@ -138,6 +150,10 @@ def main() -> int:
          f"--trace {os.path.join(work, 'o.ckpt')} is also --save's file; give each its own"),
         ([truncated], f"cannot read {truncated}: unexpected end of file"),
         ([os.path.join(work, "bad.dict")], "bad.index:1: not a dictd index line (headword, offset, length)"),
+        ([os.path.join(work, "noindex.dict")], f"{work}/noindex.index lists no entry for the {len(body)} bytes of {work}/noindex.dict"),
+        ([os.path.join(work, "cut.dict")], f"{work}/cut.dict holds {len(body) // 2} bytes, but {work}/cut.index:"),
+        ([os.path.join(work, "one.dict")], "the text's held-out part has 0 bytes: give a longer text"),
+        ([huge], f"{huge} holds 3000000000 bytes; at most 2147483647 are read"),
         (["--slot-hidden", "512"], "--slot-hidden 512 is for a dense model; give --experts 0"),
         (["--remat", "4"], "--remat is none, all, or blocks from 0 to 3 separated by commas (1,3); not '4'"),
         (["--layers", "2", "--remat", "0,x"], "--remat is none, all, or blocks from 0 to 1 separated by commas (1,3); not '0,x'"),
@@ -153,12 +169,17 @@ def main() -> int:
         (["--top-k"], "--top-k needs a value"),
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
+        # Options the mesh splits, named (2 ranks: data 1 x expert 2).
+        (["--batch", "3"], "--batch 3 does not split over the 2 ranks of data x expert of mesh(data=1, expert=2); give a multiple of 2"),
+        (["--experts", "3"], "--experts 3 does not split over the 2 ranks of 'expert' of mesh(data=1, expert=2); give a multiple of 2"),
     ]
     short_bytes = open(short, "rb").read()
-    for args, want in refused:
-        code, out = run(base + args, timeout=60)
-        if code in (None, 0) or out.count(want) < 2 or "step     1" in out:
-            problems.append(f"{' '.join(args)}: exit {code}, wanted '{want}' from every rank before training:\n{out[-1500:]}")
+    # Four at a time: each run waits mostly on mpirun's start and end.
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: run(base + case[0], timeout=90), refused))
+    for (args, want), (code, out) in zip(refused, results):
+        if wrong := refusal(code, out, want):
+            problems.append(f"{' '.join(args)}: {wrong}:\n{out[-1500:]}")
     if open(short, "rb").read() != short_bytes:
         problems.append(f"{short} changed: a refused run wrote to its training text")
     # Compressed and dictionary corpora; a held-out evaluation every step in the
@@ -216,8 +237,34 @@ def main() -> int:
     step = int(stopped[0].split("after step ")[1].split()[0]) if stopped else -1
     code, out = run(base + SMALL + ["--steps", "3000", "--resume", ckpt, "--stop-after", str(step + 2), "--save", ckpt,
                                    "--log-every", "1"])
-    if code != 0 or f"resumed {ckpt} at step {step}" not in out or f"step {step + 1:5d}" not in out:
-        problems.append(f"resume after SIGTERM at step {step}: exit {code}:\n{out[-2500:]}")
+    grace = "note: SIGTERM or Ctrl-C to mpirun ends the ranks about 2 s later (OpenMPI's odls_base_sigkill_timeout 1 s)"
+    if code != 0 or f"resumed {ckpt} at step {step}" not in out or f"step {step + 1:5d}" not in out or grace not in out:
+        problems.append(f"resume after SIGTERM at step {step} (and the launcher's grace said): exit {code}:\n{out[-2500:]}")
+
+    # --save-every dividing the last step: saved once there, not twice.
+    every = os.path.join(work, "every.ckpt")
+    code, out = run(base + SMALL + ["--steps", "4", "--save-every", "2", "--save", every, "--sample-bytes", "0"])
+    if code != 0 or out.count(f"saved {every} at step 2") != 1 or out.count(f"saved {every} at step 4") != 1:
+        problems.append(f"--save-every 2 --steps 4: exit {code}, wanted one save at steps 2 and 4:\n{out[-1500:]}")
+    # A metrics file that cannot be written (a full disk): the checkpoint is saved first, then the run ends.
+    full = os.path.join(work, "full.ckpt")
+    code, out = run(base + SMALL + ["--steps", "5", "--metrics", "/dev/full", "--save", full, "--sample-bytes", "0"])
+    want = f"--metrics /dev/full: writing failed: No space left on device; saved {full} at step 1"
+    if wrong := refusal(code, out.replace("step     1", ""), want):
+        problems.append(f"--metrics /dev/full: {wrong}:\n{out[-1500:]}")
+    elif not os.path.exists(full):
+        problems.append(f"--metrics /dev/full: no checkpoint {full}:\n{out[-1500:]}")
+
+    # A progress line every step: once signalled, mpirun stops reading the ranks' output, and a
+    # rank printing into the full pipe would block before its step boundary. Rank 0's output goes
+    # through a relay thread, so the checkpoint is still written (what mpirun no longer forwards
+    # cannot be checked here: the file can).
+    every_step = os.path.join(work, "every_step.ckpt")
+    code, out = interrupted(mpi, trainer, SMALL + ["--steps", "100000", "--log-every", "1", "--save", every_step],
+                            lambda p: (time.sleep(0.5), p.send_signal(signal.SIGTERM)), env=SIGKILL_WAIT)
+    if code in (None, 0) or not os.path.exists(every_step):
+        problems.append(f"SIGTERM to mpirun with --log-every 1: exit {code}, checkpoint written: "
+                        f"{os.path.exists(every_step)}:\n{out[-2500:]}")
 
     # SIGINT to mpirun (Ctrl-C): mpirun passes it on; the ranks stop the same way.
     code, out = interrupted(mpi, trainer, args, lambda p: p.send_signal(signal.SIGINT), env=SIGKILL_WAIT)
@@ -268,15 +315,15 @@ def main() -> int:
             break
         with_step(ckpt, bad, **kw)
         code, out = run(base + SMALL + ["--resume", bad, "--steps", "10"])
-        if code in (None, 0) or out.count(want) < 2:
-            problems.append(f"checkpoint with a {name} step: exit {code}, wanted '{want}':\n{out[-1500:]}")
+        if wrong := refusal(code, out, want):
+            problems.append(f"checkpoint with a {name} step: {wrong}:\n{out[-1500:]}")
     # Another optimizer than the checkpoint's: refused, naming both; Adafactor
     # saves and resumes its own state.
     if os.path.exists(ckpt):
         code, out = run(base + SMALL + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"])
         want = f"{ckpt} holds the state of --optimizer adam, but this run uses --optimizer adafactor; resume with --optimizer adam"
-        if code in (None, 0) or out.count(want) < 2:
-            problems.append(f"an Adam checkpoint resumed with --optimizer adafactor: exit {code}, wanted '{want}':\n{out[-1500:]}")
+        if wrong := refusal(code, out, want):
+            problems.append(f"an Adam checkpoint resumed with --optimizer adafactor: {wrong}:\n{out[-1500:]}")
     factored = os.path.join(work, "adafactor.ckpt")
     code, out = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--stop-after", "2", "--save", factored,
                                     "--sample-bytes", "0"])

@@ -25,6 +25,21 @@ def run(cmd, timeout=90, env=None):
         return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
 
 
+def refusal(code, out, want):
+    """'' when a run was refused as a usage error: `want` said once (by rank 0), exit status 2, no
+    MPI_Abort and no 'uncaught exception' banner; else what went wrong."""
+    wrong = []
+    if code != 2:
+        wrong.append(f"exit {code}, not 2")
+    lines = sum(want in line for line in out.splitlines())
+    if lines != 1:
+        wrong.append(f"'{want}' on {lines} lines, not one")
+    for noise in ("MPI_ABORT", "uncaught exception", "step     1"):
+        if noise in out:
+            wrong.append(f"'{noise}' in the output")
+    return "; ".join(wrong)
+
+
 def rank_pids(launcher):
     """The MPI ranks among the launcher's descendants, by their OpenMPI or PMI rank: found through the
     launcher's own process tree (parent ids in /proc), so another job's processes are never touched."""

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Run an MPI program that must fail: require a non-zero exit well inside the
-timeout and the expected text (rank and message) in its output.
+timeout and the expected text (rank and message) in its output. With --usage,
+a usage error: exit status 2, each text said once, no MPI_Abort.
 
-usage: expect_abort.py TIMEOUT_SECONDS EXPECTED_TEXT [EXPECTED_TEXT...] -- MPIEXEC [ARGS...]
+usage: expect_abort.py TIMEOUT_SECONDS [--usage] EXPECTED_TEXT [EXPECTED_TEXT...] -- MPIEXEC [ARGS...]
 """
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import time
 def main() -> int:
     sep = sys.argv.index("--")
     timeout = float(sys.argv[1])
-    expected = sys.argv[2:sep]
+    usage = sys.argv[2] == "--usage"
+    expected = sys.argv[2 + usage:sep]
     cmd = sys.argv[sep + 1:]
     start = time.monotonic()
     try:
@@ -22,7 +24,11 @@ def main() -> int:
         code, out = None, (e.stdout or b"").decode() + (e.stderr or b"").decode()
     took = time.monotonic() - start
     missing = [e for e in expected if e not in out]
-    ok = code not in (None, 0) and not missing
+    if usage:
+        lines = {e: sum(e in line for line in out.splitlines()) for e in expected}
+        missing += [f"{e} (on one line, not {n})" for e, n in lines.items() if n > 1]
+        missing += [f"no {noise}" for noise in ("MPI_ABORT", "uncaught exception") if noise in out]
+    ok = code not in (None, 0) and (code == 2 or not usage) and not missing
     print(f"exit code {code} after {took:.1f} s (limit {timeout:.0f} s)")
     for e in missing:
         print(f"missing text: {e!r}")

@@ -2,12 +2,16 @@
 // their non-blocking forms — what MPI defines, counted, and the errors
 // users see, on every rank alike.
 #include <gshard/core/counters.hpp>
+#include <gshard/core/io.hpp>
 #include <gshard/runtime/collectives.hpp>
 #include <gshard/runtime/mesh.hpp>
 #include <gshard/runtime/nonblocking.hpp>
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <sstream>
 
@@ -225,3 +229,19 @@ TEST_CASE("non-blocking collectives: the blocking forms' results, several in fli
   GSHARD_REQUIRE(rec.events().empty());
 }
 
+
+TEST_CASE("read_file reads at most its limit: a regular file by its size, a stream as it passes it", "[io]") {
+  std::string out = "left over";
+  CHECK(io::read_file("/dev/zero", out, 1 << 20) == "/dev/zero holds more than 1048576 bytes; at most 1048576 are read");
+  CHECK(out.empty());
+  char dir[] = "/tmp/gshard_read_file_XXXXXX";  // this process's own folder
+  REQUIRE(::mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/hundred";
+  std::ofstream(path) << std::string(100, 'x');
+  CHECK(io::read_file(path, out, 99) == path + " holds 100 bytes; at most 99 are read");
+  CHECK(out.empty());
+  CHECK(io::read_file(path, out, 100) == "");
+  CHECK(out == std::string(100, 'x'));
+  CHECK(io::read_file(path, out) == "");
+  std::filesystem::remove_all(dir);
+}

@@ -21,8 +21,10 @@ namespace gshard::io {
 // "No such file or directory" for the current errno.
 inline std::string reason(int err = errno) { return std::strerror(err); }
 
-// The whole file at `path` into `out`, or the problem.
-inline std::string read_file(const std::string& path, std::string& out) {
+// The whole file at `path` into `out`, or the problem. At most `limit`
+// bytes: a larger regular file is refused before it is read, and a stream
+// (a pipe, /dev/zero) when it passes the limit, naming the path.
+inline std::string read_file(const std::string& path, std::string& out, std::size_t limit = std::size_t(-1)) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return "cannot open " + path + ": " + reason();
   struct stat st{};
@@ -31,8 +33,16 @@ inline std::string read_file(const std::string& path, std::string& out) {
     ::close(fd);
     return "cannot read " + path + ": " + reason(err);
   }
+  const auto too_large = [&](const std::string& size) {
+    ::close(fd);
+    out.clear();
+    return path + " holds " + size + " bytes; at most " + std::to_string(limit) + " are read";
+  };
   out.clear();
-  if (S_ISREG(st.st_mode)) out.reserve(std::size_t(st.st_size));
+  if (S_ISREG(st.st_mode)) {
+    if (std::size_t(st.st_size) > limit) return too_large(std::to_string(st.st_size));
+    out.reserve(std::size_t(st.st_size));
+  }
   char buf[1 << 16];
   for (;;) {
     const ssize_t n = ::read(fd, buf, sizeof buf);
@@ -43,6 +53,7 @@ inline std::string read_file(const std::string& path, std::string& out) {
       ::close(fd);
       return "cannot read " + path + ": " + reason(err);
     }
+    if (out.size() + std::size_t(n) > limit) return too_large("more than " + std::to_string(limit));
     out.append(buf, std::size_t(n));
   }
   ::close(fd);

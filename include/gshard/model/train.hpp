@@ -52,7 +52,7 @@ step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh
   step_result r;
   r.loss = out.loss.value().local()(), r.ce = out.ce, r.aux = out.aux, r.z = out.z;
   if (!std::isfinite(r.loss))  // the same on every rank: the loss is reduced
-    throw error("gshard::model::train_step: the loss at step " + std::to_string(step) + " is " + std::to_string(r.loss) +
+    throw error("gshard::model::train_step: the loss at step " + std::to_string(step + 1) + " is " + std::to_string(r.loss) +
                 " (NaN or Inf in the inputs, the parameters or the gradients)");
   t.backward(out.loss);
   {

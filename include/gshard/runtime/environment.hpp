@@ -1,6 +1,8 @@
 // gshard/runtime/environment.hpp — mpi::environment: MPI's start-up and shut-down for
-// a gshard program, in named steps. While it lives, an exception that
-// escapes on any rank prints that rank and message and ends the whole job;
+// a gshard program, in named steps. While it lives, a gshard::error that
+// escapes on every rank alike is said once and the job exits with status 2;
+// any other exception that escapes prints its rank and message and ends the
+// whole job;
 // every rank runs with rank 0's run-time options (core/options.hpp).
 #pragma once
 
@@ -35,6 +37,7 @@ inline void start_mpi(int& argc, char**& argv) {
   int provided = 0;
   check(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &error_comm()), "MPI_Comm_dup");
 }
 
 // Tensors are values: every reshard or einsum returns fresh storage. By
@@ -127,6 +130,7 @@ class environment {
         abort_job(e.what());  // every rank has it; the exit code says the run did not end well
       }
     }
+    if (detail::error_comm() != MPI_COMM_NULL) MPI_Comm_free(&detail::error_comm());
     MPI_Finalize();
   }
 

@@ -71,11 +71,12 @@ inline int count(std::size_t n, const char* call) {
   return int(n);
 }
 
-// Flushes stderr and gives the launcher time to forward it before this rank
+// Flushes stdout and stderr and gives the launcher time to forward them before this rank
 // ends the job: MPICH's hydra kills the job on MPI_Abort (or a rank's exit)
 // without draining the ranks' output pipes, and the message was lost in 2 of
 // 60 runs on one core. Only failing jobs pay the pause.
 inline void flush_stderr_before_exit() {
+  std::fflush(stdout);
   std::fflush(stderr);
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
 }
@@ -92,18 +93,64 @@ inline void flush_stderr_before_exit() {
 }
 
 namespace detail {
+// A communicator of its own for agreeing on an error (environment.hpp makes
+// it at start-up), so its barrier can never match a collective a rank is in.
+inline MPI_Comm& error_comm() {
+  static MPI_Comm c = MPI_COMM_NULL;
+  return c;
+}
+
+// How long a rank with a gshard::error waits for the others to reach the same
+// point: ranks that throw at one point of the program (an option, a file
+// rank 0 read for all, a shape) arrive within milliseconds of each other.
+inline constexpr double agreement_seconds = 3.0;
+
+// True when every rank of the job reaches this call within `seconds`: a
+// barrier on error_comm() that gives up instead of waiting for ever.
+inline bool every_rank_here(double seconds) {
+  MPI_Comm c = error_comm();
+  if (c == MPI_COMM_NULL) return false;
+  MPI_Request r = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(c, &r) != MPI_SUCCESS) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (int done = 0;;) {
+    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) return true;
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// An exception that escapes main. A gshard::error that every rank throws (a
+// bad option, a missing file, shapes that do not fit: what the user asked
+// for) is a usage error: rank 0 prints its message once and every rank ends
+// normally with exit status 2. Anything else, or an error one rank alone
+// sees, prints that rank's message and ends the job (MPI_Abort).
 [[noreturn]] inline void terminate_handler() {
   std::string what = "terminate called without an active exception";
+  bool usage = false;
   if (auto e = std::current_exception()) {
     try {
       std::rethrow_exception(e);
+    } catch (const error& ex) {
+      what = ex.what(), usage = true;
     } catch (const std::exception& ex) {
-      what = std::string("uncaught exception: ") + ex.what();
+      what = ex.what();
     } catch (...) {
       what = "uncaught exception of unknown type";
     }
   }
-  abort_job(what.c_str());
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (usage && initialized && !finalized && every_rank_here(agreement_seconds)) {
+    if (world_rank() == 0) std::fprintf(stderr, "%s\n", what.c_str());
+    std::fflush(stderr);
+    MPI_Finalize();
+    flush_stderr_before_exit();
+    std::_Exit(2);
+  }
+  abort_job(("uncaught exception: " + what).c_str());
 }
 }  // namespace detail
 
