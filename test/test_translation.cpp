@@ -221,11 +221,16 @@ TEST_CASE("the FreeDict reader names the path and the problem", "[translation][f
   const std::string bad = write_dictionary(dir, "bad", {"Haus /haʊs/\nhouse\n"});
   const std::string base = dir + "/freedict-bad-eng";
   std::ofstream(base + ".index", std::ios::binary) << "Haus\tA\tS\nHaus\tA\n";
-  CHECK(examples::read_freedict(bad, c) ==
-        base + ".index:2: not a dictd index line (headword, offset, length) within " + bad);
+  CHECK(examples::read_freedict(bad, c) == base + ".index:2: not a dictd index line (headword, offset, length)");
   std::ofstream(base + ".index", std::ios::binary) << "Haus\tA\t/////\n";  // beyond the text
-  CHECK(examples::read_freedict(bad, c) ==
-        base + ".index:1: not a dictd index line (headword, offset, length) within " + bad);
+  const std::string beyond = examples::read_freedict(bad, c);
+  CHECK(beyond.rfind(bad + " holds ", 0) == 0);
+  CHECK(beyond.find(" bytes, but " + base + ".index:1 places 'Haus' at bytes 0 to 1073741823: the dictionary is cut short, "
+                    "or the index is another dictionary's") != std::string::npos);
+  std::ofstream(base + ".index", std::ios::binary) << "";  // lists nothing
+  const std::string nothing = examples::read_freedict(bad, c);
+  CHECK(nothing.rfind(base + ".index lists no entry for the ", 0) == 0);
+  CHECK(nothing.find(" bytes of " + bad + ": restore it, or remove it to read the entries by their blank lines") != std::string::npos);
   std::filesystem::remove(base + ".index");
   CHECK(examples::read_freedict(bad, c) ==
         "cannot open " + base + ".index (the index of " + bad + "): No such file or directory");
