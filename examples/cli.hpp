@@ -107,7 +107,9 @@ inline std::string load_text(const std::string& program, const std::string& path
     else files.push_back(path);
     for (std::size_t i = 0; i < files.size() && problem.empty(); ++i) {
       std::string one;
-      problem = gshard::io::read_file(files[i], one, max_text_bytes - text.size());
+      problem = gshard::io::read_file(files[i], one, max_text_bytes - text.size());  // the files together
+      if (!problem.empty() && !text.empty())
+        problem += " (after " + std::to_string(text.size()) + " bytes of the files before it in " + dir + ")";
       text += one;
     }
   }

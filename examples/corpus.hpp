@@ -46,7 +46,7 @@ inline bool ends_with(const std::string& s, const std::string& tail) {
 
 // A gzip (or dictzip) file's contents; "" or the problem. The dictionary
 // ships as one dictzip file (gzip-compatible, read here with zlib) and its index.
-inline std::string read_gzip(const std::string& path, std::string& out) {
+inline std::string read_gzip(const std::string& path, std::string& out, std::size_t limit = max_text_bytes) {
   errno = 0;
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f) return "cannot open " + path + ": " + gshard::io::reason(errno ? errno : ENOMEM);
@@ -67,9 +67,8 @@ inline std::string read_gzip(const std::string& path, std::string& out) {
       }
       break;
     }
-    if (out.size() > max_text_bytes) {
-      problem = path + " holds more than " + std::to_string(max_text_bytes) + " bytes; at most " +
-                std::to_string(max_text_bytes) + " are read";
+    if (out.size() > limit) {
+      problem = path + " holds more than " + std::to_string(limit) + " bytes; at most " + std::to_string(limit) + " are read";
       out.clear();
       break;
     }
@@ -78,9 +77,10 @@ inline std::string read_gzip(const std::string& path, std::string& out) {
   return problem;
 }
 
-inline std::string read_any(const std::string& path, std::string& out) {
-  if (ends_with(path, ".gz") || ends_with(path, ".dz")) return read_gzip(path, out);
-  return gshard::io::read_file(path, out, max_text_bytes);
+// A file's text, decompressed when it is .gz or .dz; at most `limit` bytes.
+inline std::string read_any(const std::string& path, std::string& out, std::size_t limit = max_text_bytes) {
+  if (ends_with(path, ".gz") || ends_with(path, ".dz")) return read_gzip(path, out, limit);
+  return gshard::io::read_file(path, out, limit);
 }
 
 // One document: its text, and for a dictionary entry its headword (the
@@ -171,13 +171,12 @@ inline std::string read_documents(const std::string& path, std::vector<document>
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> files;
     if (std::string p = list_files(path, files); !p.empty()) return p;
-    std::size_t bytes = 0;
+    std::size_t bytes = 0;  // the files together: at most max_text_bytes
     for (const auto& f : files) {
       docs.emplace_back();
-      if (std::string p = read_any(f, docs.back().text); !p.empty()) return p;
-      if ((bytes += docs.back().text.size()) > max_text_bytes)
-        return path + "'s files hold more than " + std::to_string(max_text_bytes) + " bytes; at most " +
-               std::to_string(max_text_bytes) + " are read";
+      if (std::string p = read_any(f, docs.back().text, max_text_bytes - bytes); !p.empty())
+        return bytes == 0 ? p : p + " (after " + std::to_string(bytes) + " bytes of the files before it in " + path + ")";
+      bytes += docs.back().text.size();
     }
     what = path + ", " + std::to_string(docs.size()) + " files";
     return "";
@@ -248,7 +247,7 @@ inline corpus load_corpus(const std::string& program, const std::string& path) {
     if (problem.empty() && path.empty() && from == fallback_texts)
       what += "; scripts/setup installs the default corpus (apt-get install dict-gcide)";
     if (problem.empty()) c = detail::split_documents(docs, what);
-    if (problem.empty() && c.text.size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
+    if (problem.empty() && c.text.size() > max_text_bytes)  // one MPI_Bcast carries it
       problem = "the text has " + std::to_string(c.text.size()) + " bytes; at most " + std::to_string(max_text_bytes) + " are read";
     header = std::to_string(c.split) + "\n" + c.source;
   }

@@ -130,9 +130,10 @@ options parse(int argc, char** argv) {
 }
 
 // The counts are 64-bit integers: a configuration whose weights or whose
-// largest per-rank tensor (attention's scores, the logits, an expert's
-// activations) would pass 2^53 elements is refused, naming its size, before
-// anything is counted.
+// largest per-rank tensor (attention's scores, the logits, the router's
+// logits, the experts' dispatched tokens: E x tokens x M at most, as C <= S)
+// would pass 2^53 elements is refused, naming its size, before anything is
+// counted.
 void check_size(const options& o) {
   const model::config& c = o.c;
   const double M = double(c.model), NK = double(c.heads) * double(c.head_dim), H = double(c.hidden), V = double(c.vocab);
@@ -140,7 +141,8 @@ void check_size(const options& o) {
   const double stacks = o.encoder_decoder ? 2 : 1, L = double(std::max(o.seq, o.source));
   const double params = stacks * double(c.layers) * (4 * M * NK + E * 3 * M * H) + 2 * V * M;
   const double rows = double(o.per_rank) * L;  // tokens per rank
-  const double widest = rows * std::max({M, NK, H * std::max(1.0, double(c.gating.top_k)), V, double(c.heads) * L});
+  const double widest =
+      rows * std::max({M, NK, H * std::max(1.0, double(c.gating.top_k)), V, double(c.heads) * L, E, E * std::max(M, H)});
   const double ranks = double(o.mesh.data) * double(o.mesh.expert) * double(o.mesh.model);
   constexpr double most = 9007199254740992.0;  // 2^53
   char b[256];
@@ -248,6 +250,11 @@ void gshard_table(options o, const costs::machine& mc) {
   o.c.model = 1024, o.c.hidden = 8192, o.c.heads = 16, o.c.head_dim = 64, o.c.layers = 36;
   if (!o.seq_given) o.seq = 1024;
   if (!o.per_rank_given) o.per_rank = 4;
+  for (index_t D : {128, 512, 2048}) {  // every row countable before the first is printed
+    options row = o;
+    row.c.experts = D, row.mesh = {1, D, 1, false};
+    check_size(row);
+  }
   std::printf("GShard's configurations: M 1024, H 8192, 16 heads of 64, 36 blocks (18 MoE), top-2, capacity factor %g,\n"
               "V %ld, %ld sequences of %ld per rank, E = D (data 1 x expert D), weight update %s\n"
               "machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s; network alpha %.3g s, %.3g GB/s per rank\n\n",
@@ -288,11 +295,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (world_group().size != 1) throw error("gshard cost: run it as one process; it describes the ranks, it does not use them");
+  check_size(o);
   const bool many = o.gshard_table || o.mesh.ranks() > 1;
   if (many && (o.alpha < 0 || o.bandwidth < 0))
     throw error("gshard cost: give the network's --alpha (seconds per message round) and --bandwidth (GB/s per rank) "
                 "for a mesh of more than one rank; e.g. --alpha 5e-6 --bandwidth 12.5 for 100 Gbit/s links");
-  check_size(o);
   const costs::machine mc = machine_of(o);
   if (o.gshard_table) gshard_table(o, mc);
   else describe(o, mc);

@@ -325,7 +325,7 @@ inline std::vector<language_corpus> load_freedict(const std::string& program, st
       language_corpus c;
       problem = read_freedict(dir + "/freedict-" + code + "-eng.dict.dz", c, held_one_in);
       packed.push_back(detail::pack_language(c));
-      if (problem.empty() && packed.back().size() > std::size_t(INT_MAX))  // one MPI_Bcast carries it
+      if (problem.empty() && packed.back().size() > max_text_bytes)  // one MPI_Bcast carries it
         problem = c.path + " gives " + std::to_string(packed.back().size()) + " bytes of pairs; at most " + std::to_string(max_text_bytes) + " are sent";
     }
   }

@@ -155,35 +155,34 @@ inline std::string outputs_spare_inputs(const std::vector<std::pair<std::string,
 }
 
 // What the launcher allows a run told to stop, said at start when it saves:
-// OpenMPI's mpirun, given SIGTERM or Ctrl-C, passes SIGTERM on after a
-// second and SIGKILLs the ranks a second later (odls_base_sigkill_timeout),
-// too soon for a long step, evaluation or save. "" under other launchers or
-// a timeout of 10 s and more.
+// OpenMPI's mpirun, given SIGTERM or Ctrl-C, passes SIGTERM on after
+// odls_base_sigkill_timeout seconds (1 by default) and SIGKILLs the ranks as
+// long again after that: too soon for a long step, evaluation or save. ""
+// under other launchers, or with a timeout of 10 s and more.
 inline std::string launcher_grace_note(const std::string& save_path) {
   if (save_path.empty() || !std::getenv("OMPI_COMM_WORLD_SIZE")) return "";
   const char* set = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
   const double timeout = set ? std::atof(set) : 1.0;
   if (timeout >= 10) return "";
   char b[320];
-  std::snprintf(b, sizeof b, "SIGTERM or Ctrl-C to mpirun ends the ranks about %g s later (OpenMPI's odls_base_sigkill_timeout "
-                "%g s); a step, evaluation or save that takes longer is lost: export OMPI_MCA_odls_base_sigkill_timeout=30 "
-                "to give them time", 1 + timeout, timeout);
+  std::snprintf(b, sizeof b, "SIGTERM or Ctrl-C to mpirun leaves the ranks %g s to stop and save before SIGKILL (OpenMPI's "
+                "odls_base_sigkill_timeout); a step, evaluation or save that takes longer is lost: export "
+                "OMPI_MCA_odls_base_sigkill_timeout=30 to give them time", timeout);
   return b;
 }
 
 // Rank 0's standard output through a relay: while it lives, what the
-// program prints goes into a pipe of its own (1 MiB) that a thread copies to
-// the real output. A launcher that stops reading (mpirun, once signalled)
-// then blocks that thread, not the training: the run still reaches the step
-// boundary where it stops and saves. On destruction the relay drains what is
-// left, waiting at most `drain_seconds` for a reader that has gone.
+// program prints goes into a pipe of its own (1 MiB where Linux allows it)
+// that a thread copies to the real output. A launcher that stops reading
+// (mpirun, once signalled) then blocks that thread, not the training: the
+// run still reaches the step boundary where it stops and saves.
 class stdout_relay {
  public:
   explicit stdout_relay(bool active, double drain_seconds = 2.0) : drain_seconds_(drain_seconds) {
     int p[2];
-    if (!active || ::pipe(p) != 0) return;
+    if (!active || ::fcntl(STDOUT_FILENO, F_GETFD) < 0 || ::pipe2(p, O_CLOEXEC) != 0) return;
     std::fflush(stdout);
-    out_ = ::dup(STDOUT_FILENO);
+    out_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
     if (out_ < 0 || ::dup2(p[1], STDOUT_FILENO) < 0) {
       ::close(p[0]), ::close(p[1]);
       if (out_ >= 0) ::close(out_), out_ = -1;
@@ -211,15 +210,19 @@ class stdout_relay {
   }
   stdout_relay(const stdout_relay&) = delete;
   stdout_relay& operator=(const stdout_relay&) = delete;
+  // Waits for the copy to finish, however slow the reader; after a stop
+  // signal (the launcher may have stopped reading for good) at most
+  // `drain_seconds`.
   ~stdout_relay() {
     if (out_ < 0) return;
     std::fflush(stdout);
     ::dup2(out_, STDOUT_FILENO);  // the program's own output again; the pipe's last writer closed: the copier reads to its end
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_seconds_);
-    while (!done_->load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (!done_->load() && (gshard::preemption::received() == 0 || std::chrono::steady_clock::now() < until))
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (done_->load()) {
       copier_.join();
-      ::close(in_);
+      ::close(in_), ::close(out_);
     } else {
       copier_.detach();  // blocked on a reader that has gone; it ends with the process
     }

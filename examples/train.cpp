@@ -355,8 +355,8 @@ std::string preflight(const options& o, const model::config& c, const model::cos
   const double L = double(o.seq), held = double(text.size() - split), train = double(split);
   char b[640];
   if (held < 2 || train < 2) {
-    std::snprintf(b, sizeof b, "the text's %s part has %.0f bytes: give a longer text (a tenth of a dictionary's headwords, "
-                  "or every 10th file, is held out)", held < 2 ? "held-out" : "training", std::min(held, train));
+    std::snprintf(b, sizeof b, "the text's %s part has %.0f bytes: give a longer text (a tenth is held out: of a dictionary's "
+                  "headwords, of a directory's files, or the last 10%% of a text's bytes)", held < 2 ? "held-out" : "training", std::min(held, train));
     return b;
   }
   if (held < L + 1 || train < L + 1) {

@@ -34,7 +34,7 @@ def refusal(code, out, want):
     lines = sum(want in line for line in out.splitlines())
     if lines != 1:
         wrong.append(f"'{want}' on {lines} lines, not one")
-    for noise in ("MPI_ABORT", "uncaught exception", "step     1"):
+    for noise in ("MPI_ABORT", "MPI_Abort", "uncaught exception", "step     1"):
         if noise in out:
             wrong.append(f"'{noise}' in the output")
     return "; ".join(wrong)

@@ -33,7 +33,9 @@ def blocks(source):
             name = m.group(1)
             cases[name] = (i + 1, [])
         elif line.startswith("#else") or line.startswith("#endif"):
-            name = "" if name is not None else None
+            if name is None:
+                raise SystemExit(f"{source}:{i}: #else or #endif before the first case")
+            name = ""
         elif name:
             cases[name][1].append(line)
         elif name is None:
@@ -42,14 +44,18 @@ def blocks(source):
 
 
 def compile_alone(compiler, source, name):
-    p = subprocess.run(compiler + ["-fsyntax-only", f"-DGSHARD_CASE_{name}", source], capture_output=True, text=True,
-                       timeout=300)
-    return p.returncode, p.stdout + p.stderr
+    try:
+        p = subprocess.run(compiler + ["-fsyntax-only", f"-DGSHARD_CASE_{name}", source], capture_output=True, text=True,
+                           timeout=300)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        return None, "(the compiler did not finish in 300 s)"
 
 
 def attribute(out, source, spans):
     """Each case's share of the diagnostics: groups of lines from one context header to the next,
-    given to the cases whose lines they name (a group naming none continues the last one's)."""
+    given to the case whose lines they name (a group naming none continues the last one's). A group
+    naming two cases is given to neither: those cases are compiled again alone."""
     where = re.compile(re.escape(os.path.abspath(source)) + r":(\d+)")
     shares = {name: [] for name in spans}
     group, owners, last = [], set(), set()
@@ -57,9 +63,10 @@ def attribute(out, source, spans):
     def close():
         nonlocal group, owners, last
         if group:
-            for name in owners or last:
-                shares[name] += group
-            last = owners or last
+            owner = owners or last
+            if len(owner) == 1:
+                shares[next(iter(owner))] += group
+            last = owner
         group, owners = [], set()
     for line in out.splitlines():
         if HEADER.match(line) and any(": error: " in g for g in group):
@@ -94,16 +101,17 @@ def main() -> int:
     for n in wanted:
         first, body = cases[n]
         text += [f"namespace gshard_case_{n} {{", f'#line {first} "{path}"'] + body + ["}"]
-    with tempfile.NamedTemporaryFile("w", suffix=".cpp", dir=os.path.dirname(path) if os.access(os.path.dirname(path), os.W_OK)
-                                     else None, delete=False) as f:
-        f.write("\n".join(text) + "\n")
-        together = f.name
-    try:
-        p = subprocess.run(compiler + ["-fsyntax-only", f"-I{os.path.dirname(path)}", together], capture_output=True, text=True,
-                           timeout=600)
-    finally:
-        os.unlink(together)
-    shares = attribute(p.stdout + p.stderr, source, {n: (cases[n][0], len(cases[n][1])) for n in wanted})
+    with tempfile.TemporaryDirectory() as tmp:
+        together = os.path.join(tmp, "cases.cpp")
+        with open(together, "w") as f:
+            f.write("\n".join(text) + "\n")
+        try:
+            p = subprocess.run(compiler + ["-fsyntax-only", f"-I{os.path.dirname(path)}", together], capture_output=True,
+                               text=True, timeout=600)
+            out = p.stdout + p.stderr
+        except subprocess.TimeoutExpired:
+            out = ""  # every case is compiled alone
+    shares = attribute(out, source, {n: (cases[n][0], len(cases[n][1])) for n in wanted})
     failed = 0
     for n, expected in wanted.items():
         if ": error: " in shares[n] and all(e in shares[n] for e in expected):

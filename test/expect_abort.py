@@ -27,7 +27,7 @@ def main() -> int:
     if usage:
         lines = {e: sum(e in line for line in out.splitlines()) for e in expected}
         missing += [f"{e} (on one line, not {n})" for e, n in lines.items() if n > 1]
-        missing += [f"no {noise}" for noise in ("MPI_ABORT", "uncaught exception") if noise in out]
+        missing += [f"no {noise}" for noise in ("MPI_ABORT", "MPI_Abort", "uncaught exception") if noise in out]
     ok = code not in (None, 0) and (code == 2 or not usage) and not missing
     print(f"exit code {code} after {took:.1f} s (limit {timeout:.0f} s)")
     for e in missing:

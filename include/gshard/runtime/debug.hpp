@@ -91,7 +91,7 @@ class watchdog {
                    "ranks disagree on what runs next, or a rank is gone; aborting the job\n",
                    rank_, static_cast<unsigned long long>(seq), std::string(name_of(collective(kind))).c_str(), axes, bytes,
                    stuck);
-      mpi::flush_stderr_before_exit();
+      mpi::flush_output_before_exit();
       std::_Exit(124);  // mpirun ends the other ranks; MPI itself is busy in the stuck call
     }
   }

@@ -1,6 +1,7 @@
 // gshard/runtime/mpi.hpp — MPI's datatypes, error codes turned into exceptions, and
-// the rule that a failure on any rank ends the whole job (MPI_Abort), never
-// a hang. Start-up and shut-down: gshard/runtime/environment.hpp.
+// the rule that a failure on any rank ends the whole job, never a hang: a
+// usage error every rank sees is said once (exit status 2), anything else
+// ends the job with MPI_Abort. Start-up and shut-down: gshard/runtime/environment.hpp.
 #pragma once
 
 #ifndef OMPI_SKIP_MPICXX
@@ -75,7 +76,7 @@ inline int count(std::size_t n, const char* call) {
 // ends the job: MPICH's hydra kills the job on MPI_Abort (or a rank's exit)
 // without draining the ranks' output pipes, and the message was lost in 2 of
 // 60 runs on one core. Only failing jobs pay the pause.
-inline void flush_stderr_before_exit() {
+inline void flush_output_before_exit() {
   std::fflush(stdout);
   std::fflush(stderr);
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
@@ -84,7 +85,7 @@ inline void flush_stderr_before_exit() {
 // Prints "gshard: rank R: <what>" to stderr and ends every rank of the job.
 [[noreturn]] inline void abort_job(const char* what, int code = 1) {
   std::fprintf(stderr, "gshard: rank %d: %s\n", world_rank(), what);
-  flush_stderr_before_exit();
+  flush_output_before_exit();
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -98,6 +99,15 @@ namespace detail {
 inline MPI_Comm& error_comm() {
   static MPI_Comm c = MPI_COMM_NULL;
   return c;
+}
+
+// How many non-blocking collectives this rank has in flight (set by
+// runtime/nonblocking.hpp when it posts one): an error that leaves one
+// pending cannot end in MPI_Finalize, which would wait on it.
+using in_flight_count_fn = std::size_t (*)();
+inline in_flight_count_fn& in_flight_count() {
+  static in_flight_count_fn f = nullptr;
+  return f;
 }
 
 // How long a rank with a gshard::error waits for the others to reach the same
@@ -124,33 +134,39 @@ inline bool every_rank_here(double seconds) {
 // An exception that escapes main. A gshard::error that every rank throws (a
 // bad option, a missing file, shapes that do not fit: what the user asked
 // for) is a usage error: rank 0 prints its message once and every rank ends
-// normally with exit status 2. Anything else, or an error one rank alone
-// sees, prints that rank's message and ends the job (MPI_Abort).
+// normally with exit status 2. Anything else — an error one rank alone
+// sees, an MPI failure, an error with a collective in flight or off MPI's
+// main thread — prints that rank's message and ends the job (MPI_Abort).
 [[noreturn]] inline void terminate_handler() {
   std::string what = "terminate called without an active exception";
   bool usage = false;
   if (auto e = std::current_exception()) {
     try {
       std::rethrow_exception(e);
+    } catch (const mpi_error& ex) {
+      what = "uncaught exception: " + std::string(ex.what());
     } catch (const error& ex) {
       what = ex.what(), usage = true;
     } catch (const std::exception& ex) {
-      what = ex.what();
+      what = "uncaught exception: " + std::string(ex.what());
     } catch (...) {
       what = "uncaught exception of unknown type";
     }
   }
-  int initialized = 0, finalized = 0;
+  int initialized = 0, finalized = 0, main_thread = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (usage && initialized && !finalized && every_rank_here(agreement_seconds)) {
+  if (initialized && !finalized) MPI_Is_thread_main(&main_thread);
+  const bool pending = in_flight_count() && in_flight_count()() > 0;
+  if (usage && main_thread && !finalized && !pending && every_rank_here(agreement_seconds)) {
+    std::fflush(stdout);  // what the program printed before comes first
     if (world_rank() == 0) std::fprintf(stderr, "%s\n", what.c_str());
     std::fflush(stderr);
     MPI_Finalize();
-    flush_stderr_before_exit();
+    flush_output_before_exit();
     std::_Exit(2);
   }
-  abort_job(("uncaught exception: " + what).c_str());
+  abort_job((usage ? "uncaught exception: " + what : what).c_str());
 }
 }  // namespace detail
 

@@ -62,6 +62,7 @@ class in_flight {
     add_collective_seconds(kind_, axes_, MPI_Wtime() - started_);
     running().push_back(this);
     progress_hook() = &progress_in_flight;  // the kernels' calls between their pieces of work
+    mpi::detail::in_flight_count() = [] { return running().size(); };  // an error then ends the job (mpi.hpp)
   }
 
   // The collectives this rank has in flight, oldest first (progress_in_flight).
