@@ -22,6 +22,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -217,7 +218,9 @@ options parse(int argc, char** argv) {
                      : a == "--optimizer" ? "adam or adafactor"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
-    } else if (a.rfind("--", 0) == 0) throw error("gshard train: unknown option " + a + " (--help lists them)");
+    } else if (a.size() > 1 && a[0] == '-') throw error("gshard train: unknown option " + a + " (--help lists them)");
+    else if (!o.text_path.empty())
+      throw error("gshard train: two texts given, '" + o.text_path + "' and '" + a + "'; give one file or directory");
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
@@ -236,6 +239,9 @@ options parse(int argc, char** argv) {
                                      std::pair{o.sample_bytes == 0 && o.sample_temperature != 0.7,
                                                "--sample-temperature has no effect with --sample-bytes 0"}})
     if (ignored) o.notes.push_back(why);
+  if (o.experts > 0 && o.layers == 1)
+    o.notes.push_back("--layers 1 has no MoE block (blocks 1, 3, ... hold the MoE layers): the model is dense" +
+                      std::string(routing_given.empty() ? "" : ", and " + routing_given + " (every routing option) has no effect"));
   if (o.experts == 0 && !routing_given.empty())
     o.notes.push_back(routing_given + " (and every routing option) has no effect with --experts 0: a dense model routes nothing");
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
@@ -439,6 +445,11 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     for (const auto& [key, now] : routing_meta(c))  // checkpoints of older trainers have none of these
       if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
         std::printf("note: the checkpoint was trained with %s = %g; this run uses %g\n", key.c_str(), it->second, now);
+    for (const auto& [key, now, what] : {std::tuple{"seed", double(o.seed), "another data order and routing noise from here"},
+                                         std::tuple{"steps", double(o.steps), "the learning-rate schedule spans this run's steps"}})
+      if (const auto it = meta.find(key); it != meta.end() && it->second != now && root)
+        std::printf("note: the checkpoint was trained with --%s %.0f; this run uses --%s %.0f (%s)\n", key, it->second, key, now,
+                    what);
   }
   if (root) {
     std::printf("text: %s\n", corpus.source.c_str());
@@ -507,6 +518,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   auto save = [&](int step) {
     auto meta = routing_meta(c);
     meta["step"] = double(step);
+    meta["seed"] = double(o.seed), meta["steps"] = double(o.steps);
     meta[examples::optimizer_key] = o.optimizer == "adafactor";
     save_checkpoint(o.save, m, model::checkpoint_parts(ps, *opt), meta);
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);

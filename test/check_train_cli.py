@@ -169,6 +169,8 @@ def main() -> int:
         (["--top-k"], "--top-k needs a value"),
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
+        ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),
+        (["-s", "3"], "unknown option -s (--help lists them)"),
         # Options the mesh splits, named (2 ranks: data 1 x expert 2).
         (["--batch", "3"], "--batch 3 does not split over the 2 ranks of data x expert of mesh(data=1, expert=2); give a multiple of 2"),
         (["--experts", "3"], "--experts 3 does not split over the 2 ranks of 'expert' of mesh(data=1, expert=2); give a multiple of 2"),
@@ -330,6 +332,16 @@ def main() -> int:
                                     "--sample-bytes", "0"])
     code2, out2 = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0"])
     code3, out3 = run(base + SMALL + ["--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    # Resumed with another --seed and --steps, and one block with experts: said.
+    code4, out4 = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "5", "--seed", "7", "--resume", factored,
+                                      "--sample-bytes", "0"])
+    code5, out5 = run(base + SMALL + ["--layers", "1", "--top-k", "1", "--steps", "1", "--sample-bytes", "0"])
+    for c, o, note in [(code4, out4, "note: the checkpoint was trained with --seed 1; this run uses --seed 7"),
+                       (code4, out4, "note: the checkpoint was trained with --steps 4; this run uses --steps 5"),
+                       (code5, out5, "note: --layers 1 has no MoE block (blocks 1, 3, ... hold the MoE layers): the model is "
+                                     "dense, and --top-k (every routing option) has no effect")]:
+        if c != 0 or note not in o:
+            problems.append(f"wanted '{note}': exit {c}:\n{o[-1500:]}")
     if code != 0 or code2 != 0 or f"resumed {factored} at step 2" not in out2 or "optimizer: Adafactor" not in out2 or \
             code3 in (None, 0) or "holds the state of --optimizer adafactor, but this run uses --optimizer adam" not in out3:
         problems.append(f"Adafactor saved and resumed: exits {code}, {code2}, {code3}:\n{out[-800:]}\n{out2[-800:]}\n{out3[-800:]}")
