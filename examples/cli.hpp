@@ -91,6 +91,23 @@ inline std::string list_files(const std::string& dir, std::vector<std::string>& 
   return "";
 }
 
+// Each of `files` in turn, read by read_one(path, out, limit) under one
+// budget of max_text_bytes for them all, each text handed to take(text); "" or
+// the first problem, with how much was read before it in `dir`.
+template <class ReadOne, class Take>
+std::string read_files(const std::vector<std::string>& files, const std::string& dir, const ReadOne& read_one,
+                       const Take& take) {
+  std::size_t bytes = 0;
+  for (const auto& f : files) {
+    std::string one;
+    if (std::string p = read_one(f, one, max_text_bytes - bytes); !p.empty())
+      return bytes == 0 ? p : p + " (after " + std::to_string(bytes) + " bytes of the files before it in " + dir + ")";
+    bytes += one.size();
+    take(std::move(one));
+  }
+  return "";
+}
+
 // Rank 0 reads the text at `path` (a file, or every regular file of a
 // directory, in name order; empty: `fallback_dir`) and every rank receives
 // it: the path need exist only there. A problem is rank 0's to find and
@@ -105,13 +122,10 @@ inline std::string load_text(const std::string& program, const std::string& path
     if (std::filesystem::is_directory(dir, ec)) problem = list_files(dir, files);
     else if (path.empty()) problem = "no text: give a file, or install base-files (" + fallback_dir + ")";
     else files.push_back(path);
-    for (std::size_t i = 0; i < files.size() && problem.empty(); ++i) {
-      std::string one;
-      problem = gshard::io::read_file(files[i], one, max_text_bytes - text.size());  // the files together
-      if (!problem.empty() && !text.empty())
-        problem += " (after " + std::to_string(text.size()) + " bytes of the files before it in " + dir + ")";
-      text += one;
-    }
+    if (problem.empty())
+      problem = read_files(
+          files, dir, [](const std::string& f, std::string& out, std::size_t limit) { return gshard::io::read_file(f, out, limit); },
+          [&](std::string&& one) { text += one; });
   }
   if (const std::string p = gshard::broadcast_text(world, problem); !p.empty())
     throw gshard::io_error("gshard " + program + ": " + p);

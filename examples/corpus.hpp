@@ -171,13 +171,9 @@ inline std::string read_documents(const std::string& path, std::vector<document>
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> files;
     if (std::string p = list_files(path, files); !p.empty()) return p;
-    std::size_t bytes = 0;  // the files together: at most max_text_bytes
-    for (const auto& f : files) {
-      docs.emplace_back();
-      if (std::string p = read_any(f, docs.back().text, max_text_bytes - bytes); !p.empty())
-        return bytes == 0 ? p : p + " (after " + std::to_string(bytes) + " bytes of the files before it in " + path + ")";
-      bytes += docs.back().text.size();
-    }
+    if (std::string p = read_files(files, path, read_any, [&](std::string&& one) { docs.push_back({std::move(one), ""}); });
+        !p.empty())
+      return p;
     what = path + ", " + std::to_string(docs.size()) + " files";
     return "";
   }

@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -314,6 +315,14 @@ std::string sample(const Model& model, parameters<typename Model::tokens_type::m
   return prompt;
 }
 
+// The model the options describe.
+model::config model_config(const options& o) {
+  model::config c = o.model;
+  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = o.layers, c.max_len = o.seq;
+  c.hidden = o.hidden, c.experts = o.experts, c.slot_hidden = o.slot_hidden;
+  return c;
+}
+
 // Peak memory of one rank's step, from the cost model's count for this
 // configuration and mesh (model/cost.hpp): the parameters, gradients and
 // Adam's state on this rank, exact, and the activations the backward keeps,
@@ -334,6 +343,40 @@ memory_estimate step_memory(const model::config& c, const model::cost::mesh_size
                                                                             : model::cost::optimizer_kind::adam});
   return {memory_estimate::process_bytes + double(text_bytes), w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes,
           w.activation_bytes};
+}
+
+// The option whose value costs the most memory: each sizing option above its
+// default is set back to it in turn, the others as given; named is the one
+// that frees the most, with the bytes it frees (with `weights`, among the
+// options that size the model, not the batch). {"", 0} when none is above
+// its default.
+std::pair<std::string, double> costliest_option(const options& o, const model::cost::mesh_sizes& ms, std::size_t text_bytes,
+                                                bool weights) {
+  const options d{};
+  const auto bytes = [&](const options& x) { return step_memory(model_config(x), ms, x, text_bytes).total(); };
+  const double now = bytes(o);
+  std::pair<std::string, double> best{"", 0};
+  const auto consider = [&](const char* option, auto options::*field, bool sizes_weights) {
+    if (weights && !sizes_weights) return;
+    if (!(o.*field > d.*field)) return;
+    options x = o;
+    x.*field = d.*field;
+    if (const double freed = now - bytes(x); freed > best.second)
+      best = {std::string(option) + " " + std::to_string(o.*field), freed};
+  };
+  consider("--experts", &options::experts, true);
+  consider("--hidden", &options::hidden, true);
+  consider("--slot-hidden", &options::slot_hidden, true);
+  consider("--layers", &options::layers, true);
+  consider("--batch", &options::batch, false);
+  consider("--seq", &options::seq, false);
+  if (o.model.shared_experts > d.model.shared_experts) {
+    options x = o;
+    x.model.shared_experts = d.model.shared_experts;
+    if (const double freed = now - bytes(x); freed > best.second)
+      best = {"--shared-experts " + std::to_string(o.model.shared_experts), freed};
+  }
+  return best;
 }
 
 // The options the mesh splits, named when they do not divide: the batch
@@ -378,22 +421,32 @@ std::string preflight(const options& o, const model::config& c, const model::cos
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
   const memory_estimate need = step_memory(c, ms, o, text.size());
   if (need.total() > 0.8 * memory) {
-    // What does not fit, and the options that move it: the state alone (the
-    // model's size), or the activations, which grow with the batch (so name
-    // the largest batch that fits).
+    // What does not fit, and the option that moves it most: the weights and
+    // their state alone (the model's size), or the activations, which grow
+    // with the batch (then the largest batch that fits is named).
     const double state = memory_estimate::state_factor * need.state, per_sequence = need.activations / double(o.batch);
-    char advice[160];
-    if (need.base + state > 0.8 * memory)
-      std::snprintf(advice, sizeof advice, "the parameters and Adam's state grow with --experts, --hidden, --layers and "
-                    "--shared-experts, and alone do not fit");
+    const char* optimizer = o.optimizer == "adafactor" ? "Adafactor" : "Adam";
+    const bool weights = need.base + state > 0.8 * memory;
+    const auto [option, freed] = costliest_option(o, ms, text.size(), weights);
+    const double gib = double(1 << 30);
+    char costliest[160] = "";
+    if (!option.empty())
+      std::snprintf(costliest, sizeof costliest, "; %.1f GiB less at the default %s", freed / gib,
+                    option.substr(0, option.find(' ')).c_str());
+    const std::string at_fault = option.empty() ? "" : option.substr(0, option.find(' '));
+    std::string advice;
+    if (weights)
+      advice = at_fault.empty() ? "this model does not fit this host at any --batch" : "give a smaller " + at_fault;
     else if (const double fits = std::floor((0.8 * memory - need.base - state) / per_sequence); fits >= 1)
-      std::snprintf(advice, sizeof advice, "at this --seq, --batch %.0f at most", fits);
+      advice = "at this --seq, --batch " + std::to_string(long(fits)) + " at most";
     else
-      std::snprintf(advice, sizeof advice, "one sequence's activations do not fit: give a smaller --seq, --layers or --hidden");
-    std::snprintf(b, sizeof b, "--batch %ld --seq %ld needs about %.1f GiB per rank (estimated: parameters, gradients and "
-                  "Adam %.1f GiB, activations %.1f GiB), but this host has %.1f GiB for each of its %.0f ranks; %s",
-                  long(o.batch), long(o.seq), need.total() / (1 << 30), state / (1 << 30), need.activations / (1 << 30),
-                  memory / (1 << 30), ranks_here, advice);
+      advice = "one sequence's activations do not fit: give a smaller " + (at_fault.empty() || at_fault == "--batch" ? "--seq" : at_fault);
+    const std::string what = weights ? (option.empty() ? "the model" : option)
+                                     : "--batch " + std::to_string(o.batch) + " --seq " + std::to_string(o.seq);
+    std::snprintf(b, sizeof b, "%s needs about %.1f GiB per rank (estimated: parameters, gradients and %s %.1f GiB, "
+                  "activations %.1f GiB%s), but this host has %.1f GiB for each of its %.0f ranks; %s",
+                  what.c_str(), need.total() / gib, optimizer, state / gib, need.activations / gib, costliest, memory / gib,
+                  ranks_here, advice.c_str());
     return b;
   }
   // The files it will write: found out now, not after training; none may
@@ -416,9 +469,7 @@ std::string preflight(const options& o, const model::config& c, const model::cos
 template <class Mesh>
 int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
   const bool root = m.rank() == 0;
-  model::config c = o.model;
-  c.model = 128, c.heads = 4, c.head_dim = 32, c.layers = o.layers, c.max_len = o.seq;
-  c.hidden = o.hidden, c.experts = o.experts, c.slot_hidden = o.slot_hidden;
+  const model::config c = model_config(o);
   const std::string& text = corpus.text;
   const std::size_t split = corpus.split;
   constexpr int model_axis = Mesh::index_of("model");
@@ -531,8 +582,9 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
   int steps_window = 0;
   auto stopping = [&](int step) { return log.stop(step, start, o.steps, o.save, save); };
-  auto evaluate = [&] {
-    return model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches);
+  auto evaluate = [&] {  // cut short by a stop request, so the save comes within the launcher's grace
+    return model::evaluate(tr, ps, text, split, text.size(), o.batch, o.seq, o.seed, o.eval_batches,
+                           [&] { return log.stop_requested(); });
   };
   std::optional<model::eval_result> held_out;  // the last evaluation
   const double bits = 1.0 / std::log(2.0);
@@ -554,10 +606,11 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       if (root) std::printf("wrote %zu events of step %d to %s\n", spans, step + 1, o.trace.c_str());
     }
     tokens_window += double(o.batch * o.seq);
-    const bool evaluating = (step + 1 == o.steps || (o.eval_every > 0 && (step + 1) % o.eval_every == 0)) && !log.stop_requested();
+    bool evaluating = step + 1 == o.steps || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
     if (evaluating) {
       held_out = evaluate();
-      if (root && step + 1 < o.steps)
+      if (held_out->stopped) held_out.reset(), evaluating = false;
+      else if (root && step + 1 < o.steps)
         std::printf("held-out at step %d: %.4f nats/byte = %.3f bits per byte\n", step + 1, held_out->ce,
                     held_out->ce * bits);
     }

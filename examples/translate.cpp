@@ -23,7 +23,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -318,17 +320,20 @@ language_eval evaluate(const net_t& net, parameters<grid>& ps, const std::vector
 
 // Every language's figures: printed as a table on rank 0, and as the
 // metrics' JSON: {"deu":{...},...},"eval_mean":{...} (the means over the
-// languages).
-std::string evaluate_all(const net_t& net, parameters<grid>& ps, const std::vector<language>& langs, const options& o,
-                         int step, bool last) {
+// languages). Nothing when stop() (asked before each language, the same on
+// every rank) says to stop: the run then saves within its launcher's grace.
+std::optional<std::string> evaluate_all(const net_t& net, parameters<grid>& ps, const std::vector<language>& langs,
+                                        const options& o, int step, bool last, const std::function<bool()>& stop) {
   const bool root = ps.mesh().rank() == 0;
   using moe::detail::json_number;
   std::string json = "{";
   double sums[5] = {0, 0, 0, 0, 0};
-  if (root) std::printf("held-out at step %d, up to %d pairs per language:\n  lang   bits/byte  exact greedy  beam %d   chrF greedy  beam %d\n",
-                        step, o.eval_sentences, o.beam, o.beam);
   std::vector<std::string> shown;
   for (std::size_t l = 0; l < langs.size(); ++l) {
+    if (stop()) return std::nullopt;
+    if (root && l == 0)
+      std::printf("held-out at step %d, up to %d pairs per language:\n  lang   bits/byte  exact greedy  beam %d   chrF greedy  beam %d\n",
+                  step, o.eval_sentences, o.beam, o.beam);
     const language_eval e = evaluate(net, ps, langs, l, o, last && shown.size() < std::size_t(o.show) ? 1 : 0);
     for (const auto& s : e.shown) shown.push_back("[" + langs[l].code + "] " + s);
     sums[0] += e.bpb, sums[1] += e.exact_greedy, sums[2] += e.exact_beam, sums[3] += e.chrf_greedy, sums[4] += e.chrf_beam;
@@ -463,16 +468,16 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
     opt->update(ps);
     const double seconds = MPI_Wtime() - t0, flops = (model_flops() - flops0) * double(P);
     t_window += seconds, flops_window += flops, tokens_window += tokens, ++steps_window;
-    const bool evaluating = (step + 1 == end || (o.eval_every > 0 && (step + 1) % o.eval_every == 0)) && !log.stop_requested();
-    std::string eval_json;
-    if (evaluating) eval_json = evaluate_all(net, ps, langs, o, step + 1, step + 1 == end);
+    std::optional<std::string> eval_json;
+    if (step + 1 == end || (o.eval_every > 0 && (step + 1) % o.eval_every == 0))
+      eval_json = evaluate_all(net, ps, langs, o, step + 1, step + 1 == end, [&] { return log.stop_requested(); });
     if (log.writing()) {
       using moe::detail::json_number;
       std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"loss\":" + json_number(out.loss.value().local()()) +
                          ",\"ce\":" + json_number(out.ce) + ",\"aux\":" + json_number(out.aux) +
                          ",\"seconds\":" + json_number(seconds) + ",\"tokens_per_s\":" + json_number(tokens / seconds) +
                          ",\"mfu\":" + json_number(flops / (seconds * double(P) * peak * 1e9));
-      if (evaluating) line += ",\"eval\":" + eval_json;
+      if (eval_json) line += ",\"eval\":" + *eval_json;
       line += ",\"moe\":[";
       for (std::size_t l = 0; l < out.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(out.moe[l]);
       log.write(line + "]}\n");

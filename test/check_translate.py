@@ -13,9 +13,8 @@ import re
 import shutil
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
-from checks import interrupted, refusal, run, verdict
+from checks import interrupted, run, run_refusals, verdict
 
 LANGS = ["--languages", "kha,srp,gle,ces"]
 SMALL = LANGS + ["--eval-sentences", "8", "--log-every", "10", "--show", "2"]
@@ -56,12 +55,7 @@ def main() -> int:
     if ranks > 1:
         refused += [(["--batch", "3"], f"must be multiples of the {ranks} ranks"),
                     (["--experts", "3"], f"--experts 3 must be a multiple of the {ranks} ranks")]
-    # Four at a time: each run waits mostly on mpirun's start and end.
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda case: run(base + case[0], timeout=90), refused))
-    for (args, want), (code, out) in zip(refused, results):
-        if wrong := refusal(code, out, want):
-            problems.append(f"{' '.join(args)}: {wrong}:\n{out[-1500:]}")
+    problems += run_refusals(base, refused)
 
     # A run: four languages, evaluated at steps 20 and 40, metrics and a checkpoint.
     code, out = run(base + SMALL + ["--steps", "40", "--eval-every", "20", "--metrics", metrics, "--save", ckpt], timeout=240)

@@ -25,19 +25,31 @@ def run(cmd, timeout=90, env=None):
         return None, (t.stdout or b"").decode(errors="replace") + (t.stderr or b"").decode(errors="replace")
 
 
-def refusal(code, out, want):
-    """'' when a run was refused as a usage error: `want` said once (by rank 0), exit status 2, no
-    MPI_Abort and no 'uncaught exception' banner; else what went wrong."""
+def refusal(code, out, *wants):
+    """'' when a run was refused as a usage error: each of `wants` said once (by rank 0), exit
+    status 2, no MPI_Abort, no 'uncaught exception' banner and no training step; else what went
+    wrong."""
     wrong = []
     if code != 2:
         wrong.append(f"exit {code}, not 2")
-    lines = sum(want in line for line in out.splitlines())
-    if lines != 1:
-        wrong.append(f"'{want}' on {lines} lines, not one")
+    for want in wants:
+        lines = sum(want in line for line in out.splitlines())
+        if lines != 1:
+            wrong.append(f"'{want}' on {lines} lines, not one")
     for noise in ("MPI_ABORT", "MPI_Abort", "uncaught exception", "step     1"):
         if noise in out:
             wrong.append(f"'{noise}' in the output")
     return "; ".join(wrong)
+
+
+def run_refusals(base, cases, timeout=90):
+    """Runs base + args for each (args, want) of `cases` (want: a text or a tuple of texts), four at a time (each run waits mostly on
+    mpirun's start and end); returns a problem for each that was not refused as refusal() says."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: run(base + case[0], timeout=timeout), cases))
+    return [f"{' '.join(args)}: {wrong}:\n{out[-1500:]}" for (args, want), (code, out) in zip(cases, results)
+            if (wrong := refusal(code, out, *([want] if isinstance(want, str) else want)))]
 
 
 def rank_pids(launcher):

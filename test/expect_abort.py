@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from checks import refusal
+
 
 def main() -> int:
     sep = sys.argv.index("--")
@@ -23,15 +25,15 @@ def main() -> int:
     except subprocess.TimeoutExpired as e:
         code, out = None, (e.stdout or b"").decode() + (e.stderr or b"").decode()
     took = time.monotonic() - start
-    missing = [e for e in expected if e not in out]
     if usage:
-        lines = {e: sum(e in line for line in out.splitlines()) for e in expected}
-        missing += [f"{e} (on one line, not {n})" for e, n in lines.items() if n > 1]
-        missing += [f"no {noise}" for noise in ("MPI_ABORT", "MPI_Abort", "uncaught exception") if noise in out]
-    ok = code not in (None, 0) and (code == 2 or not usage) and not missing
+        wrong = refusal(code, out, *expected)
+        missing = [wrong] if wrong else []
+    else:
+        missing = [e for e in expected if e not in out]
+    ok = code not in (None, 0) and not missing
     print(f"exit code {code} after {took:.1f} s (limit {timeout:.0f} s)")
     for e in missing:
-        print(f"missing text: {e!r}")
+        print(f"wrong: {e}" if usage else f"missing text: {e!r}")
     if not ok:
         print(out[-4000:])
     print(f"gshard-test-summary: passed={int(ok)} failed={int(not ok)} ranks=0")

@@ -6,6 +6,7 @@
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
+#include <chrono>
 #include <csignal>
 #include <string_view>
 #include <thread>
@@ -64,6 +65,8 @@ void train(const grid& m, std::string_view mode) {
 //   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
 //   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
 //   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
+//   watchdog_io   (GSHARD_WATCHDOG=3) the others wait 4 s in an all_reduce while rank 0 does file I/O:
+//                 said, not taken for a stuck rank; then every rank throws alike (exit 2)
 //   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
 //   key_length    one rank's key_lengths holds a length beyond T
 //   key_padding   one rank's key paddings hold 0.5
@@ -95,6 +98,14 @@ int main(int argc, char** argv) {
     if (odd) paddings.data()[4] = 0.5f;  // sequence 2P - 1, key 1
     (void)dot_product_attention(q, q, q, paddings, 0.5);
     all_reduce<double>(m.group<"expert">(), v);
+  }
+  if (mode == "watchdog_io") {
+    {
+      const debug::awaiting_io io("rank 0's write of a slow file");
+      if (m.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(4500));
+      all_reduce<double>(m.group<"expert">(), v);
+    }
+    throw error("gshard::test: the ranks waited for rank 0's file I/O and went on");
   }
   if (mode == "bad_shard") {
     using rows = sharding<split<0, "expert">>;

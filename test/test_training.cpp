@@ -536,7 +536,7 @@ TEST_CASE("checkpoints resume the same curve, at any rank count, and refuse dama
     other.model = 16;
     trainer<float, grid2> to(m, other, 7);
     GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(path, m, to.parts()), checkpoint_error,
-                               "record 'param.embed' holds 32-bit [256,8] but the program has f32[V,M]");
+                               "record 'param.embed' holds 32-bit [256,8] but the program has 32-bit [256,16] (f32[V,M])");
   }
   {  // a model with more weights (shared experts) or fewer (without the router bias) than the file: named
     auto more = c;

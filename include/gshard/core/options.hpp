@@ -6,7 +6,7 @@
 //   GSHARD_REDUCE_SCATTER=ring|mpi gshard's ring (default) or MPI_Reduce_scatter_block
 //   GSHARD_GEMM=eigen|openblas|onednn  the local GEMM backend (default: the faster, see default_gemm)
 //   GSHARD_DEBUG=0|1               compare a fingerprint across ranks before every collective (runtime/debug.hpp)
-//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (300 with GSHARD_DEBUG; 0: off)
+//   GSHARD_WATCHDOG=<seconds>      end the job when a collective is stuck that long (>= 1; 300 with GSHARD_DEBUG; 0: off)
 #pragma once
 
 #include <cmath>
@@ -104,7 +104,10 @@ inline run_options options_from_env() {
   if (const char* w = std::getenv("GSHARD_WATCHDOG"); w && *w) {
     char* end = nullptr;
     const double s = std::strtod(w, &end);
-    if (*end != '\0' || !std::isfinite(s) || s < 0) refuse("GSHARD_WATCHDOG", w, "a number of seconds >= 0 (0: off)");
+    // Below a second a healthy collective (a large all_to_all on a slow
+    // link, a rank's first touch of its buffers) could be taken for a stuck one.
+    if (*end != '\0' || !std::isfinite(s) || s < 0 || (s > 0 && s < 1))
+      refuse("GSHARD_WATCHDOG", w, "a number of seconds >= 1, or 0 (off)");
     else o.watchdog_seconds = s;
   }
   if (const char* g = std::getenv("GSHARD_GEMM"); g && *g) {

@@ -5,6 +5,7 @@
 // run continues the same curve.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -66,15 +67,24 @@ step_result train_step(const transformer<T, Mesh, Roles>& model, parameters<Mesh
 struct eval_result {
   double ce = 0, aux = 0, z = 0, loss = 0;
   std::vector<moe::gating_stats> moe;  // per MoE layer, summed over the batches
+  bool stopped = false;                // cut short by `stop`: the figures are not the mean
 };
 
 // Mean loss over `batches` batches of held-out text (no tape, no update).
+// `stop`, when given, is asked before each batch (it must answer the same on
+// every rank: preemption::requested(mesh) does); a yes ends the evaluation
+// there, so a run told to stop saves within its launcher's grace.
 template <class T, mesh_type Mesh, class Roles>
 eval_result evaluate(const transformer<T, Mesh, Roles>& model, parameters<Mesh>& ps, const std::string& text,
-                     std::size_t begin, std::size_t end, index_t B, index_t L, std::uint64_t seed, int batches) {
+                     std::size_t begin, std::size_t end, index_t B, index_t L, std::uint64_t seed, int batches,
+                     const std::function<bool()>& stop = {}) {
   using tokens_t = typename transformer<T, Mesh, Roles>::tokens_type;
   eval_result sum;
   for (int i = 0; i < batches; ++i) {
+    if (stop && stop()) {
+      sum.stopped = true;
+      break;
+    }
     tape t(ps, tape::no_grad);
     const auto tok = distribute<tokens_t>(ps.mesh(), text_batch(text, begin, end, B, L, seed ^ 0xE7A1, std::uint64_t(i)));
     const auto out = model.forward(t, tok, std::uint64_t(1) << 40);

@@ -17,6 +17,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -53,6 +54,9 @@ struct watch_state {
   std::atomic<int> kind{0};
   std::atomic<std::size_t> bytes{0};
   std::atomic<char> axes[64] = {};
+  // What a peer's file I/O in progress makes this rank wait for (""
+  // outside an awaiting_io scope): the watchdog does not time it.
+  std::atomic<char> io[96] = {};
 };
 inline watch_state& watched() {
   static watch_state w;
@@ -79,13 +83,24 @@ class watchdog {
       const std::uint64_t g1 = w.generation.load();
       if (g1 % 2 == 1 || !w.busy.load()) continue;
       const double stuck = wall() - w.since.load();
-      char axes[64];
+      char axes[64], io[96];
       for (std::size_t i = 0; i < sizeof axes; ++i) axes[i] = w.axes[i].load(std::memory_order_relaxed);
-      axes[sizeof axes - 1] = '\0';
+      for (std::size_t i = 0; i < sizeof io; ++i) io[i] = w.io[i].load(std::memory_order_relaxed);
+      axes[sizeof axes - 1] = io[sizeof io - 1] = '\0';
       const auto seq = w.seq.load();
       const int kind = w.kind.load();
       const std::size_t bytes = w.bytes.load();
       if (w.generation.load() != g1 || stuck < limit_) continue;  // changed meanwhile, or not stuck yet
+      if (io[0] != '\0') {  // waiting for a file to be read or written: slow disks are not stuck ranks
+        if (seq != io_noted_)
+          std::fprintf(stderr,
+                       "gshard watchdog: rank %d: collective #%llu %s over {%s} has waited %.1f s for %s; file I/O is "
+                       "not timed, the job goes on\n",
+                       rank_, static_cast<unsigned long long>(seq), std::string(name_of(collective(kind))).c_str(), axes,
+                       stuck, io);
+        io_noted_ = seq;
+        continue;
+      }
       std::fprintf(stderr,
                    "gshard watchdog: rank %d: collective #%llu %s over {%s} (%zu B) has not finished after %.1f s: the "
                    "ranks disagree on what runs next, or a rank is gone; aborting the job\n",
@@ -97,6 +112,7 @@ class watchdog {
   }
   double limit_;
   int rank_;
+  std::uint64_t io_noted_ = ~std::uint64_t(0);  // the collective whose wait for I/O was said
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
@@ -138,6 +154,28 @@ class watch {
     auto& w = detail::watched();
     w.generation.fetch_add(1);
     w.busy = false;
+    w.generation.fetch_add(1);
+  }
+};
+
+// Marks, on every rank, a stretch in which one rank reads or writes a file
+// while the others wait for it in a collective (a checkpoint's save or load,
+// a trace's write): the watchdog does not time those waits, however long the
+// disk takes, and says once per collective that it is waiting. `what` names
+// the I/O ("rank 0's write of x.ckpt"). Scopes do not nest.
+class awaiting_io {
+ public:
+  explicit awaiting_io(const std::string& what) { set(what.empty() ? std::string_view("file I/O") : std::string_view(what)); }
+  awaiting_io(const awaiting_io&) = delete;
+  awaiting_io& operator=(const awaiting_io&) = delete;
+  ~awaiting_io() { set({}); }
+
+ private:
+  static void set(std::string_view what) {
+    auto& w = detail::watched();
+    w.generation.fetch_add(1);  // odd: writing
+    for (std::size_t i = 0; i < std::size(w.io); ++i)
+      w.io[i].store(i < what.size() && i + 1 < std::size(w.io) ? what[i] : '\0', std::memory_order_relaxed);
     w.generation.fetch_add(1);
   }
 };

@@ -5,18 +5,19 @@
 // and exit. A second signal ends the process at once.
 //   gshard::preemption stop;
 //   for (int step = 0; step < n; ++step) {
-//     if (int sig = stop.requested(mesh)) { save(step); return 128 + sig; }
+//     if (int sig = stop.requested(mesh)) {
+//       save(step);  // first: the launcher may have stopped reading the output
+//       if (rank == 0) std::printf("stopped by %s after step %d\n", gshard::preemption::name(sig), step);
+//       return 128 + sig;
+//     }
 //     train_step(...);
 //   }
 #pragma once
 
 #include <cerrno>
 #include <csignal>
-#include <cstdio>
 #include <cstring>
 #include <string>
-
-#include <unistd.h>
 
 #include "gshard/runtime/collectives.hpp"
 #include "gshard/core/error.hpp"
@@ -27,8 +28,6 @@ namespace gshard {
 namespace detail {
 struct stop_state {
   volatile std::sig_atomic_t signal = 0;  // the first one received; 0: none
-  char message[2][160] = {};              // what the handler writes, per signal (async-signal-safe: write(2) only)
-  std::size_t length[2] = {};
   bool installed = false;
   struct sigaction previous[2] = {};
 };
@@ -46,17 +45,16 @@ inline void on_stop_signal(int sig) {
     return;
   }
   s.signal = sig;
-  const int i = sig == SIGTERM ? 0 : 1;
-  const int saved = errno;  // the interrupted code may be about to read it
-  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, s.message[i], s.length[i]);
-  errno = saved;
 }
 }  // namespace detail
 
 // Slurm and mpirun send SIGTERM at a time limit or on preemption; a user at
 // the terminal sends SIGINT (Ctrl-C; mpirun passes it on as SIGTERM). The
-// first one is noted and said on stderr; a second takes the signal's default
-// action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
+// first one is noted, silently: a launcher ending a job after one rank's
+// fault sends the others SIGTERM too, and a line from each of them promising
+// a stop that never comes would bury the fault's message. What stops is said
+// once the ranks agree on it (requested()). A second signal takes the
+// signal's default action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
 // to wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
 // delays the exit of every aborted job; docs/07). Slurm waits KillWait.
 class preemption {
@@ -65,13 +63,8 @@ class preemption {
     detail::stop_state& s = detail::stop_signals();
     if (s.installed) throw error("gshard::preemption: one is already live in this process");
     s.signal = 0;  // before the handlers: a signal from now on is this one's first
-    const int rank = world_group().rank;
     for (int i = 0; i < 2; ++i) {
       const int sig = detail::stop_signal_numbers[i];
-      const int n = std::snprintf(s.message[i], sizeof s.message[i],
-                                  "gshard: rank %d: %s received; stopping after this step (a second signal ends at once)\n",
-                                  rank, name(sig));
-      s.length[i] = std::size_t(n > 0 ? n : 0);
       struct sigaction a{};
       a.sa_handler = detail::on_stop_signal;
       sigemptyset(&a.sa_mask);

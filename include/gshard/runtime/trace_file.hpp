@@ -87,6 +87,7 @@ inline std::size_t stop(const gshard::detail::axis_group& g) {
   s.records.clear();
   const std::string all = gather_text(g, mine, 0);
   std::string problem;
+  const debug::awaiting_io io("rank 0's write of " + s.path);
   if (g.rank == 0) {
     std::string json = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
     for (int r = 0; r < g.size; ++r) {

@@ -158,6 +158,7 @@ inline void agree_or_throw(const std::string& problem_on_root, const std::string
 inline void save_checkpoint(const std::string& path, const detail::mesh_base& m, const std::vector<checkpoint_part>& parts,
                             const std::map<std::string, double>& meta = {}) {
   const bool root = m.rank() == 0;
+  const debug::awaiting_io io("rank 0's write of " + path);  // rank 0 gathers and writes while the others wait
   for (const auto& [k, v] : meta)  // the metadata travels as "key=value" lines on load
     if (k.empty() || k.find('\n') != std::string::npos)
       throw checkpoint_error("gshard::checkpoint: " + path + ": a metadata key is empty or holds a newline");
@@ -207,6 +208,7 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;
+  const debug::awaiting_io io("rank 0's read of " + path);  // rank 0 reads and checks while the others wait
   std::string file, problem;
   std::map<std::string, double> meta;
   std::map<std::string, detail::ckpt_record> records;
@@ -225,7 +227,8 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
         const auto& r = it->second;
         if (r.elem_bytes != t->element_bytes() || r.extents != t->extents())
           problem = "record '" + r.name + "' holds " + std::to_string(r.elem_bytes * 8) + "-bit " +
-                    detail::extents_string(r.extents) + " but the program has " + t->notation();
+                    detail::extents_string(r.extents) + " but the program has " + std::to_string(t->element_bytes() * 8) +
+                    "-bit " + detail::extents_string(t->extents()) + " (" + t->notation() + ")";
       }
     // And nothing under the parts' prefixes that the program lacks: a weight
     // of another model configuration (e.g. shared experts) is not silently
