@@ -5,9 +5,7 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -19,11 +17,9 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <gshard/core/error.hpp>
@@ -170,70 +166,6 @@ inline std::string launcher_grace_note(const std::string& save_path) {
                 "OMPI_MCA_odls_base_sigkill_timeout=30 to give them time", timeout);
   return b;
 }
-
-// Rank 0's standard output through a relay: while it lives, what the
-// program prints goes into a pipe of its own (1 MiB where Linux allows it)
-// that a thread copies to the real output. A launcher that stops reading
-// (mpirun, once signalled) then blocks that thread, not the training: the
-// run still reaches the step boundary where it stops and saves.
-class stdout_relay {
- public:
-  explicit stdout_relay(bool active, double drain_seconds = 2.0) : drain_seconds_(drain_seconds) {
-    int p[2];
-    if (!active || ::fcntl(STDOUT_FILENO, F_GETFD) < 0 || ::pipe2(p, O_CLOEXEC) != 0) return;
-    std::fflush(stdout);
-    out_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
-    if (out_ < 0 || ::dup2(p[1], STDOUT_FILENO) < 0) {
-      ::close(p[0]), ::close(p[1]);
-      if (out_ >= 0) ::close(out_), out_ = -1;
-      return;
-    }
-    ::close(p[1]);
-    in_ = p[0];
-#if defined(F_SETPIPE_SZ)
-    ::fcntl(STDOUT_FILENO, F_SETPIPE_SZ, 1 << 20);
-#endif
-    copier_ = std::thread([in = in_, out = out_, done = done_] {
-      char buf[1 << 16];
-      for (ssize_t n; (n = ::read(in, buf, sizeof buf)) != 0;) {
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) break;
-        for (ssize_t at = 0; at < n;) {
-          const ssize_t w = ::write(out, buf + at, std::size_t(n - at));
-          if (w < 0 && errno == EINTR) continue;
-          if (w < 0) break;
-          at += w;
-        }
-      }
-      done->store(true);
-    });
-  }
-  stdout_relay(const stdout_relay&) = delete;
-  stdout_relay& operator=(const stdout_relay&) = delete;
-  // Waits for the copy to finish, however slow the reader; after a stop
-  // signal (the launcher may have stopped reading for good) at most
-  // `drain_seconds`.
-  ~stdout_relay() {
-    if (out_ < 0) return;
-    std::fflush(stdout);
-    ::dup2(out_, STDOUT_FILENO);  // the program's own output again; the pipe's last writer closed: the copier reads to its end
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_seconds_);
-    while (!done_->load() && (gshard::preemption::received() == 0 || std::chrono::steady_clock::now() < until))
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    if (done_->load()) {
-      copier_.join();
-      ::close(in_), ::close(out_);
-    } else {
-      copier_.detach();  // blocked on a reader that has gone; it ends with the process
-    }
-  }
-
- private:
-  double drain_seconds_;
-  int in_ = -1, out_ = -1;
-  std::shared_ptr<std::atomic<bool>> done_ = std::make_shared<std::atomic<bool>>(false);
-  std::thread copier_;
-};
 
 // A training run's --metrics file and its stop: rank 0 opens the file
 // (appending when resuming; a path it cannot open stops every rank before

@@ -576,7 +576,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
   };
   // The metrics log, opened by rank 0; SIGTERM and SIGINT stop at the next step boundary, saved.
   examples::run_log log(m.all_axes(), "train", o.metrics, start > 0);
-  const examples::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
+  const gshard::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
   // The progress line's window: step time, tokens and model FLOPs since the
   // last line, and the wall time (batches, evaluations and all) for the ETA.
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();

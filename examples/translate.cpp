@@ -451,7 +451,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
     if (root) std::printf("saved %s at step %d\n", o.save.c_str(), step);
   };
   examples::run_log log(m.all_axes(), "translate", o.metrics, start > 0);
-  const examples::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
+  const gshard::stdout_relay relay(root);  // a launcher that stops reading cannot block the save
   auto stopping = [&](int step) { return log.stop(step, start, end, o.save, save); };
   double t_window = 0, tokens_window = 0, flops_window = 0, wall_mark = MPI_Wtime();
   int steps_window = 0;

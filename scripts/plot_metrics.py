@@ -61,6 +61,9 @@ def load(path, x_kind):
                 print(f"gshard plot_metrics: {path}:{n}: the last line is incomplete; left out", file=sys.stderr)
                 break
             fail(f"{path}:{n}: not a JSON line ({e.msg}); is it a --metrics file?")
+        except (RecursionError, ValueError) as e:  # nested too deep; an integer of too many digits
+            fail(f"{path}:{n}: JSON that cannot be read ({'nested too deep' if isinstance(e, RecursionError) else e}); "
+                 "is it a --metrics file?")
         if not isinstance(r, dict):
             fail(f"{path}:{n}: a JSON {type(r).__name__}, not an object; is it the trainer's --metrics file?")
         if "step" not in r or "ce" not in r:

@@ -50,6 +50,10 @@ def main() -> int:
         ("missing file", ["-o", out, os.path.join(work, "absent.jsonl")], 2, "absent.jsonl: no such file"),
         ("-o into a missing directory", ["-o", os.path.join(work, "no", "dir", "x.svg"), ok], 2, "no directory"),
         ("a directory as the metrics file", ["-o", out, work], 2, ": a directory, not a --metrics file"),
+        ("JSON nested 100000 deep", ["-o", out, write("deep.jsonl", "[" * 100000 + "]" * 100000 + "\n")], 2,
+         "deep.jsonl:1: JSON that cannot be read (nested too deep)"),
+        ("a step of 5000 digits", ["-o", out, write("digits.jsonl", '{"step": ' + "9" * 5000 + ', "ce": 1}\n')], 2,
+         "digits.jsonl:1: JSON that cannot be read"),
     ]
     problems = []
     for what, args, code, text in cases:

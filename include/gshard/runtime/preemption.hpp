@@ -1,9 +1,11 @@
-// gshard/runtime/preemption.hpp — stopping a run cleanly when the job is told to.
+// gshard/runtime/preemption.hpp — stopping a run cleanly when the job is told to,
+// and output that a launcher which stops reading cannot block.
 // While a gshard::preemption lives, the first SIGTERM or SIGINT a rank
 // receives is only noted; requested(mesh), at a step boundary, tells every
 // rank whether any rank received one, so all stop after the same step, save,
 // and exit. A second signal ends the process at once.
 //   gshard::preemption stop;
+//   const gshard::stdout_relay relay(rank == 0);  // below: printing cannot block the save
 //   for (int step = 0; step < n; ++step) {
 //     if (int sig = stop.requested(mesh)) {
 //       save(step);  // first: the launcher may have stopped reading the output
@@ -14,10 +16,18 @@
 //   }
 #pragma once
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "gshard/runtime/collectives.hpp"
 #include "gshard/core/error.hpp"
@@ -94,6 +104,70 @@ class preemption {
   int requested(const detail::mesh_base& m) const { return requested(m.all_axes()); }
 
   static const char* name(int sig) { return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "a signal"; }
+};
+
+// A process's standard output through a relay: while it lives, what the
+// program prints goes into a pipe of its own (1 MiB where Linux allows it)
+// that a thread copies to the real output. A launcher that stops reading
+// (mpirun, once signalled) then blocks that thread, not the training: the
+// run still reaches the step boundary where it stops and saves.
+class stdout_relay {
+ public:
+  explicit stdout_relay(bool active, double drain_seconds = 2.0) : drain_seconds_(drain_seconds) {
+    int p[2];
+    if (!active || ::fcntl(STDOUT_FILENO, F_GETFD) < 0 || ::pipe2(p, O_CLOEXEC) != 0) return;
+    std::fflush(stdout);
+    out_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+    if (out_ < 0 || ::dup2(p[1], STDOUT_FILENO) < 0) {
+      ::close(p[0]), ::close(p[1]);
+      if (out_ >= 0) ::close(out_), out_ = -1;
+      return;
+    }
+    ::close(p[1]);
+    in_ = p[0];
+#if defined(F_SETPIPE_SZ)
+    ::fcntl(STDOUT_FILENO, F_SETPIPE_SZ, 1 << 20);
+#endif
+    copier_ = std::thread([in = in_, out = out_, done = done_] {
+      char buf[1 << 16];
+      for (ssize_t n; (n = ::read(in, buf, sizeof buf)) != 0;) {
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) break;
+        for (ssize_t at = 0; at < n;) {
+          const ssize_t w = ::write(out, buf + at, std::size_t(n - at));
+          if (w < 0 && errno == EINTR) continue;
+          if (w < 0) break;
+          at += w;
+        }
+      }
+      done->store(true);
+    });
+  }
+  stdout_relay(const stdout_relay&) = delete;
+  stdout_relay& operator=(const stdout_relay&) = delete;
+  // Waits for the copy to finish, however slow the reader; after a stop
+  // signal (the launcher may have stopped reading for good) at most
+  // `drain_seconds`.
+  ~stdout_relay() {
+    if (out_ < 0) return;
+    std::fflush(stdout);
+    ::dup2(out_, STDOUT_FILENO);  // the program's own output again; the pipe's last writer closed: the copier reads to its end
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_seconds_);
+    while (!done_->load() && (preemption::received() == 0 || std::chrono::steady_clock::now() < until))
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (done_->load()) {
+      copier_.join();
+      ::close(in_), ::close(out_);
+    } else {
+      copier_.detach();  // blocked on a reader that has gone; it ends with the process
+    }
+  }
+
+ private:
+  double drain_seconds_;
+  int in_ = -1, out_ = -1;
+  std::shared_ptr<std::atomic<bool>> done_ = std::make_shared<std::atomic<bool>>(false);
+  std::thread copier_;
 };
 
 }  // namespace gshard
