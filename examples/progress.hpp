@@ -237,8 +237,9 @@ class run_log {
   // Whether this rank has been told to stop: the step's output then waits
   // until the checkpoint is written (stop()).
   static bool stop_received() { return gshard::preemption::received() != 0; }
-  // Whether any rank has (one all_reduce): an evaluation is skipped then, so
-  // the save comes within the launcher's grace.
+  // Whether any rank has (one all_reduce, the same answer on every rank): an
+  // evaluation asks before each batch and is cut short by a yes, so the save
+  // comes within the launcher's grace.
   bool stop_requested() const { return stop_signals_.requested(*all_) != 0; }
 
  private:

@@ -348,8 +348,8 @@ memory_estimate step_memory(const model::config& c, const model::cost::mesh_size
 // The option whose value costs the most memory: each sizing option above its
 // default is set back to it in turn, the others as given; named is the one
 // that frees the most, with the bytes it frees (with `weights`, among the
-// options that size the model, not the batch). {"", 0} when none is above
-// its default.
+// options that size the model, not the batch). {"", 0} when none above its
+// default frees anything.
 std::pair<std::string, double> costliest_option(const options& o, const model::cost::mesh_sizes& ms, std::size_t text_bytes,
                                                 bool weights) {
   const options d{};
@@ -435,8 +435,12 @@ std::string preflight(const options& o, const model::config& c, const model::cos
                     option.substr(0, option.find(' ')).c_str());
     const std::string at_fault = option.empty() ? "" : option.substr(0, option.find(' '));
     std::string advice;
-    if (weights)
+    if (weights) {
       advice = at_fault.empty() ? "this model does not fit this host at any --batch" : "give a smaller " + at_fault;
+      if (!at_fault.empty() && need.total() - freed > 0.8 * memory)
+        advice += " (at its default the rest still needs about " + std::to_string(long(std::ceil((need.total() - freed) / gib))) +
+                  " GiB: the other sizes are too large as well)";
+    }
     else if (const double fits = std::floor((0.8 * memory - need.base - state) / per_sequence); fits >= 1)
       advice = "at this --seq, --batch " + std::to_string(long(fits)) + " at most";
     else

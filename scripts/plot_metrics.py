@@ -32,7 +32,10 @@ def number(v):
 
 
 def finite(v):
-    return number(v) and math.isfinite(v)
+    try:
+        return number(v) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def load(path, x_kind):

@@ -52,6 +52,8 @@ def main() -> int:
         ("a directory as the metrics file", ["-o", out, work], 2, ": a directory, not a --metrics file"),
         ("JSON nested 100000 deep", ["-o", out, write("deep.jsonl", "[" * 100000 + "]" * 100000 + "\n")], 2,
          "deep.jsonl:1: JSON that cannot be read (nested too deep)"),
+        ("a step of 400 digits", ["-o", out, write("d400.jsonl", '{"step": ' + "9" * 400 + ', "ce": 1}\n')], 2,
+         "d400.jsonl:1: 'step' is 9999"),
         ("a step of 5000 digits", ["-o", out, write("digits.jsonl", '{"step": ' + "9" * 5000 + ', "ce": 1}\n')], 2,
          "digits.jsonl:1: JSON that cannot be read"),
     ]

@@ -65,7 +65,7 @@ void train(const grid& m, std::string_view mode) {
 //   watchdog      (GSHARD_WATCHDOG=3) one rank never arrives at a collective
 //   debug_started (GSHARD_DEBUG=1) one rank starts an all_gather where the others start an all_reduce (non-blocking)
 //   watchdog_wait (GSHARD_WATCHDOG=3) the others wait for a started all_reduce one rank never starts
-//   watchdog_io   (GSHARD_WATCHDOG=3) the others wait 4 s in an all_reduce while rank 0 does file I/O:
+//   watchdog_io   (GSHARD_WATCHDOG=3) the others wait 4.5 s in an all_reduce while rank 0 does file I/O:
 //                 said, not taken for a stuck rank; then every rank throws alike (exit 2)
 //   throw_in_flight one rank throws while a ring reduce_scatter is in flight, the others go on to a collective
 //   key_length    one rank's key_lengths holds a length beyond T

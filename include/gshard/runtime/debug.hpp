@@ -6,7 +6,9 @@
 // hang or silently mixed data. GSHARD_WATCHDOG=<seconds> (default 300 in the
 // checked mode, off otherwise): a collective (or its check) that has not
 // finished in that time is reported with rank, sequence number and call, and
-// the job ends. Both settings are rank 0's (core/options.hpp).
+// the job ends — unless it waits for another rank's file I/O (an awaiting_io
+// scope: a checkpoint's write or read, a trace's write), which is said once
+// and not timed. Both settings are rank 0's (core/options.hpp).
 #pragma once
 
 #include <atomic>
@@ -90,6 +92,7 @@ class watchdog {
       const auto seq = w.seq.load();
       const int kind = w.kind.load();
       const std::size_t bytes = w.bytes.load();
+      std::atomic_thread_fence(std::memory_order_acquire);  // the relaxed loads above before the check below
       if (w.generation.load() != g1 || stuck < limit_) continue;  // changed meanwhile, or not stuck yet
       if (io[0] != '\0') {  // waiting for a file to be read or written: slow disks are not stuck ranks
         if (seq != io_noted_)

@@ -62,9 +62,9 @@ inline void on_stop_signal(int sig) {
 // the terminal sends SIGINT (Ctrl-C; mpirun passes it on as SIGTERM). The
 // first one is noted, silently: a launcher ending a job after one rank's
 // fault sends the others SIGTERM too, and a line from each of them promising
-// a stop that never comes would bury the fault's message. What stops is said
-// once the ranks agree on it (requested()). A second signal takes the
-// signal's default action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
+// a stop that never comes would bury the fault's message. The caller says
+// what stopped once requested() has agreed on it, after its save. A second
+// signal takes the signal's default action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
 // to wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
 // delays the exit of every aborted job; docs/07). Slurm waits KillWait.
 class preemption {

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -158,7 +159,10 @@ inline void agree_or_throw(const std::string& problem_on_root, const std::string
 inline void save_checkpoint(const std::string& path, const detail::mesh_base& m, const std::vector<checkpoint_part>& parts,
                             const std::map<std::string, double>& meta = {}) {
   const bool root = m.rank() == 0;
-  const debug::awaiting_io io("rank 0's write of " + path);  // rank 0 gathers and writes while the others wait
+  // Rank 0 builds the file between the gathers (first touch of as many bytes
+  // as the model holds) and then writes it: the others' waits in the gathers
+  // and in the agreement are for that, not for a stuck rank.
+  const debug::awaiting_io io("rank 0's write of " + path);
   for (const auto& [k, v] : meta)  // the metadata travels as "key=value" lines on load
     if (k.empty() || k.find('\n') != std::string::npos)
       throw checkpoint_error("gshard::checkpoint: " + path + ": a metadata key is empty or holds a newline");
@@ -208,8 +212,8 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
   const bool root = m.rank() == 0;
-  const debug::awaiting_io io("rank 0's read of " + path);  // rank 0 reads and checks while the others wait
   std::string file, problem;
+  std::optional<debug::awaiting_io> io(std::in_place, "rank 0's read of " + path);  // the others wait in the agreement
   std::map<std::string, double> meta;
   std::map<std::string, detail::ckpt_record> records;
   if (root) {
@@ -247,6 +251,7 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
     }
   }
   detail::agree_or_throw(problem, path, m.all_axes());
+  io.reset();  // the broadcasts below are timed as any collective
   // The metadata, as "name=value" lines (values in full precision).
   std::string lines;
   if (root)
