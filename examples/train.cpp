@@ -352,30 +352,25 @@ memory_estimate step_memory(const model::config& c, const model::cost::mesh_size
 // default frees anything.
 std::pair<std::string, double> costliest_option(const options& o, const model::cost::mesh_sizes& ms, std::size_t text_bytes,
                                                 bool weights) {
-  const options d{};
+  options d{};
   const auto bytes = [&](const options& x) { return step_memory(model_config(x), ms, x, text_bytes).total(); };
   const double now = bytes(o);
   std::pair<std::string, double> best{"", 0};
-  const auto consider = [&](const char* option, auto options::*field, bool sizes_weights) {
-    if (weights && !sizes_weights) return;
-    if (!(o.*field > d.*field)) return;
+  // field(x): the option's value in x, to read and to set.
+  const auto consider = [&](const char* option, auto field, bool sizes_weights) {
     options x = o;
-    x.*field = d.*field;
-    if (const double freed = now - bytes(x); freed > best.second)
-      best = {std::string(option) + " " + std::to_string(o.*field), freed};
+    const auto given = field(x), fallback = field(d);
+    if ((weights && !sizes_weights) || !(given > fallback)) return;
+    field(x) = fallback;
+    if (const double freed = now - bytes(x); freed > best.second) best = {std::string(option) + " " + std::to_string(given), freed};
   };
-  consider("--experts", &options::experts, true);
-  consider("--hidden", &options::hidden, true);
-  consider("--slot-hidden", &options::slot_hidden, true);
-  consider("--layers", &options::layers, true);
-  consider("--batch", &options::batch, false);
-  consider("--seq", &options::seq, false);
-  if (o.model.shared_experts > d.model.shared_experts) {
-    options x = o;
-    x.model.shared_experts = d.model.shared_experts;
-    if (const double freed = now - bytes(x); freed > best.second)
-      best = {"--shared-experts " + std::to_string(o.model.shared_experts), freed};
-  }
+  consider("--experts", [](options& x) -> auto& { return x.experts; }, true);
+  consider("--hidden", [](options& x) -> auto& { return x.hidden; }, true);
+  consider("--slot-hidden", [](options& x) -> auto& { return x.slot_hidden; }, true);
+  consider("--layers", [](options& x) -> auto& { return x.layers; }, true);
+  consider("--shared-experts", [](options& x) -> auto& { return x.model.shared_experts; }, true);
+  consider("--batch", [](options& x) -> auto& { return x.batch; }, false);
+  consider("--seq", [](options& x) -> auto& { return x.seq; }, false);
   return best;
 }
 
@@ -429,11 +424,9 @@ std::string preflight(const options& o, const model::config& c, const model::cos
     const bool weights = need.base + state > 0.8 * memory;
     const auto [option, freed] = costliest_option(o, ms, text.size(), weights);
     const double gib = double(1 << 30);
+    const std::string at_fault = option.substr(0, option.find(' '));  // the option's name
     char costliest[160] = "";
-    if (!option.empty())
-      std::snprintf(costliest, sizeof costliest, "; %.1f GiB less at the default %s", freed / gib,
-                    option.substr(0, option.find(' ')).c_str());
-    const std::string at_fault = option.empty() ? "" : option.substr(0, option.find(' '));
+    if (!option.empty()) std::snprintf(costliest, sizeof costliest, "; %.1f GiB less at the default %s", freed / gib, at_fault.c_str());
     std::string advice;
     if (weights) {
       advice = at_fault.empty() ? "this model does not fit this host at any --batch" : "give a smaller " + at_fault;
