@@ -1,6 +1,7 @@
 // Einsum: many specs times every sharding of each operand over the meshes
-// that fit the world — (P), and (2,2) at 4 ranks, (2,4) at 8 — in float and
-// double, against plain loops on the global tensors. Legal combinations must
+// that fit the world — (P), and (2,2) at 4 ranks, (2,4) at 8 — in double,
+// float and bf16, against plain loops on the global tensors (bf16 within the
+// bound its fp32 sums rounded once give). Legal combinations must
 // produce the natural output with no communication at all; asking for a
 // replicated output must run exactly the planned collectives; a pending sum
 // asked into a split output must be one reduce_scatter. The typed API is
@@ -63,27 +64,40 @@ local_tensor<double, RO> reference(const detail::einsum_spec& s, const local_ten
   return out;
 }
 
-// The local shard `got` (layout l; pending sums are summed here with raw,
-// uncounted MPI) equals its slice of `ref` within tolerance.
+template <class T>
+double widen(T x) {
+  if constexpr (std::is_same_v<T, bf16>) return double(float(x));
+  else return double(x);
+}
+
+// The local shard `got` (layout l; pending sums are summed here in double
+// with raw, uncounted MPI) equals its slice of `ref` within tol·(1 + |ref|),
+// or, given `mags` (the reference on the inputs' magnitudes), within
+// tol·mags.
 template <class T, int R>
-bool matches(local_tensor<T, R> got, const rlayout& l, const local_tensor<double, R>& ref, const detail::mesh_base& m,
-             double tol, std::string& why) {
+bool matches(const local_tensor<T, R>& got_t, const rlayout& l, const local_tensor<double, R>& ref,
+             const detail::mesh_base& m, double tol, std::string& why, const local_tensor<double, R>* mags = nullptr) {
   const shape<R> ge = detail::dims_of<R>(ref);
   const shape<R> le = detail::local_extents<R>(l, ge, m), off = detail::global_offsets<R>(l, ge, m), zero{};
-  if (detail::dims_of<R>(got) != le) {
+  if (detail::dims_of<R>(got_t) != le) {
     why = "local extents differ";
     return false;
   }
-  if (l.partial)
-    MPI_Allreduce(MPI_IN_PLACE, got.data(), int(got.size()), mpi::datatype<T>(), MPI_SUM, m.group(l.partial).comm);
-  local_tensor<double, R> want(le);
-  if (want.size() > 0) detail::copy_box(ref.data(), ge.data(), off.data(), want.data(), le.data(), zero.data(), le.data(), R);
-  for (index_t i = 0; i < want.size(); ++i)
-    if (!(std::abs(double(got.data()[i]) - want.data()[i]) <= tol * (1.0 + std::abs(want.data()[i])))) {
-      why = "element " + std::to_string(i) + ": " + std::to_string(double(got.data()[i])) + " vs " +
-            std::to_string(want.data()[i]);
+  local_tensor<double, R> got(le);
+  for (index_t i = 0; i < got.size(); ++i) got.data()[i] = widen(got_t.data()[i]);
+  if (l.partial) MPI_Allreduce(MPI_IN_PLACE, got.data(), int(got.size()), MPI_DOUBLE, MPI_SUM, m.group(l.partial).comm);
+  local_tensor<double, R> want(le), bound(le);
+  if (want.size() > 0) {
+    detail::copy_box(ref.data(), ge.data(), off.data(), want.data(), le.data(), zero.data(), le.data(), R);
+    if (mags) detail::copy_box(mags->data(), ge.data(), off.data(), bound.data(), le.data(), zero.data(), le.data(), R);
+  }
+  for (index_t i = 0; i < want.size(); ++i) {
+    const double allowed = tol * (mags ? bound.data()[i] : 1.0 + std::abs(want.data()[i]));
+    if (!(std::abs(got.data()[i] - want.data()[i]) <= allowed)) {
+      why = "element " + std::to_string(i) + ": " + std::to_string(got.data()[i]) + " vs " + std::to_string(want.data()[i]);
       return false;
     }
+  }
   return true;
 }
 
@@ -152,7 +166,36 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
   for (int op = 0; op < s.nin; ++op)
     for (char l : s.term(op))
       if (s.find_out(l) < 0) contraction *= std::max<index_t>(ext[int(l)], 1);
-  const double tol = (std::is_same_v<T, float> ? 1e-5 : 1e-12) * double(contraction) * 4;
+  double tol = (std::is_same_v<T, float> ? 1e-5 : 1e-12) * double(contraction) * 4;
+  // bf16: every sum is taken in fp32 and rounded once; an einsum's result
+  // passes through one rounding for each operand's sum over labels it holds
+  // alone, one for the local result and one for each summing collective of
+  // its plan, each within 2^-8 of a value no larger than the sum of the
+  // products' magnitudes — the reference on |A| and |B| — plus fp32's
+  // accumulation, 2^-24 for each of the contraction's terms.
+  const bool by_magnitude = std::is_same_v<T, bf16>;
+  auto magnitude = [](auto x) {
+    for (index_t i = 0; i < x.size(); ++i) x.data()[i] = x.data()[i] < T(0) ? -x.data()[i] : x.data()[i];
+    return x;
+  };
+  const auto A_mag = magnitude(A);
+  const auto B_mag = magnitude(B);
+  const auto mags = by_magnitude ? reference<T, RA, RB, RO>(s, A_mag, s.nin == 2 ? &B_mag : nullptr, ext) : ref;
+  int alone = 0;  // operands with a label neither the other operand nor the output has
+  for (int op = 0; op < s.nin; ++op) {
+    bool has = false;
+    for (char l : s.term(op)) has = has || (s.find_out(l) < 0 && (s.nin == 1 || s.term(1 - op).find(l) == std::string_view::npos));
+    alone += has;
+  }
+  // The tolerance for a plan whose finish runs `sums` summing collectives.
+  auto tol_for = [&](const detail::reshard_steps& finish) {
+    if (!by_magnitude) return tol;
+    int sums = 0;
+    for (int i = 0; i < finish.n; ++i)
+      sums += finish.step[i].kind == step_kind::all_reduce || finish.step[i].kind == step_kind::reduce_scatter;
+    return (alone + 1 + sums) * std::ldexp(1.0, -8) + double(contraction) * std::ldexp(1.0, -24);
+  };
+  const local_tensor<double, RO>* const all_bound = by_magnitude ? &mags : nullptr;
 
   const auto layouts_a = all_layouts(RA, m.naxes());
   const auto layouts_b = s.nin == 2 ? all_layouts(RB, m.naxes()) : std::vector<rlayout>{rlayout{}};
@@ -160,6 +203,7 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
     for (const rlayout& lb : layouts_b) {
       const rlayout in[2] = {la, lb};
       const detail::einsum_program p = detail::plan_einsum_program(s, in, nullptr, m);
+      const local_tensor<double, RO>* bound = all_bound;
       if (p.sharding.problem != detail::einsum_problem::none) {
         ++t.illegal;
         continue;
@@ -170,13 +214,35 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
       what += " on " + m.describe();
       const auto a = shard_of<RA, T>(A, la, m);
       const auto b = shard_of<RB, T>(B, lb, m);
+      // A partial bf16 operand's parts are rounded one by one, so they sum to
+      // another tensor than A (or B): the reference is then taken on their
+      // sum, and the bound on the sum of their magnitudes (exact in double).
+      const local_tensor<double, RO>* want = &ref;
+      local_tensor<double, RO> part_ref, part_mags;
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (la.partial || (s.nin == 2 && lb.partial)) {
+          auto global_of = [&](const auto& shard, const rlayout& l, const auto& ge, bool magnitudes) {
+            constexpr int R = std::remove_cvref_t<decltype(ge)>().size();
+            local_tensor<double, R> x(detail::dims_of<R>(shard));
+            for (index_t i = 0; i < x.size(); ++i) x.data()[i] = magnitudes ? std::abs(widen(shard.data()[i])) : widen(shard.data()[i]);
+            return detail::execute_reshard<double, R>(m, detail::plan_reshard(l, rlayout{}, m.naxes(), m.sizes()), x, ge);
+          };
+          const auto ae = global_of(a, la, ga, false), am = global_of(a, la, ga, true);
+          const auto be = s.nin == 2 ? global_of(b, lb, gb, false) : local_tensor<double, RB>();
+          const auto bm = s.nin == 2 ? global_of(b, lb, gb, true) : local_tensor<double, RB>();
+          part_ref = reference<double, RA, RB, RO>(s, ae, s.nin == 2 ? &be : nullptr, ext);
+          part_mags = reference<double, RA, RB, RO>(s, am, s.nin == 2 ? &bm : nullptr, ext);
+          want = &part_ref;
+          bound = &part_mags;
+        }
+      }
       shape<RO> go{};
       std::string why;
       {
         collective_recorder rec;
         const auto out = detail::execute_einsum<T, RA, RB, RO>(m, p, a, ga, &b, gb, go);
         if (!rec.events().empty()) t.fail(what + ": the natural output communicated");
-        if (!matches<T, RO>(out, p.sharding.out, ref, m, tol, why)) t.fail(what + ": wrong natural output: " + why);
+        if (!matches<T, RO>(out, p.sharding.out, *want, m, tol_for(p.finish), why, bound)) t.fail(what + ": wrong natural output: " + why);
       }
       if (!requested_outputs) continue;
       // Requested: replicated.
@@ -188,7 +254,7 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
         ++t.requested;
         if (rec.events() != planned(p2.finish, m, go.data(), RO, sizeof(T)))
           t.fail(what + ": replicated output ran other collectives than planned");
-        if (!matches<T, RO>(out, rep, ref, m, tol, why)) t.fail(what + ": wrong replicated output: " + why);
+        if (!matches<T, RO>(out, rep, *want, m, tol_for(p2.finish), why, bound)) t.fail(what + ": wrong replicated output: " + why);
       }
       // Requested: a pending sum split over an output dim -> one reduce_scatter, no all_reduce.
       for (int x = 0; x < m.naxes(); ++x) {
@@ -205,7 +271,7 @@ void all_shardings(const detail::mesh_base& m, tally& t, bool requested_outputs,
           const auto ev = rec.events();
           if (ev.size() != 1 || ev[0].kind != collective::reduce_scatter)
             t.fail(what + ": a pending sum into a split output was not one reduce_scatter");
-          if (!matches<T, RO>(out, target, ref, m, tol, why)) t.fail(what + ": wrong reduce_scatter output: " + why);
+          if (!matches<T, RO>(out, target, *want, m, tol_for(p3.finish), why, bound)) t.fail(what + ": wrong reduce_scatter output: " + why);
           break;
         }
       }
@@ -217,14 +283,17 @@ void run_specs(const char* group) {
   const auto meshes = gshard::testing::meshes_for_world(false, false);
   std::size_t ran = 0;
   for (const auto& mc : meshes) {
-    tally td, tf;
+    tally td, tf, tb;
     (all_shardings<Specs, double>(*mc.mesh, td, true), ...);
     (all_shardings<Specs, float>(*mc.mesh, tf, false), ...);
+    (all_shardings<Specs, bf16>(*mc.mesh, tb, true), ...);
     INFO(group << " on mesh " << mc.name << ": " << td.legal << " legal and " << td.illegal << " rejected sharding pairs, "
                << td.requested << " replicated and " << td.reduce_scatters << " reduce_scatter outputs");
     GSHARD_REQUIRE_MSG(td.first_failure.empty(), td.first_failure);
     GSHARD_REQUIRE_MSG(tf.first_failure.empty(), tf.first_failure);
-    GSHARD_REQUIRE(td.legal > 0 && td.legal == tf.legal && td.requested == td.legal);
+    GSHARD_REQUIRE_MSG(tb.first_failure.empty(), tb.first_failure);
+    GSHARD_REQUIRE(td.legal > 0 && td.legal == tf.legal && td.legal == tb.legal && td.requested == td.legal);
+    GSHARD_REQUIRE(tb.requested == td.requested && tb.reduce_scatters == td.reduce_scatters);
     ++ran;
   }
   GSHARD_REQUIRE(ran == (world_size() == 4 || world_size() == 8 ? 2u : 1u));
@@ -367,6 +436,40 @@ bool cpu_has(const std::string& flag) {
   return false;
 }
 }  // namespace
+
+TEST_CASE("bf16 local einsums sum in fp32 and round once, under every GEMM backend", "[einsum][bf16]") {
+  // 256 + 256 ones: 512 in fp32. Summed in bf16 it stays 256 (8 significant
+  // bits: 257 rounds to 256 at every step).
+  using detail::local_einsum;
+  using detail::parse_einsum;
+  const int chosen = detail::options().gemm;
+  std::vector<bf16> x(257, bf16(1.0f)), ones(257, bf16(1.0f)), out(4);
+  x[0] = bf16(256.0f);
+  const index_t n[1] = {257}, none[1] = {1};
+  for (const detail::gemm_kind kind : detail::gemm_kinds()) {
+    detail::options().gemm = int(kind);
+    static constexpr detail::einsum_spec sum = parse_einsum("i->"), dot = parse_einsum("i,i->"),
+                                         matvec = parse_einsum("ji,i->j");
+    local_einsum(sum, x.data(), n, static_cast<const bf16*>(nullptr), none, out.data(), none);
+    GSHARD_CHECK(float(out[0]) == 512.0f);
+    local_einsum(dot, x.data(), n, ones.data(), n, out.data(), none);
+    GSHARD_CHECK(float(out[0]) == 512.0f);
+    const index_t rows_cols[2] = {1, 257}, rows[1] = {1};
+    local_einsum(matvec, x.data(), rows_cols, ones.data(), n, out.data(), rows);
+    GSHARD_CHECK(float(out[0]) == 512.0f);
+    // j cannot merge with k in A [j,i,k] (I = 2): one GEMM per j, summed
+    // in an fp32 C — 256 + 513 ones is 769, rounded once to 768. Summed in
+    // a bf16 C it would stick at 512 (512 + 2 rounds back to even).
+    static constexpr detail::einsum_spec looped = parse_einsum("jik,jk->i");
+    std::vector<bf16> a3(257 * 2 * 2, bf16(1.0f)), b2(257 * 2, bf16(1.0f));
+    a3[0] = bf16(256.0f);
+    const index_t jik[3] = {257, 2, 2}, jk[2] = {257, 2}, i2[1] = {2};
+    local_einsum(looped, a3.data(), jik, b2.data(), jk, out.data(), i2);
+    GSHARD_CHECK(float(out[0]) == 768.0f);
+    GSHARD_CHECK(float(out[1]) == 512.0f);  // 514 ones: rounded once, to 512
+  }
+  detail::options().gemm = chosen;
+}
 
 TEST_CASE("GEMM backends: each gives the product for every transpose, leading dim, alpha and beta; bf16 within its rounding",
           "[einsum][gemm]") {

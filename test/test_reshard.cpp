@@ -79,9 +79,66 @@ std::string show(const rlayout& l, const detail::mesh_base& m, int rank) {
   return s;
 }
 
+// x's elements as T (T = double: x itself).
+template <class T, int R>
+local_tensor<T, R> as(const local_tensor<double, R>& x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    local_tensor<T, R> y(detail::dims_of<R>(x));
+    for (index_t i = 0; i < x.size(); ++i) y.data()[i] = T(float(x.data()[i]));
+    return y;
+  }
+}
+// A global tensor of distinct values, each exact in bf16 (8 significant
+// bits): (1 + (i mod 128)/128)·2^(i/128 - 12).
 template <int R>
+local_tensor<double, R> distinct_in_bf16(const shape<R>& e) {
+  local_tensor<double, R> t(e);
+  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = std::ldexp(1.0 + double(i % 128) / 128.0, int(i / 128) - 12);
+  return t;
+}
+template <int R>
+local_tensor<double, R> widened(const local_tensor<bf16, R>& x) {
+  local_tensor<double, R> y(detail::dims_of<R>(x));
+  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = double(float(x.data()[i]));
+  return y;
+}
+
+// T = bf16: the shards rounded to bf16 and resharded in bf16, against the
+// same plan run in f64 on the rounded shards (exact). A plan with k summing
+// steps (all_reduce, reduce_scatter) rounds each sum once to bf16 from fp32,
+// so each element is within k·2^-8 + P·2^-23 of the sum of the magnitudes
+// of its summands (that plan run on |shards|); with no summing step it is
+// exact.
+template <int R>
+std::string bf16_error(const detail::mesh_base& m, const detail::reshard_steps& plan, const local_tensor<double, R>& src,
+                       const shape<R>& ge, const local_tensor<bf16, R>& out) {
+  const local_tensor<double, R> rounded = widened<R>(as<bf16, R>(src));
+  local_tensor<double, R> mags = rounded;
+  for (index_t i = 0; i < mags.size(); ++i) mags.data()[i] = std::abs(mags.data()[i]);
+  auto want = detail::execute_reshard<double, R>(m, plan, rounded, ge);
+  auto bound = detail::execute_reshard<double, R>(m, plan, mags, ge);
+  auto got = widened<R>(out);
+  if (got.size() != want.size()) return "wrong extents";
+  int sums = 0;
+  for (int i = 0; i < plan.n; ++i) sums += plan.step[i].kind == step_kind::all_reduce || plan.step[i].kind == step_kind::reduce_scatter;
+  if (const auto p = plan.state[plan.n].partial; p)
+    for (auto* x : {&want, &bound, &got})
+      MPI_Allreduce(MPI_IN_PLACE, x->data(), int(x->size()), MPI_DOUBLE, MPI_SUM, m.group(p).comm);
+  const double rel = sums * std::ldexp(1.0, -8) + m.nranks() * std::ldexp(1.0, -23);
+  for (index_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(got.data()[i] - want.data()[i]);
+    if (sums == 0 ? err != 0 : err > rel * bound.data()[i])
+      return "element " + std::to_string(i) + ": " + std::to_string(got.data()[i]) + " against " +
+             std::to_string(want.data()[i]) + " after " + std::to_string(sums) + " summing steps";
+  }
+  return {};
+}
+
+template <int R, class T = double>
 void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
-  const auto g = global_tensor<R>(ge);
+  const auto g = std::is_same_v<T, bf16> ? distinct_in_bf16<R>(ge) : global_tensor<R>(ge);
   // Layouts whose split dims divide: the others are refused when a tensor is
   // built (tested in test_tensor.cpp), so no reshard can see them.
   std::vector<rlayout> layouts;
@@ -91,7 +148,8 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
     if (divides) layouts.push_back(l);
   }
   for (const rlayout& from : layouts) {
-    const auto src = shard_of<R>(g, from, m);
+    const auto src64 = shard_of<R>(g, from, m);
+    const auto src = as<T, R>(src64);
     for (const rlayout& to : layouts) {
       ++t.pairs;
       const std::string what = show(from, m, R) + " -> " + show(to, m, R) + " on " + m.describe();
@@ -101,20 +159,26 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
         continue;
       }
       collective_recorder rec;
-      auto out = detail::execute_reshard<double, R>(m, plan, src, ge);
+      auto out = detail::execute_reshard<T, R>(m, plan, src, ge);
       const auto events = rec.events();
 
       // 1. Values: the target shard, after summing pending sums (raw MPI, not counted).
       const shape<R> le = detail::local_extents<R>(to, ge, m), off = detail::global_offsets<R>(to, ge, m), zero{};
       bool ok = detail::dims_of<R>(out) == le;
-      if (ok && to.partial)
-        MPI_Allreduce(MPI_IN_PLACE, out.data(), int(out.size()), MPI_DOUBLE, MPI_SUM, m.group(to.partial).comm);
-      if (ok) {
-        local_tensor<double, R> want(le);
-        if (want.size() > 0) detail::copy_box(g.data(), ge.data(), off.data(), want.data(), le.data(), zero.data(), le.data(), R);
-        for (index_t i = 0; i < want.size() && ok; ++i) ok = out.data()[i] == want.data()[i];
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (const std::string e = ok ? bf16_error<R>(m, plan, src64, ge, out) : "wrong extents"; !e.empty())
+          t.fail(what + ": bf16 " + e);
+      } else {
+        if (ok && to.partial)
+          MPI_Allreduce(MPI_IN_PLACE, out.data(), int(out.size()), MPI_DOUBLE, MPI_SUM, m.group(to.partial).comm);
+        if (ok) {
+          local_tensor<double, R> want(le);
+          if (want.size() > 0)
+            detail::copy_box(g.data(), ge.data(), off.data(), want.data(), le.data(), zero.data(), le.data(), R);
+          for (index_t i = 0; i < want.size() && ok; ++i) ok = out.data()[i] == want.data()[i];
+        }
+        if (!ok) t.fail(what + ": wrong values");
       }
-      if (!ok) t.fail(what + ": wrong values");
 
       // 2. Collectives: exactly the plan's, with its axes and bytes.
       std::vector<collective_event> planned;
@@ -123,7 +187,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
         if (!is_collective(s.kind)) continue;
         const std::uint32_t mask = s.mask;
         const shape<R> e = detail::local_extents<R>(plan.state[i], ge, m);
-        planned.push_back({collective_of(s.kind), m.label(mask), std::size_t(detail::product<R>(e)) * sizeof(double)});
+        planned.push_back({collective_of(s.kind), m.label(mask), std::size_t(detail::product<R>(e)) * sizeof(T)});
         if (s.kind == step_kind::permute) ++t.permutes;
       }
       if (events != planned) t.fail(what + ": collectives differ from the plan");
@@ -178,6 +242,24 @@ TEST_CASE("every reshard pair of rank-1..3 tensors on every mesh matches the glo
   GSHARD_REQUIRE(std::size_t(ran) == expected_meshes && meshes.size() == expected_meshes);
   // Layout counts: 1 axis: rank+2; 2 axes: (rank+2)^2 plus one more order per shared dim.
   GSHARD_REQUIRE(all_layouts(3, 1).size() == 5 && all_layouts(3, 2).size() == 28 && all_layouts(1, 2).size() == 10);
+}
+
+TEST_CASE("every reshard pair moves bf16 exactly and sums it in fp32, rounded once per summing step",
+          "[reshard][exhaustive][bf16]") {
+  const auto meshes = gshard::testing::meshes_for_world(false, false);
+  for (const auto& mc : meshes) {
+    const detail::mesh_base& m = *mc.mesh;
+    const index_t W = m.nranks();
+    tally t;
+    check_all_pairs<1, bf16>(m, {3 * W}, t);
+    check_all_pairs<2, bf16>(m, {2 * W, W}, t);
+    check_all_pairs<3, bf16>(m, {W, 2 * W, 3 * W}, t);
+    INFO("mesh " << mc.name << ": " << t.pairs << " pairs");
+    GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+    GSHARD_REQUIRE(std::size_t(t.pairs) == all_layouts(1, m.naxes()).size() * all_layouts(1, m.naxes()).size() +
+                                               all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size() +
+                                               all_layouts(3, m.naxes()).size() * all_layouts(3, m.naxes()).size());
+  }
 }
 
 TEST_CASE("zero-size and size-1 dims reshard too", "[reshard][exhaustive]") {

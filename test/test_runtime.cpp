@@ -6,6 +6,7 @@
 #include <gshard/runtime/collectives.hpp>
 #include <gshard/runtime/mesh.hpp>
 #include <gshard/runtime/nonblocking.hpp>
+#include <gshard/layout/notation.hpp>
 
 #include <array>
 #include <cmath>
@@ -135,6 +136,118 @@ TEST_CASE("raw collectives compute what MPI defines and are counted", "[collecti
   std::vector<double> small(1);
   GSHARD_REQUIRE_THROWS_WITH(all_gather<double>(g, v, small), shape_error,
                              P == 1 ? "buffers of 5 and 1" : "do not fit a group of");
+}
+
+TEST_CASE("bf16 collectives: 16-bit words on the wire, every sum in fp32 in group-rank order and rounded once",
+          "[collectives][bf16]") {
+  const int P = world_size(), r = world_rank();
+  dyn1 m(MPI_COMM_WORLD);
+  const auto& g = m.group<"x">();
+  // Rank q's i-th value, exactly representable in bf16, of mixed signs and magnitudes.
+  auto value = [](int q, std::size_t i, int salt) {
+    return bf16(float(((q * 7919 + int(i) * 104729 + salt) % 1000) - 500) / 7.0f * (i % 3 == 0 ? 64.0f : 1.0f));
+  };
+  auto row = [&](std::size_t n, int salt) {
+    std::vector<bf16> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = value(r, i, salt);
+    return v;
+  };
+  // What the sum must be, bit for bit: the fp32 sum over group ranks 0..P-1,
+  // rounded once to bf16 (float(bf16) is exact) — and within bf16's unit
+  // roundoff 2^-8 of the exact sum, plus fp32's P·2^-24 of the sum of magnitudes.
+  bool within_bound = true;
+  auto expected = [&](std::size_t i, int salt, reduction op) {
+    float acc = float(value(0, i, salt));
+    double exact = acc, mags = std::abs(acc);
+    for (int q = 1; q < P; ++q) {
+      const float x = float(value(q, i, salt));
+      acc = op == reduction::sum ? acc + x : op == reduction::max ? std::max(acc, x) : std::min(acc, x);
+      exact += x;
+      mags += std::abs(x);
+    }
+    const bf16 got = bf16(acc);
+    if (op == reduction::sum)
+      within_bound = within_bound &&
+                     std::abs(double(float(got)) - exact) <= std::ldexp(std::abs(exact), -8) + P * std::ldexp(mags, -24);
+    return got;
+  };
+  auto bits = [](bf16 x) { return Eigen::numext::bit_cast<std::uint16_t>(x); };
+  collective_recorder rec;
+
+  // 7 elements: blocks of ⌈7/P⌉, the last padded.
+  for (const reduction op : {reduction::sum, reduction::max, reduction::min}) {
+    std::vector<bf16> v = row(7, 1);
+    all_reduce<bf16>(g, v, op);
+    bool ok = true;
+    for (std::size_t i = 0; i < v.size(); ++i) ok = ok && bits(v[i]) == bits(expected(i, 1, op));
+    GSHARD_REQUIRE_MSG(ok, "all_reduce, reduction " + std::to_string(int(op)));
+  }
+  const std::vector<bf16> ar_in = row(5, 2);
+  std::vector<bf16> ar(5);
+  all_reduce<bf16>(g, ar_in, ar);
+  std::vector<bf16> rs_in = row(3 * std::size_t(P), 3), rs(3);
+  reduce_scatter<bf16>(g, rs_in, rs);
+  bool ok = true;
+  for (std::size_t i = 0; i < 5; ++i) ok = ok && bits(ar[i]) == bits(expected(i, 2, reduction::sum));
+  for (std::size_t i = 0; i < 3; ++i) ok = ok && bits(rs[i]) == bits(expected(3 * std::size_t(r) + i, 3, reduction::sum));
+  GSHARD_REQUIRE(ok);
+
+  // Moves are exact: every bit pattern arrives as sent.
+  std::vector<bf16> ag_send = row(2, 4), a2a_send = row(std::size_t(P), 5);
+  std::vector<bf16> ag(2 * std::size_t(P)), a2a(a2a_send.size());
+  all_gather<bf16>(g, ag_send, ag);
+  all_to_all<bf16>(g, a2a_send, a2a);
+  std::vector<bf16> b = row(3, 6);
+  broadcast<bf16>(g, b, P - 1);
+  std::vector<bf16> ps = row(1, 7), pr(1);
+  permute<bf16>(g, ps, (r + 1) % P, pr, (r + P - 1) % P);
+  for (int q = 0; q < P; ++q) {
+    ok = ok && bits(ag[2 * std::size_t(q) + 1]) == bits(value(q, 1, 4));
+    ok = ok && bits(a2a[std::size_t(q)]) == bits(value(q, std::size_t(r), 5));
+  }
+  ok = ok && bits(b[2]) == bits(value(P - 1, 2, 6)) && bits(pr[0]) == bits(value((r + P - 1) % P, 0, 7));
+  GSHARD_REQUIRE(ok);
+
+  // Started forms: the blocking forms' numbers, to the bit, with others in flight.
+  std::vector<bf16> nb_ar = row(7, 1), nb_rs(3), nb_ag(ag.size());
+  collective_request q1 = start_all_reduce<bf16>(g, nb_ar);
+  collective_request q2 = start_reduce_scatter<bf16>(g, rs_in, nb_rs);
+  collective_request q3 = start_all_gather<bf16>(g, ag_send, nb_ag);
+  while (!q2.test()) {
+  }
+  q3.wait();
+  q1.wait();
+  for (std::size_t i = 0; i < 7; ++i) ok = ok && bits(nb_ar[i]) == bits(expected(i, 1, reduction::sum));
+  for (std::size_t i = 0; i < 3; ++i) ok = ok && bits(nb_rs[i]) == bits(rs[i]);
+  for (std::size_t i = 0; i < ag.size(); ++i) ok = ok && bits(nb_ag[i]) == bits(ag[i]);
+  GSHARD_REQUIRE(ok);
+
+  // One rank alone moves a started sum on, and a blocking collective on the
+  // group comes before the others test it: its messages are point-to-point
+  // under their own tag, so neither waits for the other.
+  std::vector<bf16> lone = row(7, 1), mid = row(3, 8);
+  collective_request q4 = start_all_reduce<bf16>(g, lone);
+  if (r == 0)
+    for (int i = 0; i < 50; ++i) q4.test();
+  all_reduce<bf16>(g, mid);
+  q4.wait();
+  for (std::size_t i = 0; i < 7; ++i) ok = ok && bits(lone[i]) == bits(expected(i, 1, reduction::sum));
+  for (std::size_t i = 0; i < 3; ++i) ok = ok && bits(mid[i]) == bits(expected(i, 8, reduction::sum));
+  GSHARD_REQUIRE(ok);
+
+  // Counted as one collective each, with 2 bytes an element.
+  std::vector<bf16> none;
+  all_reduce<bf16>(g, none);
+  reduce_scatter<bf16>(g, none, none);
+  const auto ev = rec.events();
+  GSHARD_REQUIRE(ev.size() == 16);
+  GSHARD_REQUIRE((ev[0] == collective_event{collective::all_reduce, "x", 7 * 2}));
+  GSHARD_REQUIRE((ev[4] == collective_event{collective::reduce_scatter, "x", 3 * std::size_t(P) * 2}));
+  GSHARD_REQUIRE((ev[10] == collective_event{collective::reduce_scatter, "x", 3 * std::size_t(P) * 2}));
+  GSHARD_REQUIRE((ev[12] == collective_event{collective::all_reduce, "x", 7 * 2}));
+  GSHARD_REQUIRE((ev[14] == collective_event{collective::all_reduce, "x", 0}));
+  GSHARD_REQUIRE(within_bound);
+  GSHARD_REQUIRE(detail::dtype_name<bf16>() == "bf16");
 }
 
 TEST_CASE("non-blocking collectives: the blocking forms' results, several in flight at once, counted as they start",

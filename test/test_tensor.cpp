@@ -253,6 +253,17 @@ TEST_CASE("max, min and sum over a dim: each rank its shard, then the collective
   GSHARD_REQUIRE(rec.events().size() == 1);
   static_assert(decltype(sm)::resolved.partial != 0 && decltype(mx)::resolved.partial == 0);
   GSHARD_REQUIRE(equal(gather(mx), ref(0, 0)) && equal(gather(mn), ref(1, 1)) && equal(gather(all_reduce<"x">(sm)), ref(0, 2)));
+
+  // bf16: each row 256 and 256P − 1 ones, split over x. The local sums and
+  // the pending sum's all_reduce add in fp32 and round once each: 256P + 256,
+  // bf16's rounding of the exact 256P + 255 at every P from 1 to 8. Added in
+  // bf16, 256 + 1 would stay 256 at every step, and the sum be 256P.
+  local_tensor<bf16, 2> h(3, 256 * P);
+  h.setConstant(bf16(1.0f));
+  for (index_t r = 0; r < 3; ++r) h(r, 0) = bf16(256.0f);
+  const auto hs = all_reduce<"x">(reduce_sum<1>(distribute<sharding<split<1, "x">>>(m, h)));
+  const auto hm = reduce_max<1>(distribute<sharding<split<1, "x">>>(m, h));
+  GSHARD_REQUIRE(float(hs.local()(2)) == float(bf16(256.0f * float(P) + 255.0f)) && float(hm.local()(1)) == 256.0f);
 }
 
 TEST_CASE("typed collectives: one collective each, the sharding type follows", "[collectives][reshard]") {

@@ -114,6 +114,8 @@ void f(const moe::gate_output<t<3, rows>>& g, const var<t<4, sharding<split<0, "
 void f(const std::int32_t* l, moe::routing<std::int32_t>& r) { (void)moe::choose_experts<std::int32_t>(l, 1, 1, 1, 0, 0, {}, nullptr, r); }
 #elif defined(GSHARD_CASE_layer_input)
 void f(const moe::layer<float, grid>& l, const var<t<3, rows>>& x) { (void)l(x, {}, 0); }
+#elif defined(GSHARD_CASE_var_bf16)
+void f(const var<tensor<bf16, 2, grid, rep>>& a) { (void)a.value(); }
 #else
 #error "no GSHARD_CASE_ given"
 #endif

@@ -147,6 +147,12 @@ void f(const tensor<float, 2, grid, replicate>& dy, const tensor<float, 2, grid,
 }
 #elif defined(GSHARD_CASE_gemm_bf16_output)
 void f(const Eigen::bfloat16* a, double* c) { detail::gemm_bf16<double>(false, false, 1, 1, 1, 1.0f, a, 1, a, 1, 0.0f, c, 1); }
+#elif defined(GSHARD_CASE_softmax_bf16)
+void f(const tensor<bf16, 2, grid, replicate>& t) { (void)softmax(t); }
+#elif defined(GSHARD_CASE_rms_norm_bf16)
+void f(const tensor<bf16, 2, grid, replicate>& t, const local_tensor<bf16, 1>& s) { (void)rms_norm(t, s); }
+#elif defined(GSHARD_CASE_tensor_set_bf16)
+void f(tensor_set& s, const tensor<bf16, 1, grid, replicate>& t) { s.add("w", t); }
 #else
 #error "no GSHARD_CASE_ given"
 #endif

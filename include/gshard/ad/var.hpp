@@ -34,6 +34,9 @@ class var {
   static constexpr auto label_string = X::label_string;
   static constexpr std::string_view labels = X::labels;
   static constexpr detail::rlayout resolved = X::resolved;
+  static_assert(std::is_floating_point_v<value_type> || std::is_integral_v<value_type>,
+                "gshard::var: the tape computes in float or double (bf16 tensors are moved, resharded and multiplied "
+                "outside it)");
 
   var(gshard::tape& t, std::shared_ptr<const X> value, int slot) : tape_(&t), value_(std::move(value)), slot_(slot) {}
 

@@ -10,6 +10,10 @@
 #include <string_view>
 #include <type_traits>
 
+namespace Eigen {
+struct bfloat16;  // <Eigen/Core>; here only its name
+}
+
 namespace gshard {
 
 using index_t = std::ptrdiff_t;
@@ -17,10 +21,19 @@ using index_t = std::ptrdiff_t;
 inline constexpr int max_rank = 8;        // tensor dims a sharding can describe
 inline constexpr int max_mesh_axes = 6;   // axes a mesh can have
 
+// bfloat16: fp32's sign, exponent and top 7 mantissa bits. gshard stores
+// and sends it; every sum of bf16 numbers is taken in fp32 and rounded once.
+using bf16 = Eigen::bfloat16;
+
+// The type sums of T are taken in: fp32 for bf16 (rounded once, at the
+// end), T itself otherwise.
+template <class T>
+using sum_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+
 // The element types gshard moves and prints, in one table: a tensor's
 // printed type (f32[...]), its MPI datatype (runtime/mpi.hpp) and the checked mode's
 // comparison (runtime/debug.hpp) all read it.
-enum class element : std::uint8_t { f32 = 1, f64, i32, i64, u8, character, other };
+enum class element : std::uint8_t { f32 = 1, f64, i32, i64, u8, character, bf16, other };
 
 template <class T>
 constexpr element element_of() {
@@ -30,6 +43,7 @@ constexpr element element_of() {
   else if constexpr (std::is_same_v<T, std::int64_t>) return element::i64;
   else if constexpr (std::is_same_v<T, std::uint8_t>) return element::u8;
   else if constexpr (std::is_same_v<T, char>) return element::character;
+  else if constexpr (std::is_same_v<T, bf16>) return element::bf16;
   else return element::other;
 }
 
@@ -41,6 +55,7 @@ constexpr std::string_view name_of(element e) {
     case element::i64: return "i64";
     case element::u8: return "u8";
     case element::character: return "char";
+    case element::bf16: return "bf16";
     case element::other: break;
   }
   return "?";

@@ -60,15 +60,15 @@ inline labeled_view contiguous_view(std::string_view labels, const index_t* exte
   return v;
 }
 
-// dst = src with the labels dst lacks summed out and the rest permuted into
-// dst's order. dst must be contiguous; it is overwritten.
-template <class T>
-void sum_permute(const T* src, const labeled_view& sv, T* dst, const labeled_view& dv) {
+// dst = src with the labels dst lacks summed out (in dst's type) and the
+// rest permuted into dst's order. dst must be contiguous; it is overwritten.
+template <class S, class D>
+void sum_permute(const S* src, const labeled_view& sv, D* dst, const labeled_view& dv) {
   const index_t total = dv.size();
-  std::fill(dst, dst + total, T(0));
+  std::fill(dst, dst + total, D(0));
   if (sv.size() == 0) return;
   if (sv.rank == 0) {
-    dst[0] = src[0];
+    dst[0] = D(src[0]);
     return;
   }
   index_t dstride[max_rank];
@@ -82,20 +82,35 @@ void sum_permute(const T* src, const labeled_view& sv, T* dst, const labeled_vie
       so += pos[d] * sv.stride[d];
       doff += pos[d] * dstride[d];
     }
-    const T* s = src + so;
-    T* o = dst + doff;
+    const S* s = src + so;
+    D* o = dst + doff;
     if (ds == 0) {  // the innermost label is summed
-      T acc = T(0);
-      for (index_t i = 0; i < run; ++i) acc += s[i * ss];
+      D acc = D(0);
+      for (index_t i = 0; i < run; ++i) acc += D(s[i * ss]);
       *o += acc;
     } else if (ds == 1 && ss == 1) {
-      for (index_t i = 0; i < run; ++i) o[i] += s[i];
+      for (index_t i = 0; i < run; ++i) o[i] += D(s[i]);
     } else {
-      for (index_t i = 0; i < run; ++i) o[i * ds] += s[i * ss];
+      for (index_t i = 0; i < run; ++i) o[i * ds] += D(s[i * ss]);
     }
     int d = last - 1;
     while (d >= 0 && ++pos[d] == sv.extent[d]) pos[d--] = 0;
     if (d < 0) break;
+  }
+}
+
+// sum_permute with every sum taken in sum_t<T> and rounded once to T (bf16's
+// in fp32); a permutation that sums nothing copies directly.
+template <class T>
+void sum_permute_rounded(const T* src, const labeled_view& sv, T* dst, const labeled_view& dv) {
+  if constexpr (std::is_same_v<sum_t<T>, T>) {
+    sum_permute(src, sv, dst, dv);
+  } else {
+    if (sv.size() == dv.size()) return sum_permute(src, sv, dst, dv);
+    thread_local std::vector<sum_t<T>> acc;
+    acc.resize(std::size_t(dv.size()));
+    sum_permute(src, sv, acc.data(), dv);
+    std::transform(acc.begin(), acc.end(), dst, [](sum_t<T> x) { return T(x); });
   }
 }
 
@@ -119,11 +134,21 @@ inline bool merges(const labeled_view& v, const label_group& g, const labeled_vi
   return true;
 }
 
+// C (+)= op(A)·op(B): gemm, or for bf16 operands gemm_bf16 into an fp32 or bf16 C.
+template <class T, class C>
+void gemm_into(bool ta, bool tb, index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+               bool accumulate, C* c, index_t ldc) {
+  if constexpr (std::is_same_v<T, bf16>)
+    gemm_bf16<C>(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
+  else
+    gemm<T>(ta, tb, m, n, k, T(1), a, lda, b, ldb, accumulate ? T(1) : T(0), c, ldc);
+}
+
 // One strided GEMM, C(m×n) (+)= A(m×k)·B(k×n) with element strides; false
 // when no BLAS layout fits (then the caller copies).
-template <class T>
+template <class T, class C>
 bool strided_gemm(index_t m, index_t n, index_t k, const T* a, index_t a_m, index_t a_k, const T* b, index_t b_k,
-                  index_t b_n, T beta, T* c, index_t c_m, index_t c_n) {
+                  index_t b_n, bool accumulate, C* c, index_t c_m, index_t c_n) {
   // Which storage order fits a matrix (r×q) with strides (sr, sq): row-major
   // (returns ld) if sq is unit, transposed (sets trans) if sr is unit.
   auto fit = [](index_t r, index_t q, index_t sr, index_t sq, bool& trans, index_t& ld) {
@@ -144,10 +169,10 @@ bool strided_gemm(index_t m, index_t n, index_t k, const T* a, index_t a_m, inde
   if (!fit(m, n, c_m, c_n, tc, ldc)) return false;
   if (!tc) {  // C row-major: C = op(A)·op(B)
     if (!fit(m, k, a_m, a_k, ta, lda) || !fit(k, n, b_k, b_n, tb, ldb)) return false;
-    gemm<T>(ta, tb, m, n, k, T(1), a, lda, b, ldb, beta, c, ldc);
+    gemm_into(ta, tb, m, n, k, a, lda, b, ldb, accumulate, c, ldc);
   } else {  // C column-major: Cᵀ(n×m) = Bᵀ·Aᵀ
     if (!fit(n, k, b_n, b_k, tb, ldb) || !fit(k, m, a_k, a_m, ta, lda)) return false;
-    gemm<T>(tb, ta, n, m, k, T(1), b, ldb, a, lda, beta, c, ldc);
+    gemm_into(tb, ta, n, m, k, b, ldb, a, lda, accumulate, c, ldc);
   }
   return true;
 }
@@ -233,7 +258,7 @@ inline labeled_view grouped_view(const labeled_view& v, const label_group& L, co
 template <class T>
 void relayout(const T*& p, labeled_view& v, const labeled_view& to, std::vector<T>& buf) {
   buf.resize(std::size_t(to.size()));
-  sum_permute(p, v, buf.data(), to);
+  sum_permute_rounded(p, v, buf.data(), to);
   p = buf.data();
   v = to;
 }
@@ -248,9 +273,9 @@ inline bool blas_fits(index_t r, index_t q, index_t sr, index_t sq) { return r <
 // MoE layer's expert GEMMs into blocks of 256 rows to test between them
 // cost 10% of its forward + backward (bench_layers moe_layer, 733 against
 // 805-821 ms on an AVX-512 Xeon), more than it let the all_to_alls gain.
-template <class T>
+template <class T, class C>
 void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, const labeled_view& va, const T* b,
-                    const labeled_view& vb, T* c, const labeled_view& vc, bool accumulate) {
+                    const labeled_view& vb, C* c, const labeled_view& vc, bool accumulate) {
   const index_t m = group_size(g.M, va, vb), n = group_size(g.N, va, vb), k = group_size(g.K, va, vb);
   index_t loop_ext[max_rank], sa[max_rank], sb[max_rank], sc[max_rank];
   for (int i = 0; i < g.L.n; ++i) {
@@ -269,7 +294,7 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
       ob += pos[i] * sb[i];
       oc += pos[i] * sc[i];
     }
-    const bool ok = strided_gemm<T>(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate ? T(1) : T(0), c + oc, c_m, c_n);
+    const bool ok = strided_gemm(m, n, k, a + oa, a_m, a_k, b + ob, b_k, b_n, accumulate, c + oc, c_m, c_n);
     if (!ok) throw error("gshard::einsum: internal error: no GEMM layout for " + std::string(s.term(0)) + "," +
                          std::string(s.term(1)) + "->" + std::string(s.out_term()));
     progress();
@@ -279,14 +304,16 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
   }
 }
 
-// out (contiguous, spec.out term) = einsum of a (and b) over their labels.
+// out (contiguous, spec.out term) = einsum of a (and b) over their labels;
+// every sum taken in sum_t<T> (bf16's in fp32: the products in the GEMM's
+// accumulators, across the loop's GEMMs in an fp32 C) and rounded once.
 template <class T>
 void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const T* b, const index_t* b_ext, T* out,
                   const index_t* out_ext) {
   const labeled_view vo = contiguous_view(s.out_term(), out_ext);
   labeled_view va = contiguous_view(s.term(0), a_ext);
   if (s.nin == 1) {
-    sum_permute(a, va, out, vo);
+    sum_permute_rounded(a, va, out, vo);
     return;
   }
   labeled_view vb = contiguous_view(s.term(1), b_ext);
@@ -295,7 +322,7 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
     return;
   }
   // 1. Sum out the labels each input holds alone and the output lacks.
-  std::vector<T> a_red, b_red, a_copy, b_copy, c_tmp;
+  std::vector<T> a_red, b_red, a_copy, b_copy;
   if (const labeled_view r = without_alone_labels(va, vb, vo); r.rank != va.rank) relayout(a, va, r, a_red);
   if (const labeled_view r = without_alone_labels(vb, va, vo); r.rank != vb.rank) relayout(b, vb, r, b_red);
   // 2. The groups, with the labels that break a merge moved to the loop.
@@ -305,18 +332,19 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
   // no BLAS layout fits its strides; compute C into [loop.., M.., N..] likewise.
   if (!blas_fits(m, k, inner_stride(va, g.M), inner_stride(va, g.K))) relayout(a, va, grouped_view(va, g.L, g.M, g.K), a_copy);
   if (!blas_fits(k, n, inner_stride(vb, g.K), inner_stride(vb, g.N))) relayout(b, vb, grouped_view(vb, g.L, g.K, g.N), b_copy);
+  // 4. The GEMMs, accumulating when a contracting label loops (or k = 0) —
+  // in sum_t<T>: a bf16 C that accumulates is an fp32 buffer, rounded once.
+  const bool accumulate = g.k_in_loop || k == 0;
   const bool c_direct = blas_fits(m, n, inner_stride(vo, g.M), inner_stride(vo, g.N));
   const labeled_view vc = c_direct ? vo : grouped_view(vo, g.L, g.M, g.N);
-  T* c = out;
-  if (!c_direct) {
-    c_tmp.resize(std::size_t(vc.size()));
-    c = c_tmp.data();
+  if (c_direct && (std::is_same_v<sum_t<T>, T> || !accumulate)) {
+    if (accumulate) std::fill(out, out + vc.size(), T(0));
+    if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, out, vc, accumulate);
+    return;
   }
-  // 4. The GEMMs, accumulating when a contracting label loops (or k = 0).
-  const bool accumulate = g.k_in_loop || k == 0;
-  if (accumulate) std::fill(c, c + vc.size(), T(0));
-  if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, c, vc, accumulate);
-  if (!c_direct) sum_permute(c, vc, out, vo);
+  std::vector<sum_t<T>> c(std::size_t(vc.size()), sum_t<T>(0));
+  if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, c.data(), vc, accumulate);
+  sum_permute(c.data(), vc, out, vo);  // a permutation: one rounding to T per element
 }
 
 }  // namespace gshard::detail

@@ -4,6 +4,7 @@
 // a tensor dim) are in gshard/tensor/tensor_collectives.hpp.
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
@@ -105,14 +106,76 @@ namespace detail {
 inline MPI_Op mpi_op(reduction op) { return op == reduction::sum ? MPI_SUM : op == reduction::max ? MPI_MAX : MPI_MIN; }
 }  // namespace detail
 
+namespace detail {
+// Sums of bf16 numbers. MPI has no bf16 type and MPI_SUM on 16-bit words
+// adds them as integers; a ring would round its running sum at each of its
+// P-1 steps. So the group's P blocks of `chunk` elements travel as 16-bit
+// words in one all_to_all (the ring's bytes: (P-1)/P of the data per rank),
+// and each rank combines the P parts of its block in fp32, in group-rank
+// order, and rounds once — the same numbers on every rank: the fp32 sum's
+// error (at most (P-1)·2^-24 of the sum of magnitudes) and one rounding.
+template <class T>
+inline constexpr bool sums_in_fp32 = !std::is_same_v<sum_t<T>, T>;
+
+// out = the P parts (part p at parts + p·chunk) combined in fp32, rounded once.
+inline void combine_parts(const bf16* parts, std::size_t chunk, int P, reduction op, bf16* out) {
+  using bf16s = Eigen::Array<bf16, Eigen::Dynamic, 1>;
+  thread_local Eigen::ArrayXf acc;
+  const auto n = Eigen::Index(chunk);
+  acc = Eigen::Map<const bf16s>(parts, n).cast<float>();
+  for (int p = 1; p < P; ++p) {
+    const auto part = Eigen::Map<const bf16s>(parts + std::size_t(p) * chunk, n).cast<float>();
+    if (op == reduction::sum) acc += part;
+    else if (op == reduction::max) acc = acc.max(part);
+    else acc = acc.min(part);
+  }
+  Eigen::Map<bf16s>(out, n) = acc.cast<bf16>();
+}
+
+// recv (chunk elements) = block g.rank of the group's sum of send (P·chunk elements).
+inline void reduce_scatter_fp32(const axis_group& g, const bf16* send, bf16* recv, std::size_t chunk, reduction op) {
+  if (g.size == 1) {
+    std::copy(send, send + chunk, recv);
+    return;
+  }
+  thread_local std::vector<bf16> parts;
+  parts.resize(chunk * std::size_t(g.size));
+  const int n = mpi::count(chunk, "reduce_scatter");
+  mpi::check(MPI_Alltoall(send, n, mpi::datatype<bf16>(), parts.data(), n, mpi::datatype<bf16>(), g.comm), "MPI_Alltoall");
+  combine_parts(parts.data(), chunk, g.size, op, recv);
+}
+
+// out (count elements; may be send) = the group's sum of send: reduce_scatter_fp32
+// over blocks of ⌈count/P⌉ (the last padded), then an all_gather of the blocks.
+inline void all_reduce_fp32(const axis_group& g, const bf16* send, bf16* out, std::size_t count, reduction op) {
+  if (g.size == 1) {
+    std::copy(send, send + count, out);
+    return;
+  }
+  const std::size_t P = std::size_t(g.size), chunk = (count + P - 1) / P;
+  thread_local std::vector<bf16> padded, mine;
+  padded.assign(send, send + count);
+  padded.resize(chunk * P, bf16(0.0f));
+  mine.resize(chunk);
+  reduce_scatter_fp32(g, padded.data(), mine.data(), chunk, op);
+  const int n = mpi::count(chunk, "all_reduce");
+  mpi::check(MPI_Allgather(mine.data(), n, mpi::datatype<bf16>(), padded.data(), n, mpi::datatype<bf16>(), g.comm),
+             "MPI_Allgather");
+  std::copy(padded.begin(), padded.begin() + std::ptrdiff_t(count), out);
+}
+}  // namespace detail
+
 // x |-> the sum (or max, min) over the group of x, in place.
 template <class T>
 void all_reduce(const detail::axis_group& g, std::span<T> data, reduction op = reduction::sum) {
   const detail::timed_collective timed(
       collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()));
-  mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(),
-                           detail::mpi_op(op), g.comm),
-             "MPI_Allreduce");
+  if constexpr (detail::sums_in_fp32<T>)
+    detail::all_reduce_fp32(g, data.data(), data.data(), data.size(), op);
+  else
+    mpi::check(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi::count(data.size(), "all_reduce"), mpi::datatype<T>(),
+                             detail::mpi_op(op), g.comm),
+               "MPI_Allreduce");
 }
 
 // recv = sum over the group of send (out of place).
@@ -121,9 +184,12 @@ void all_reduce(const detail::axis_group& g, std::span<const T> send, std::span<
   detail::require_size(send.size() == recv.size(), "all_reduce", g, send.size(), recv.size());
   const detail::timed_collective timed(
       collective::all_reduce, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
-  mpi::check(MPI_Allreduce(send.data(), recv.data(), mpi::count(send.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
-                           g.comm),
-             "MPI_Allreduce");
+  if constexpr (detail::sums_in_fp32<T>)
+    detail::all_reduce_fp32(g, send.data(), recv.data(), send.size(), reduction::sum);
+  else
+    mpi::check(MPI_Allreduce(send.data(), recv.data(), mpi::count(send.size(), "all_reduce"), mpi::datatype<T>(), MPI_SUM,
+                             g.comm),
+               "MPI_Allreduce");
 }
 
 // recv = concat over group ranks r of send(r); recv.size() == send.size() * g.size.
@@ -180,15 +246,20 @@ void ring_reduce_scatter(const axis_group& g, const T* send, T* recv, std::size_
 }  // namespace detail
 
 // recv = block `g.rank` of the sum over group ranks of send; send.size() == recv.size() * g.size.
+// bf16: detail::reduce_scatter_fp32 (GSHARD_REDUCE_SCATTER does not apply).
 template <class T>
 void reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
   const detail::timed_collective timed(
       collective::reduce_scatter, g, send.size_bytes(), debug::type_code<T>(), std::int64_t(send.size()));
-  if (!detail::reduce_scatter_uses_mpi()) return detail::ring_reduce_scatter<T>(g, send.data(), recv.data(), recv.size());
-  mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
-                                      mpi::datatype<T>(), MPI_SUM, g.comm),
-             "MPI_Reduce_scatter_block");
+  if constexpr (detail::sums_in_fp32<T>)
+    detail::reduce_scatter_fp32(g, send.data(), recv.data(), recv.size(), reduction::sum);
+  else if (!detail::reduce_scatter_uses_mpi())
+    detail::ring_reduce_scatter<T>(g, send.data(), recv.data(), recv.size());
+  else
+    mpi::check(MPI_Reduce_scatter_block(send.data(), recv.data(), mpi::count(recv.size(), "reduce_scatter"),
+                                        mpi::datatype<T>(), MPI_SUM, g.comm),
+               "MPI_Reduce_scatter_block");
 }
 
 // Every rank of the group waits until all have arrived (timing, the trace's

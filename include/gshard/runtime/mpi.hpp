@@ -32,7 +32,7 @@ namespace gshard::mpi {
 template <class T>
 MPI_Datatype datatype() {
   constexpr element e = element_of<T>();
-  static_assert(e != element::other, "gshard::mpi: no MPI datatype for this element type; use float, double, int32, int64 or uint8");
+  static_assert(e != element::other, "gshard::mpi: no MPI datatype for this element type; use float, double, bf16, int32, int64 or uint8");
   switch (e) {
     case element::f32: return MPI_FLOAT;
     case element::f64: return MPI_DOUBLE;
@@ -40,6 +40,7 @@ MPI_Datatype datatype() {
     case element::i64: return MPI_INT64_T;
     case element::u8: return MPI_UINT8_T;
     case element::character: return MPI_CHAR;
+    case element::bf16: return MPI_UINT16_T;  // MPI has no bf16: 16-bit words, never summed by MPI
     case element::other: break;
   }
   return MPI_DATATYPE_NULL;

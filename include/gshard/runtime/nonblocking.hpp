@@ -254,6 +254,106 @@ class ring_in_flight final : public in_flight {
   int step_ = 0;
 };
 
+// A bf16 sum in flight, by point-to-point messages under a ring tag slot
+// (so it never depends on when another rank tests it, as a collective
+// posted late would): block j of the (padded) send goes to rank j; once all
+// P parts of this rank's block are in, they are added in fp32 in group-rank
+// order and rounded once — the blocking form's sum, to the bit — and for an
+// all_reduce this rank's block then goes to every rank. Every receive is
+// posted at the start: two messages from one rank with one tag arrive in
+// the order they were sent.
+class fp32_sum_in_flight final : public in_flight {
+ public:
+  // reduce_scatter: send holds P blocks of `count`/P elements, out one
+  // block; all_reduce: `count` elements from send (which may be out) into out.
+  fp32_sum_in_flight(collective kind, const axis_group& g, const bf16* send, std::size_t count, bf16* out)
+      : in_flight(kind, g, count * sizeof(bf16), debug::type_code<bf16>(), std::int64_t(count)),
+        g_(g), out_(out), count_(count), gathers_(kind == collective::all_reduce), slot_(int(sequence() % ring_tag_slots)) {
+    const std::size_t P = std::size_t(g.size), r = std::size_t(g.rank);
+    chunk_ = gathers_ ? (count + P - 1) / P : count / P;
+    for (std::vector<bf16>* b : {&parts_, &padded_, &result_}) {
+      if (b != &parts_ && !gathers_) continue;
+      if (auto& free = ring_buffers<bf16>(); !free.empty()) {
+        *b = std::move(free.back());
+        free.pop_back();
+      }
+    }
+    const bf16* from = send;
+    if (gathers_) {
+      padded_.assign(send, send + count);
+      padded_.resize(chunk_ * P, bf16(0.0f));
+      result_.resize(chunk_ * P);
+      from = padded_.data();
+    }
+    parts_.resize(chunk_ * P);
+    std::copy(from + r * chunk_, from + (r + 1) * chunk_, parts_.begin() + std::ptrdiff_t(r * chunk_));
+    in_flight*& owner = ring_tag_owners()[std::size_t(slot_)];
+    if (owner) owner->wait();
+    owner = this;
+    const int n = mpi::count(chunk_, gathers_ ? "all_reduce" : "reduce_scatter"), tag = ring_tag_base + slot_;
+    req_.reserve(4 * (P - 1));
+    for (std::size_t q = 0; q < P; ++q) {
+      if (q == r) continue;
+      mpi::check(MPI_Irecv(parts_.data() + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()), "MPI_Irecv");
+      mpi::check(MPI_Isend(from + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()), "MPI_Isend");
+    }
+    if (gathers_)
+      for (std::size_t q = 0; q < P; ++q)
+        if (q != r)
+          mpi::check(MPI_Irecv(result_.data() + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()),
+               "MPI_Irecv");
+  }
+  bool needs_own_test() const override { return true; }
+  ~fp32_sum_in_flight() override {
+    if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
+    for (std::vector<bf16>* b : {&parts_, &padded_, &result_})
+      if (b->capacity() > 0) ring_buffers<bf16>().push_back(std::move(*b));
+  }
+
+ private:
+  // Waits for (block) or tests requests [0, upto): true once they have ended.
+  bool ended(std::size_t upto, bool block) {
+    const int n = int(upto);
+    if (block) {
+      mpi::check(MPI_Waitall(n, req_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+      return true;
+    }
+    int flag = 0;
+    mpi::check(MPI_Testall(n, req_.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
+    return flag != 0;
+  }
+  bool advance(bool block) override {
+    const std::size_t P = std::size_t(g_.size), r = std::size_t(g_.rank);
+    if (!summed_) {
+      // The parts' receives and sends: the first 2(P-1) requests (the gather's receives follow).
+      if (!ended(2 * (P - 1), block)) return false;
+      combine_parts(parts_.data(), chunk_, g_.size, reduction::sum, gathers_ ? result_.data() + r * chunk_ : out_);
+      if (gathers_) {
+        const int n = int(chunk_), tag = ring_tag_base + slot_;
+        for (std::size_t q = 0; q < P; ++q)
+          if (q != r)
+            mpi::check(MPI_Isend(result_.data() + r * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g_.comm,
+                           &req_.emplace_back()),
+                 "MPI_Isend");
+      }
+      summed_ = true;
+    }
+    if (!gathers_) return true;
+    if (!ended(req_.size(), block)) return false;
+    std::copy(result_.begin(), result_.begin() + std::ptrdiff_t(count_), out_);
+    return true;
+  }
+
+  const axis_group& g_;
+  bf16* out_;
+  std::size_t count_, chunk_ = 0;
+  bool gathers_;
+  int slot_;
+  std::vector<bf16> parts_, padded_, result_;
+  std::vector<MPI_Request> req_;
+  bool summed_ = false;  // this rank's block is summed (and, for an all_reduce, on its way to every rank)
+};
+
 // Moves every collective this rank has in flight on, without blocking: one
 // MPI_Test of the oldest request (any MPI call moves all of MPI's
 // non-blocking operations on) and a test of each ring (which posts its next
@@ -342,14 +442,25 @@ collective_request start_request(collective kind, const axis_group& g, std::size
 }
 }  // namespace detail
 
-// x |-> the sum over the group of x, in place, started.
+// x |-> the sum over the group of x, in place, started (bf16: summed in fp32, as the blocking form).
 template <class T>
 collective_request start_all_reduce(const detail::axis_group& g, std::span<T> data) {
-  const int n = mpi::count(data.size(), "all_reduce");
-  return detail::start_request(collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(), std::int64_t(data.size()),
-                               "MPI_Iallreduce", [&](MPI_Request* q) {
-                                 return MPI_Iallreduce(MPI_IN_PLACE, data.data(), n, mpi::datatype<T>(), MPI_SUM, g.comm, q);
-                               });
+  if constexpr (detail::sums_in_fp32<T>) {
+    if (!g.sequence)  // every mesh group and world_group() has one
+      throw error("gshard::start_all_reduce: the group {" + g.label + "} keeps no sequence of its collectives, which "
+                  "its messages' tags come from");
+    (void)mpi::count(data.size() / std::size_t(g.size) + 1, "all_reduce");  // before it is counted
+    const detail::counted_scope scope;
+    auto op = std::make_unique<detail::fp32_sum_in_flight>(collective::all_reduce, g, data.data(), data.size(), data.data());
+    op->posted();
+    return collective_request(std::move(op));
+  } else {
+    const int n = mpi::count(data.size(), "all_reduce");
+    return detail::start_request(collective::all_reduce, g, data.size_bytes(), debug::type_code<T>(),
+                                 std::int64_t(data.size()), "MPI_Iallreduce", [&](MPI_Request* q) {
+                                   return MPI_Iallreduce(MPI_IN_PLACE, data.data(), n, mpi::datatype<T>(), MPI_SUM, g.comm, q);
+                                 });
+  }
 }
 
 // recv = concat over group ranks r of send(r), started.
@@ -380,11 +491,11 @@ collective_request start_all_to_all(const detail::axis_group& g, std::span<const
 
 // recv = block `g.rank` of the sum over group ranks of send, started. It is
 // gshard's ring, as the blocking form's (the same sums in the same order),
-// unless GSHARD_REDUCE_SCATTER=mpi.
+// unless GSHARD_REDUCE_SCATTER=mpi; bf16's is the blocking form's fp32 sum.
 template <class T>
 collective_request start_reduce_scatter(const detail::axis_group& g, std::span<const T> send, std::span<T> recv) {
   detail::require_size(send.size() == recv.size() * std::size_t(g.size), "reduce_scatter", g, send.size(), recv.size());
-  if (detail::reduce_scatter_uses_mpi()) {
+  if (!detail::sums_in_fp32<T> && detail::reduce_scatter_uses_mpi()) {
     const int n = mpi::count(recv.size(), "reduce_scatter");
     return detail::start_request(collective::reduce_scatter, g, send.size_bytes(), debug::type_code<T>(),
                                  std::int64_t(send.size()), "MPI_Ireduce_scatter_block", [&](MPI_Request* q) {
@@ -394,9 +505,14 @@ collective_request start_reduce_scatter(const detail::axis_group& g, std::span<c
   }
   if (!g.sequence)  // every mesh group and world_group() has one
     throw error("gshard::start_reduce_scatter: the group {" + g.label + "} keeps no sequence of its collectives, which "
-                "its ring's message tags come from");
+                "its messages' tags come from");
+  (void)mpi::count(recv.size(), "reduce_scatter");  // before it is counted
   const detail::counted_scope scope;
-  auto op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);
+  std::unique_ptr<detail::in_flight> op;
+  if constexpr (detail::sums_in_fp32<T>)
+    op = std::make_unique<detail::fp32_sum_in_flight>(collective::reduce_scatter, g, send.data(), send.size(), recv.data());
+  else
+    op = std::make_unique<detail::ring_in_flight<T>>(g, send, recv);
   op->posted();
   return collective_request(std::move(op));
 }

@@ -1,4 +1,4 @@
-// gshard/state/tensor_set.hpp — named sharded tensors of any types, in
+// gshard/state/tensor_set.hpp — named sharded tensors of float or double, in
 // declaration order, walked without their types: a model's parameters,
 // their gradients, optimizer moments and buffers. Each entry gives its
 // shard's bytes, its replication and its global bytes (gathered to rank 0,
@@ -104,7 +104,7 @@ class set_entry_of final : public set_entry {
 
 }  // namespace detail
 
-// Named sharded tensors of any types, in the order they were added; the
+// Named sharded tensors of float or double, in the order they were added; the
 // names are unique. Parameters, gradients and optimizer moments are
 // tensor_sets with the same names, walked in the same order; a gradient or
 // moment has its parameter's type, or is held in the parameter's update
@@ -120,6 +120,9 @@ class tensor_set {
   template <class X>
     requires sharded_tensor<X>
   X& add(std::string name, X value) {
+    static_assert(std::is_same_v<typename X::value_type, float> || std::is_same_v<typename X::value_type, double>,
+                  "gshard::tensor_set: the tensors are float or double (parameters, gradients, optimizer state and "
+                  "checkpoints keep fp32 or f64; a bf16 tensor is a working copy of one)");
     if (index_.count(name))
       throw error("gshard::tensor_set: the name '" + name + "' is declared twice (first as " +
                   entries_[index_.at(name)]->notation() + ", now as " + value.notation() + ")");

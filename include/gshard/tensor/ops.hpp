@@ -314,6 +314,8 @@ std::remove_cvref_t<X> softmax(X&& x) {
   using Y = std::remove_cvref_t<X>;
   using T = typename Y::value_type;
   static_assert(!detail::has_pending_sums<Y>(), "gshard::softmax: the tensor has pending sums; all_reduce it first");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
+                "gshard::softmax: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   static_assert(!detail::last_dim_split<Y>(), "gshard::softmax: the last dim is split; softmax needs it whole on each rank");
   Y out = std::forward<X>(x);
   const index_t n = Y::rank ? out.local().dimension(Y::rank - 1) : 1;
@@ -327,6 +329,8 @@ std::remove_cvref_t<X> softmax(X&& x) {
 template <sharded_tensor DY, sharded_tensor Y>
 DY softmax_backward(DY dy, const Y& y) {
   static_assert(detail::same_shards<DY, Y>(), "gshard::softmax_backward: dy and y are sharded differently");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
+                "gshard::softmax: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   const index_t n = DY::rank ? dy.local().dimension(DY::rank - 1) : 1;
   if (n == 0) return dy;
   auto* g = dy.data();
@@ -364,6 +368,8 @@ std::remove_cvref_t<X> causal_softmax(X&& x, double scale = 1.0) {
   static_assert(Y::resolved.dims[Y::rank - 1].n == 0 && Y::resolved.dims[Y::rank - 2].n == 0,
                 "gshard::causal_softmax: the last two dims are split; the mask needs them whole on each rank");
   static_assert(!detail::has_pending_sums<Y>(), "gshard::causal_softmax: the tensor has pending sums; all_reduce it first");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
+                "gshard::softmax: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   Y out = std::forward<X>(x);
   T* p = out.data();
   detail::causal_rows(out.local_extents(), [&](index_t at, index_t kept, index_t n) {
@@ -378,6 +384,8 @@ std::remove_cvref_t<X> causal_softmax(X&& x, double scale = 1.0) {
 template <sharded_tensor DY, sharded_tensor Y>
 DY causal_softmax_backward(DY dy, const Y& y, double scale) {
   static_assert(detail::same_shards<DY, Y>(), "gshard::causal_softmax_backward: dy and y are sharded differently");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
+                "gshard::softmax: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   using T = typename DY::value_type;
   T* g = dy.data();
   const T* p = y.data();
@@ -398,6 +406,8 @@ std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
   using Y = std::remove_cvref_t<X>;
   using T = typename Y::value_type;
   static_assert(!detail::has_pending_sums<Y>(), "gshard::rms_norm: the tensor has pending sums; all_reduce it first");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
+                "gshard::rms_norm: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   static_assert(!detail::last_dim_split<Y>(), "gshard::rms_norm: the last dim is split; the norm needs it whole on each rank");
   Y out = std::forward<X>(x);
   const index_t n = out.local().dimension(Y::rank - 1);
@@ -424,6 +434,8 @@ std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
 template <sharded_tensor DY, sharded_tensor X, class Scale>
 DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_type* ds, double eps = 1e-6) {
   static_assert(detail::same_shards<DY, X>(), "gshard::rms_norm_backward: dy and x are sharded differently");
+  static_assert(std::is_floating_point_v<typename std::remove_cvref_t<X>::value_type>,
+                "gshard::rms_norm: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
   using T = typename X::value_type;
   const index_t n = x.local().dimension(X::rank - 1);
   if (n == 0) return dy;

@@ -58,9 +58,10 @@ around_dim shard_around(const X& x) {
 }
 
 // The local shard [outer, n, inner] reduced over n with op (first, then
-// op(acc, v)); `init` for an empty n.
-template <class X, int Dim, class Y, class Op>
-Y reduce_local(const X& x, typename X::value_type init, Op op) {
+// op(acc, v)), accumulated in A and rounded once to the element type;
+// `init` for an empty n.
+template <class X, int Dim, class Y, class A, class Op>
+Y reduce_local(const X& x, A init, Op op) {
   using T = typename X::value_type;
   typename Y::extents_type out{};
   for (int d = 0, o = 0; d < X::rank; ++d)
@@ -71,9 +72,9 @@ Y reduce_local(const X& x, typename X::value_type init, Op op) {
   const T* px = x.data();
   for (index_t o = 0; o < outer; ++o)
     for (index_t i = 0; i < inner; ++i) {
-      T acc = init;
+      A acc = init;
       for (index_t k = 0; k < n; ++k) acc = op(acc, px[(o * n + k) * inner + i]);
-      py[o * inner + i] = acc;
+      py[o * inner + i] = T(acc);
     }
   return y;
 }
@@ -87,7 +88,7 @@ auto reduce_extreme(const X& x) {
   const T init = std::numeric_limits<T>::has_infinity ? (is_max ? -std::numeric_limits<T>::infinity()
                                                                 : std::numeric_limits<T>::infinity())
                                                       : (is_max ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max());
-  Y y = reduce_local<X, Dim, Y>(x, init, [](T a, T v) { return is_max ? (v > a ? v : a) : (v < a ? v : a); });
+  Y y = reduce_local<X, Dim, Y, T>(x, init, [](T a, T v) { return is_max ? (v > a ? v : a) : (v < a ? v : a); });
   if constexpr (info::axes != 0) all_reduce(x.mesh().group(info::axes), std::span<T>(y.data(), std::size_t(y.local().size())), R);
   return y;
 }
@@ -108,13 +109,15 @@ auto reduce_min(const X& x) {
   return detail::reduce_extreme<Dim, reduction::min>(x);
 }
 
-// sum over dim Dim: no communication; where Dim is split, the result holds
-// pending sums over its axes (all_reduce<"axis">(s) settles them).
+// sum over dim Dim (in sum_t: bf16's in fp32, rounded once): no
+// communication; where Dim is split, the result holds pending sums over its
+// axes (all_reduce<"axis">(s) settles them).
 template <int Dim, sharded_tensor X>
 auto reduce_sum(const X& x) {
   using T = typename X::value_type;
+  using A = sum_t<T>;
   using Y = typename detail::reduced<X, Dim, true>::type;
-  return detail::reduce_local<X, Dim, Y>(x, T(0), [](T a, T v) { return a + v; });
+  return detail::reduce_local<X, Dim, Y, A>(x, A(0), [](A a, T v) { return a + A(v); });
 }
 
 }  // namespace gshard
