@@ -8,6 +8,9 @@
 // Counters: mpi_us (raw call), gshard/mpi, tensor/mpi. The tensor form works
 // on an lvalue and allocates its result; its all_reduce is therefore out of
 // place and is compared with MPI_Allreduce into another buffer.
+// bf16_all_reduce, bf16_reduce_scatter: the same element count in fp32 (raw
+// MPI and gshard) and in bf16 (gshard's all_to_all and fp32 sum, half the
+// bytes); counters f32/mpi and bf16/mpi.
 #include <gshard/gshard.hpp>
 
 #include <functional>
@@ -84,12 +87,41 @@ void bench(benchmark::State& state, collective kind) {
   state.SetBytesProcessed(state.iterations() * std::int64_t(n * sizeof(float)));
 }
 
+// The sums of n elements per rank: MPI's fp32, gshard's fp32 and gshard's bf16.
+void bench_bf16(benchmark::State& state, collective kind) {
+  const flat& m = gshard::bench::world_mesh<flat>();
+  const auto& g = m.group<"x">();
+  const std::size_t n = std::size_t(state.range(0)) / sizeof(float), out = kind == collective::all_reduce ? n : n / std::size_t(g.size);
+  std::vector<float> send(n, 1.0f), recv(out);
+  std::vector<bf16> send16(n, bf16(1.0f)), recv16(out);
+  std::function<void()> raw, f32, b16;
+  if (kind == collective::all_reduce) {
+    raw = [&] { MPI_Allreduce(send.data(), recv.data(), int(n), MPI_FLOAT, MPI_SUM, g.comm); };
+    f32 = [&] { all_reduce<float>(g, send, recv); };
+    b16 = [&] { all_reduce<bf16>(g, send16, recv16); };
+  } else {
+    raw = [&] { MPI_Reduce_scatter_block(send.data(), recv.data(), int(out), MPI_FLOAT, MPI_SUM, g.comm); };
+    f32 = [&] { reduce_scatter<float>(g, send, recv); };
+    b16 = [&] { reduce_scatter<bf16>(g, send16, recv16); };
+  }
+  const auto c = gshard::bench::compare(state, {raw, f32, b16}, 1);
+  state.counters["mpi_us"] = 1e6 * c.median_time[0];
+  state.counters["f32/mpi"] = c.median_ratio[1];
+  state.counters["bf16/mpi"] = c.median_ratio[2];
+  state.SetBytesProcessed(state.iterations() * std::int64_t(n * sizeof(float)));
+}
+
 const int registered = [] {
   for (collective kind : {collective::all_reduce, collective::all_gather, collective::reduce_scatter,
                           collective::all_to_all, collective::permute, collective::broadcast}) {
     auto* b = benchmark::RegisterBenchmark(std::string(name_of(kind)).c_str(), bench, kind);
     b->UseManualTime()->Unit(benchmark::kMicrosecond);
     for (std::int64_t bytes = 4 << 10; bytes <= (64 << 20); bytes *= 4) b->Arg(bytes);
+  }
+  for (collective kind : {collective::all_reduce, collective::reduce_scatter}) {
+    auto* b = benchmark::RegisterBenchmark(("bf16_" + std::string(name_of(kind))).c_str(), bench_bf16, kind);
+    b->UseManualTime()->Unit(benchmark::kMicrosecond);
+    for (std::int64_t bytes = 64 << 10; bytes <= (64 << 20); bytes *= 16) b->Arg(bytes);
   }
   return 0;
 }();
