@@ -153,15 +153,19 @@ inline void all_reduce_fp32(const axis_group& g, const bf16* send, bf16* out, st
     return;
   }
   const std::size_t P = std::size_t(g.size), chunk = (count + P - 1) / P;
+  const bool whole = chunk * P == count;  // no padding: the blocks straight from send, into out
   thread_local std::vector<bf16> padded, mine;
-  padded.assign(send, send + count);
-  padded.resize(chunk * P, bf16(0.0f));
+  if (!whole) {
+    padded.assign(send, send + count);
+    padded.resize(chunk * P, bf16(0.0f));
+  }
   mine.resize(chunk);
-  reduce_scatter_fp32(g, padded.data(), mine.data(), chunk, op);
+  reduce_scatter_fp32(g, whole ? send : padded.data(), mine.data(), chunk, op);
   const int n = mpi::count(chunk, "all_reduce");
-  mpi::check(MPI_Allgather(mine.data(), n, mpi::datatype<bf16>(), padded.data(), n, mpi::datatype<bf16>(), g.comm),
+  mpi::check(MPI_Allgather(mine.data(), n, mpi::datatype<bf16>(), whole ? out : padded.data(), n, mpi::datatype<bf16>(),
+                           g.comm),
              "MPI_Allgather");
-  std::copy(padded.begin(), padded.begin() + std::ptrdiff_t(count), out);
+  if (!whole) std::copy(padded.begin(), padded.begin() + std::ptrdiff_t(count), out);
 }
 }  // namespace detail
 

@@ -268,7 +268,8 @@ class fp32_sum_in_flight final : public in_flight {
   // block; all_reduce: `count` elements from send (which may be out) into out.
   fp32_sum_in_flight(collective kind, const axis_group& g, const bf16* send, std::size_t count, bf16* out)
       : in_flight(kind, g, count * sizeof(bf16), debug::type_code<bf16>(), std::int64_t(count)),
-        g_(g), out_(out), count_(count), gathers_(kind == collective::all_reduce), slot_(int(sequence() % ring_tag_slots)) {
+        g_(g), out_(out), count_(count), gathers_(kind == collective::all_reduce),
+        slot_(int(sequence() % ring_tag_slots)) {
     const std::size_t P = std::size_t(g.size), r = std::size_t(g.rank);
     chunk_ = gathers_ ? (count + P - 1) / P : count / P;
     for (std::vector<bf16>* b : {&parts_, &padded_, &result_}) {
@@ -292,16 +293,16 @@ class fp32_sum_in_flight final : public in_flight {
     owner = this;
     const int n = mpi::count(chunk_, gathers_ ? "all_reduce" : "reduce_scatter"), tag = ring_tag_base + slot_;
     req_.reserve(4 * (P - 1));
+    const MPI_Datatype type = mpi::datatype<bf16>();
     for (std::size_t q = 0; q < P; ++q) {
       if (q == r) continue;
-      mpi::check(MPI_Irecv(parts_.data() + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()), "MPI_Irecv");
-      mpi::check(MPI_Isend(from + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()), "MPI_Isend");
+      mpi::check(MPI_Irecv(parts_.data() + q * chunk_, n, type, int(q), tag, g.comm, &req_.emplace_back()), "MPI_Irecv");
+      mpi::check(MPI_Isend(from + q * chunk_, n, type, int(q), tag, g.comm, &req_.emplace_back()), "MPI_Isend");
     }
     if (gathers_)
       for (std::size_t q = 0; q < P; ++q)
         if (q != r)
-          mpi::check(MPI_Irecv(result_.data() + q * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g.comm, &req_.emplace_back()),
-               "MPI_Irecv");
+          mpi::check(MPI_Irecv(result_.data() + q * chunk_, n, type, int(q), tag, g.comm, &req_.emplace_back()), "MPI_Irecv");
   }
   bool needs_own_test() const override { return true; }
   ~fp32_sum_in_flight() override {
@@ -333,8 +334,8 @@ class fp32_sum_in_flight final : public in_flight {
         for (std::size_t q = 0; q < P; ++q)
           if (q != r)
             mpi::check(MPI_Isend(result_.data() + r * chunk_, n, mpi::datatype<bf16>(), int(q), tag, g_.comm,
-                           &req_.emplace_back()),
-                 "MPI_Isend");
+                                 &req_.emplace_back()),
+                       "MPI_Isend");
       }
       summed_ = true;
     }
