@@ -189,6 +189,26 @@ std::vector<std::vector<T>>& ring_buffers() {
   thread_local std::vector<std::vector<T>> free;
   return free;
 }
+// A kept buffer (empty when none is kept), and one given back.
+template <class T>
+std::vector<T> take_buffer() {
+  auto& free = ring_buffers<T>();
+  if (free.empty()) return {};
+  std::vector<T> b = std::move(free.back());
+  free.pop_back();
+  return b;
+}
+template <class T>
+void give_back(std::vector<T>& b) {
+  if (b.capacity() > 0) ring_buffers<T>().push_back(std::move(b));
+}
+
+// The tags of a started collective's messages come from its group's sequence.
+inline void require_sequence(const axis_group& g, const char* op) {
+  if (!g.sequence)  // every mesh group and world_group() has one
+    throw error(std::string("gshard::") + op + ": the group {" + g.label + "} keeps no sequence of its collectives, which "
+                "its messages' tags come from");
+}
 
 // gshard's ring reduce-scatter (collectives.hpp's), one exchange at a time:
 // P-1 exchanges with the neighbours, each posted when the one before has
@@ -203,11 +223,7 @@ class ring_in_flight final : public in_flight {
       std::copy(send.begin(), send.end(), recv.begin());
       return;
     }
-    auto& free = ring_buffers<T>();
-    if (!free.empty()) {
-      incoming_ = std::move(free.back());
-      free.pop_back();
-    }
+    incoming_ = take_buffer<T>();
     incoming_.resize(chunk_);
     in_flight*& owner = ring_tag_owners()[std::size_t(slot_)];
     if (owner) owner->wait();
@@ -218,7 +234,7 @@ class ring_in_flight final : public in_flight {
   bool needs_own_test() const override { return true; }
   ~ring_in_flight() override {
     if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
-    if (incoming_.capacity() > 0) ring_buffers<T>().push_back(std::move(incoming_));
+    give_back(incoming_);
   }
 
  private:
@@ -272,15 +288,11 @@ class fp32_sum_in_flight final : public in_flight {
         slot_(int(sequence() % ring_tag_slots)) {
     const std::size_t P = std::size_t(g.size), r = std::size_t(g.rank);
     chunk_ = gathers_ ? (count + P - 1) / P : count / P;
-    for (std::vector<bf16>* b : {&parts_, &padded_, &result_}) {
-      if (b != &parts_ && !gathers_) continue;
-      if (auto& free = ring_buffers<bf16>(); !free.empty()) {
-        *b = std::move(free.back());
-        free.pop_back();
-      }
-    }
+    parts_ = take_buffer<bf16>();
     const bf16* from = send;
     if (gathers_) {
+      padded_ = take_buffer<bf16>();
+      result_ = take_buffer<bf16>();
       padded_.assign(send, send + count);
       padded_.resize(chunk_ * P, bf16(0.0f));
       result_.resize(chunk_ * P);
@@ -307,8 +319,7 @@ class fp32_sum_in_flight final : public in_flight {
   bool needs_own_test() const override { return true; }
   ~fp32_sum_in_flight() override {
     if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
-    for (std::vector<bf16>* b : {&parts_, &padded_, &result_})
-      if (b->capacity() > 0) ring_buffers<bf16>().push_back(std::move(*b));
+    for (std::vector<bf16>* b : {&parts_, &padded_, &result_}) give_back(*b);
   }
 
  private:
@@ -447,9 +458,7 @@ collective_request start_request(collective kind, const axis_group& g, std::size
 template <class T>
 collective_request start_all_reduce(const detail::axis_group& g, std::span<T> data) {
   if constexpr (detail::sums_in_fp32<T>) {
-    if (!g.sequence)  // every mesh group and world_group() has one
-      throw error("gshard::start_all_reduce: the group {" + g.label + "} keeps no sequence of its collectives, which "
-                  "its messages' tags come from");
+    detail::require_sequence(g, "start_all_reduce");
     (void)mpi::count(data.size() / std::size_t(g.size) + 1, "all_reduce");  // before it is counted
     const detail::counted_scope scope;
     auto op = std::make_unique<detail::fp32_sum_in_flight>(collective::all_reduce, g, data.data(), data.size(), data.data());
@@ -504,9 +513,7 @@ collective_request start_reduce_scatter(const detail::axis_group& g, std::span<c
                                                                     g.comm, q);
                                  });
   }
-  if (!g.sequence)  // every mesh group and world_group() has one
-    throw error("gshard::start_reduce_scatter: the group {" + g.label + "} keeps no sequence of its collectives, which "
-                "its messages' tags come from");
+  detail::require_sequence(g, "start_reduce_scatter");
   (void)mpi::count(recv.size(), "reduce_scatter");  // before it is counted
   const detail::counted_scope scope;
   std::unique_ptr<detail::in_flight> op;
