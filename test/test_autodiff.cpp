@@ -88,6 +88,59 @@ auto against(tape& t, const V& y, std::uint64_t seed) {
 }
 }  // namespace
 
+TEST_CASE("autodiff: each gradient rule multiplies in the matmul_precision its forward ran in", "[autodiff][bf16]") {
+  // ab = a·b runs in bf16, (ab)·c in fp32; the backward runs under the
+  // opposite setting, or none. Every GEMM of ab's rule has the extent 16
+  // (j) as a row or column count, none of (ab)·c's does.
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  const bool native = detail::gemm_bf16_native();
+  auto run = [&](bool mixed, bool backward_in_bf16) {
+    parameters ps(m, 1);
+    param<tensor<float, 2, grid1, rows>> a(ps, "a", {8 * P, 16}, init::normal(1.0));
+    param<tensor<float, 2, grid1, replicate>> b(ps, "b", {16, 12}, init::normal(1.0));
+    param<tensor<float, 2, grid1, replicate>> c(ps, "c", {12, 8}, init::normal(1.0));
+    tape t(ps);
+    auto ab = [&] {
+      const matmul_precision_scope s(mixed ? matmul_precision::bf16 : matmul_precision::f32);
+      return einsum<"ij,jk->ik">(t.use(a), b);
+    }();
+    auto abc = einsum<"ik,kl->il">(ab, c);
+    auto loss = all_reduce<"x">(einsum<"il,il->">(abc, abc));
+    gemm_recorder rec;
+    {
+      const matmul_precision_scope s(backward_in_bf16 ? matmul_precision::bf16 : matmul_precision::f32);
+      t.backward(loss);
+    }
+    int ab_rule = 0, abc_rule = 0;
+    for (const gemm_call& g : rec.calls()) {
+      const bool of_ab = g.m == 16 || g.n == 16;
+      INFO("GEMM " << g.m << "x" << g.n << "x" << g.k << ", " << g.element_bytes << " bytes");
+      GSHARD_REQUIRE(g.element_bytes == (of_ab && mixed && native ? 2 : 4));
+      ++(of_ab ? ab_rule : abc_rule);
+    }
+    GSHARD_REQUIRE(ab_rule == 2);   // da, db
+    GSHARD_REQUIRE(abc_rule >= 2);  // d(ab), dc
+    return std::array{gather(a.grad()), gather(b.grad()), gather(c.grad())};
+  };
+  const auto f32 = run(false, false);
+  for (const bool backward_in_bf16 : {false, true}) {
+    const auto bf16 = run(true, backward_in_bf16);
+    // Where the GEMMs round, within a few bf16 roundings (2^-8) of the fp32
+    // gradient's scale; where they cannot, the fp32 gradient to the bit.
+    for (std::size_t i = 0; i < f32.size(); ++i) {
+      double worst = 0, scale = 0;
+      for (index_t e = 0; e < f32[i].size(); ++e) {
+        worst = std::max(worst, double(std::abs(f32[i].data()[e] - bf16[i].data()[e])));
+        scale = std::max(scale, double(std::abs(f32[i].data()[e])));
+      }
+      INFO("gradient " << i << ": worst difference " << worst << " of " << scale);
+      if (native) GSHARD_REQUIRE((worst > 0 && worst < 4 * 0x1p-8 * scale));
+      else GSHARD_REQUIRE(worst == 0);
+    }
+  }
+}
+
 TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finite differences", "[autodiff][grad]") {
   const int P = world_size();
   grid1 m(MPI_COMM_WORLD);

@@ -565,6 +565,72 @@ TEST_CASE("GEMM backends: each gives the product for every transpose, leading di
   GSHARD_REQUIRE(rec.calls().size() == 1 && rec.calls()[0].element_bytes == 2 && y[4] == 4.0f);
 }
 
+TEST_CASE("matmul_precision bf16: fp32 GEMMs multiply their operands rounded to bf16 on bf16 units, else in fp32",
+          "[einsum][gemm][bf16]") {
+  using detail::gemm_kind;
+  const int chosen = detail::options().gemm;
+  std::uint64_t seed = 7;
+  auto value = [&seed] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
+  };
+  GSHARD_REQUIRE(current_matmul_precision() == matmul_precision::f32);  // unless set
+  const index_t m = 19, n = 23, k = 37;
+  for (const gemm_kind kind : detail::gemm_kinds())
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true}) {
+        detail::options().gemm = int(kind);
+        INFO(detail::gemm_name(kind) << (ta ? " A^T" : "") << (tb ? " B^T" : ""));
+        // C (m×n) += op(A)·op(B), every matrix with padded rows.
+        const index_t ra = ta ? k : m, ca = ta ? m : k, rb = tb ? n : k, cb = tb ? k : n;
+        const index_t lda = ca + 3, ldb = cb + 2, ldc = n + 1;
+        std::vector<float> a(std::size_t(ra * lda)), b(std::size_t(rb * ldb)), c0(std::size_t(m * ldc));
+        for (float& x : a) x = value();
+        for (float& x : b) x = value();
+        for (float& x : c0) x = value();
+        const std::vector<Eigen::bfloat16> a16(a.begin(), a.end()), b16(b.begin(), b.end());
+        std::vector<float> f32 = c0, bf16 = c0, rounded = c0;
+        detail::gemm<float>(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, f32.data(), ldc);
+        std::vector<gemm_call> calls;
+        {
+          gemm_recorder rec;
+          const matmul_precision_scope outer(matmul_precision::bf16);
+          {
+            const matmul_precision_scope inner(matmul_precision::f32);
+            GSHARD_REQUIRE(current_matmul_precision() == matmul_precision::f32);
+          }
+          GSHARD_REQUIRE(current_matmul_precision() == matmul_precision::bf16);  // the inner scope gave it back
+          detail::gemm<float>(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, bf16.data(), ldc);
+          // double is never rounded
+          std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end()), cd(std::size_t(m * ldc)), cf(cd.size());
+          detail::gemm<double>(ta, tb, m, n, k, 1.0, ad.data(), lda, bd.data(), ldb, 0.0, cd.data(), ldc);
+          const matmul_precision_scope off(matmul_precision::f32);
+          detail::gemm<double>(ta, tb, m, n, k, 1.0, ad.data(), lda, bd.data(), ldb, 0.0, cf.data(), ldc);
+          GSHARD_REQUIRE(cd == cf);
+          calls = rec.calls();
+        }
+        GSHARD_REQUIRE(current_matmul_precision() == matmul_precision::f32);
+        detail::gemm_bf16<float>(ta, tb, m, n, k, 0.5f, a16.data(), lda, b16.data(), ldb, 1.0f, rounded.data(), ldc);
+        // On bf16 units: the product of the rounded operands, to the bit,
+        // recorded as a 2-byte GEMM; the padding between C's rows untouched.
+        // Elsewhere: the fp32 GEMM's, unrounded.
+        const bool native = detail::gemm_bf16_native();
+        GSHARD_REQUIRE(bf16 == (native ? rounded : f32));
+        GSHARD_REQUIRE(calls.size() == 3);
+        GSHARD_REQUIRE(calls[0].element_bytes == (native ? 2 : 4));
+        GSHARD_REQUIRE(calls[1].element_bytes == 8);
+        bool pads = true;
+        for (index_t i = 0; i < m; ++i) pads = pads && bf16[std::size_t(i * ldc + n)] == c0[std::size_t(i * ldc + n)];
+        GSHARD_REQUIRE(pads);
+        if (native) {  // the rounding shows: some element moved (the operands have 24 significant bits)
+          double moved = 0;
+          for (std::size_t i = 0; i < f32.size(); ++i) moved = std::max(moved, double(std::abs(f32[i] - bf16[i])));
+          GSHARD_REQUIRE(moved > 1e-4);
+        }
+      }
+  detail::options().gemm = chosen;
+}
+
 TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {
   using grid = mesh<axis<"x">>;
   grid m(MPI_COMM_WORLD);

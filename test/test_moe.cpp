@@ -424,6 +424,37 @@ TEST_CASE("MoE layer: every mesh reproduces the 1-rank result with two all_to_al
   GSHARD_REQUIRE(meshes == (P == 4 || P == 8 ? 5 : P == 2 ? 4 : 3));
 }
 
+TEST_CASE("MoE layer under matmul_precision bf16: the router is fp32's to the bit; the experts' GEMMs round", "[moe][layer][bf16]") {
+  const int P = world_size();
+  const index_t G = 2 * P, S = 16, M = 16, H = 24, E = P == 3 ? 6 : 8;
+  const moe::gating_config cfg;
+  grid3 m(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P));
+  using at_tokens = moe::layer<float, grid3>::at_tokens;
+  auto run = [&](matmul_precision p) {
+    const matmul_precision_scope s(p);
+    parameters ps(m, 42);
+    const moe::layer<float, grid3> layer(ps, "moe.", M, H, E);
+    named<float, "GSM", grid3, at_tokens> x(m, {G, S, M});
+    fill_normal(x, 1.0, 7, 99);
+    tape t(ps, tape::no_grad);
+    auto out = layer(t.constant(x), cfg, 3);
+    return std::pair{gather(out.y.value()), out.route};
+  };
+  const auto [y32, r32] = run(matmul_precision::f32);
+  const auto [y16, r16] = run(matmul_precision::bf16);
+  GSHARD_REQUIRE(r16->gates == r32->gates);  // the softmax of the same fp32 logits
+  GSHARD_REQUIRE((r16->expert == r32->expert && r16->slot == r32->slot && r16->weight == r32->weight));
+  double worst = 0, scale = 0;
+  for (index_t i = 0; i < y32.size(); ++i) {
+    worst = std::max(worst, double(std::abs(y32.data()[i] - y16.data()[i])));
+    scale = std::max(scale, double(std::abs(y32.data()[i])));
+  }
+  INFO("bf16 GEMMs " << (detail::gemm_bf16_native() ? "on bf16 units" : "not here") << ": worst difference " << worst
+                     << " of " << scale);
+  if (detail::gemm_bf16_native()) GSHARD_REQUIRE((worst > 0 && worst < 0x1p-6 * scale));
+  else GSHARD_REQUIRE(worst == 0);
+}
+
 TEST_CASE("routing variants: top-k, dropless, shared experts and bias balancing reproduce the 1-rank result", "[moe][layer][variants]") {
   const int P = world_size();
   const index_t G = 4 * P, S = 24, M = 16, H = 24;

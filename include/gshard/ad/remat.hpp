@@ -102,12 +102,12 @@ auto remat(F f, const var<X>&... inputs) {
     if (!any) return;  // no gradient reaches f's outputs
     std::optional<trace::span> span;
     if (trace::enabled()) span.emplace("recompute", "backward");
-    std::vector<std::function<void()>> rules;
+    std::vector<tape::rule> rules;
     struct recompute {
       tape& t;
-      std::vector<std::function<void()>>* saved;
+      std::vector<tape::rule>* saved;
       detail::recomputing_flops flops;
-      recompute(tape& tp, std::vector<std::function<void()>>& into) : t(tp), saved(tp.recording_into_) {
+      recompute(tape& tp, std::vector<tape::rule>& into) : t(tp), saved(tp.recording_into_) {
         ++t.recomputing_;
         t.recording_into_ = &into;
       }
@@ -126,8 +126,7 @@ auto remat(F f, const var<X>&... inputs) {
       if (dy && v2.tracked()) t.slot<V>(v2.slot()).add(std::move(*dy));
     });
     for (std::size_t i = rules.size(); i-- > 0;) {
-      rules[i]();
-      rules[i] = nullptr;
+      rules[i].run();  // each in its own forward's precision: the router's in fp32 within a bf16 block
       detail::progress_in_flight();  // as between the tape's own rules
     }
   });

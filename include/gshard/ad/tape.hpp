@@ -256,8 +256,11 @@ class tape {
     return {*this, std::make_shared<X>(std::move(value)), id};  // not const: take_value may move it
   }
 
-  // A gradient rule, run once during the backward (after every rule recorded later).
-  void record(std::function<void()> rule) { recording_into_->push_back(std::move(rule)); }
+  // A gradient rule, run once during the backward (after every rule recorded
+  // later), with the matmul_precision its forward ran with.
+  void record(std::function<void()> rule) {
+    recording_into_->push_back({std::move(rule), current_matmul_precision()});
+  }
 
   template <class X>
   detail::slot_of<X>& slot(int id) {
@@ -298,8 +301,7 @@ class tape {
     for (std::size_t i = rules_.size(); i-- > 0;) {
       finish_complete(i + 1);
       running_rule_ = i;
-      rules_[i]();
-      rules_[i] = nullptr;  // frees what the rule kept
+      rules_[i].run();
       // Started collectives (the buckets', a reshard's in flight) move on
       // only inside MPI calls: a test between rules keeps them moving while
       // the next rule computes.
@@ -389,8 +391,22 @@ class tape {
   int suspended_ = 0;    // > 0: a rematerialised function's first forward (no slots, no rules)
   int recomputing_ = 0;  // > 0: its forward again, in the backward
   std::vector<std::unique_ptr<detail::grad_slot_base>> slots_;
-  std::vector<std::function<void()>> rules_;
-  std::vector<std::function<void()>>* recording_into_ = &rules_;  // a recomputed forward's own list
+  // A gradient rule and the matmul_precision its forward ran with; run()
+  // runs it in that precision (whatever the caller of backward set), once,
+  // and frees what it kept.
+  struct rule {
+    std::function<void()> f;
+    matmul_precision precision;
+    void run() {
+      {
+        const matmul_precision_scope as_forward(precision);
+        f();
+      }
+      f = nullptr;
+    }
+  };
+  std::vector<rule> rules_;
+  std::vector<rule>* recording_into_ = &rules_;  // a recomputed forward's own list
   std::vector<std::function<void()>> after_step_;
   struct param_finish {
     std::size_t first_rule;          // the parameter's gradient is complete once the rules from here on have run

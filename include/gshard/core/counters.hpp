@@ -226,10 +226,11 @@ class collective_recorder : public detail::log_window<collective_event, &detail:
 
 // One local GEMM as gshard ran it (kernels/gemm.hpp): row-major
 // C (m×n) = op(A) (m×k) · op(B) (k×n) + β·C with leading dimensions lda,
-// ldb, ldc; accumulate: β ≠ 0 (gshard's callers pass 1). Every einsum's
-// GEMMs and causal_attention's blocks go through that one function.
+// ldb, ldc (for a GEMM rounded under matmul_precision::bf16, those of the
+// packed bf16 copies); accumulate: β ≠ 0 (gshard's callers pass 1). Every
+// einsum's GEMMs and causal_attention's blocks go through that one function.
 struct gemm_call {
-  int element_bytes;  // 4: float, 8: double
+  int element_bytes;  // of the operands multiplied: 2 bf16 (matmul_precision::bf16 too), 4 float, 8 double
   bool trans_a, trans_b, accumulate;
   std::int64_t m, n, k, lda, ldb, ldc;
   double flops() const { return 2.0 * double(m) * double(n) * double(k); }

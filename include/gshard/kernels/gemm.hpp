@@ -6,8 +6,9 @@
 // core/options.hpp; GSHARD_GEMM overrides). Other element types (integers)
 // take a plain loop: correct, not fast. gemm_bf16 multiplies bf16 operands
 // with fp32 accumulation: on the CPU's bf16 units through oneDNN where it
-// can, otherwise converted to fp32 in blocks. A gemm_recorder
-// (core/counters.hpp) lists the calls.
+// can, otherwise converted to fp32 in blocks. matmul_precision::bf16 makes
+// fp32 GEMMs multiply their operands rounded to bf16 on those units. A
+// gemm_recorder (core/counters.hpp) lists the calls.
 #pragma once
 
 #include <Eigen/Core>
@@ -26,6 +27,48 @@
 #if defined(GSHARD_USE_OPENBLAS)
 #include <cblas.h>
 #endif
+
+namespace gshard {
+
+// What fp32 GEMMs multiply (jax.default_matmul_precision;
+// torch.autocast(dtype=torch.bfloat16) for matmuls):
+//   f32   the fp32 operands as they are;
+//   bf16  the operands rounded to bf16 (to nearest even), the products
+//         accumulated in fp32 into the fp32 output — on the CPU's bf16 units
+//         (oneDNN's bf16 matmul: AVX512_BF16, AMX). Where the CPU has none,
+//         rounding would only add work, and the GEMM runs as f32.
+// Set for a stretch of code by matmul_precision_scope; each thread has its
+// own (f32 unless set). A tape's rules run with the precision their forward
+// ran with (gshard/ad/tape.hpp), so a backward multiplies as its forward did.
+enum class matmul_precision : std::uint8_t { f32, bf16 };
+
+inline const char* to_string(matmul_precision p) { return p == matmul_precision::bf16 ? "bf16" : "f32"; }
+
+namespace detail {
+inline matmul_precision& matmul_precision_now() {
+  thread_local matmul_precision p = matmul_precision::f32;
+  return p;
+}
+}  // namespace detail
+
+inline matmul_precision current_matmul_precision() { return detail::matmul_precision_now(); }
+
+// matmul_precision_scope bf16(matmul_precision::bf16): fp32 GEMMs until the
+// scope ends multiply in bf16; the precision before it comes back after.
+class matmul_precision_scope {
+ public:
+  explicit matmul_precision_scope(matmul_precision p) : before_(detail::matmul_precision_now()) {
+    detail::matmul_precision_now() = p;
+  }
+  ~matmul_precision_scope() { detail::matmul_precision_now() = before_; }
+  matmul_precision_scope(const matmul_precision_scope&) = delete;
+  matmul_precision_scope& operator=(const matmul_precision_scope&) = delete;
+
+ private:
+  matmul_precision before_;
+};
+
+}  // namespace gshard
 
 namespace gshard::detail {
 
@@ -90,16 +133,9 @@ void gemm_run(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alp
   }
 }
 
-// Row-major: op(A) is m×k (A stored k×m when trans_a), op(B) is k×n, C is m×n.
-// Called by one thread of a process at a time (the backends' state is the process's).
-template <class T>
-void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
-          index_t ldb, T beta, T* c, index_t ldc) {
-  if (m == 0 || n == 0) return;
-  if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
-    log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
-  gemm_run(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
+template <class Out>  // below
+void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const Eigen::bfloat16* a,
+               index_t lda, const Eigen::bfloat16* b, index_t ldb, float beta, Out* c, index_t ldc);
 
 // Whether gemm_bf16 runs on the CPU's bf16 units (oneDNN's bf16 matmul),
 // rather than converting to fp32.
@@ -109,6 +145,37 @@ inline bool gemm_bf16_native() {
 #else
   return false;
 #endif
+}
+
+// rows × cols of an fp32 matrix with leading dim ld, rounded to bf16 and packed in `to`.
+inline const Eigen::bfloat16* round_to_bf16(const float* from, index_t rows, index_t cols, index_t ld,
+                                            std::vector<Eigen::bfloat16>& to) {
+  to.resize(std::size_t(rows * cols));
+  for (index_t r = 0; r < rows; ++r)
+    Eigen::Map<Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(to.data() + r * cols, cols) =
+        Eigen::Map<const Eigen::ArrayXf>(from + r * ld, cols).cast<Eigen::bfloat16>();
+  return to.data();
+}
+
+// Row-major: op(A) is m×k (A stored k×m when trans_a), op(B) is k×n, C is m×n.
+// Called by one thread of a process at a time (the backends' state is the
+// process's). fp32 under matmul_precision::bf16, on a CPU with bf16 units:
+// A and B rounded to bf16 in buffers kept between calls, then gemm_bf16.
+template <class T>
+void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
+          index_t ldb, T beta, T* c, index_t ldc) {
+  if (m == 0 || n == 0) return;
+  if constexpr (std::is_same_v<T, float>)
+    if (current_matmul_precision() == matmul_precision::bf16 && k > 0 && gemm_bf16_native()) {
+      thread_local std::vector<Eigen::bfloat16> a16, b16;
+      const Eigen::bfloat16* ar = round_to_bf16(a, trans_a ? k : m, trans_a ? m : k, lda, a16);
+      const Eigen::bfloat16* br = round_to_bf16(b, trans_b ? n : k, trans_b ? k : n, ldb, b16);
+      gemm_bf16<float>(trans_a, trans_b, m, n, k, alpha, ar, trans_a ? m : k, br, trans_b ? k : n, beta, c, ldc);
+      return;
+    }
+  if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
+    log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
+  gemm_run(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // rows × cols of a bf16 matrix with leading dim ld, as packed fp32 in `to`.

@@ -150,7 +150,10 @@ struct layer {
                   (bias ? "balance_mode::bias" : "balance_mode::aux") + " (layer_options::balance)");
     const bool training = x.on_tape().recording();
     const double* b = bias ? bias->value().data() : nullptr;
-    auto logits = einsum<"GSM,ME->GSE">(x, router);  // local
+    auto logits = [&] {  // local; in fp32 under any matmul_precision, as Switch Transformer's router
+      const matmul_precision_scope router_in(matmul_precision::f32);
+      return einsum<"GSM,ME->GSE">(x, router);
+    }();
     auto route = state      ? moe::gate(std::move(logits), *state, cfg, stream, b)
                  : paddings ? moe::gate(std::move(logits), *paddings, cfg, stream, b, training)
                             : moe::gate(std::move(logits), cfg, stream, b, training);
@@ -178,8 +181,11 @@ struct layer {
       for (auto& c : coming) back.push_back(c.wait());
       return concat<2>(back);
     }();
-    auto out = mode == dispatch_mode::index ? combine(route, std::move(y))
-                                            : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
+    auto out = [&] {  // the combine weights in fp32: with dispatch_mode::einsum a GEMM multiplies them
+      const matmul_precision_scope gates_in(matmul_precision::f32);
+      return mode == dispatch_mode::index ? combine(route, std::move(y))
+                                          : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
+    }();
     if (shared) out = std::move(out) + ffn<at_tokens>(x, *shared);  // every token, one all_reduce over the model axes
     return output<decltype(out)>{std::move(out), route.aux, route.z_loss, route.stats, route.route};
   }
