@@ -1,6 +1,6 @@
 // bench/bench_layers.cpp — the MoE layer and attention alone: forward (layer,
 // block, attention, dispatch), forward plus backward (moe_layer,
-// attention_forms, moe_overlap) and decoding (decode), each against a
+// moe_layer_bf16, attention_forms, moe_overlap) and decoding (decode), each against a
 // baseline run in the same iterations; the comment above each says what it
 // measures.
 //   scripts/mpirun -np 2 build/bench/bench_layers --benchmark_filter=moe_layer
@@ -153,33 +153,43 @@ void dispatch(benchmark::State& state, bool einsum_form) {
   state.counters["ms"] = 1e3 * cmp.median_time[0];
 }
 
-// moe_layer: the MoE layer alone in its reference configuration (4096
-// tokens per rank, M=512, H=2048, E=8, capacity factor 2), forward plus
-// backward: expert-FFN GFLOP/s (6 GEMMs per expert), and the same GEMMs
-// called directly in the same iterations: of_gemm_rate, the median ratio
-// of the GEMMs' time to the layer's (1: the layer costs only its GEMMs).
-void moe_layer(benchmark::State& state) {
+// The MoE layer in its reference configuration (4096 tokens per rank,
+// M=512, H=2048, E=8, capacity factor 2), forward plus backward on a tape.
+struct moe_layer_run {
   const grid& m = gshard::bench::world_mesh<grid>();
-  const index_t P = m.nranks(), S = 1024, G = 4 * P, M = 512, H = 2048, E = 8;
-  moe::gating_config gc;
-  parameters ps(m, 1);
-  moe::layer<float, grid> layer(ps, "moe.", M, H, E);
   using L = moe::layer<float, grid>;
-  named<float, "GSM", grid, L::at_tokens> x(m, {G, S, M});
-  fill_normal(x, 1.0, 2, 3);
-  const auto dy = relabel<"">(named<float, "GSM", grid, L::at_tokens>(x));
+  static constexpr index_t S = 1024, M = 512, H = 2048, E = 8;
+  index_t P = m.nranks(), G = 4 * P;
+  moe::gating_config gc;
+  parameters<grid> ps{m, 1};
+  L layer{ps, "moe.", M, H, E};
+  named<float, "GSM", grid, L::at_tokens> x{m, {G, S, M}};
   std::uint64_t s = 0;
-  auto fwd_bwd = [&] {
+  moe_layer_run() { fill_normal(x, 1.0, 2, 3); }
+  void operator()() {
     tape t(ps);
     auto out = layer(t.constant(x), gc, s++);
-    // <y, dy>: the backward receives dy as the output's gradient.
-    auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(dy)));
+    // <y, x>: the backward receives x as the output's gradient.
+    auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(relabel<"">(x))));
     t.backward(l);
-  };
+  }
+  index_t local_experts() const { return E / P; }
+  index_t slot_rows() const { return G * moe::capacity(S, E, gc); }  // per expert on a rank
+  // The experts' FFN FLOPs on a rank: forward 2 GEMMs, backward 4.
+  double expert_flop() const { return 3.0 * 4.0 * double(local_experts() * slot_rows() * M * H); }
+};
+
+// moe_layer: the MoE layer alone, forward plus backward: expert-FFN
+// GFLOP/s (6 GEMMs per expert), and the same GEMMs called directly in the
+// same iterations: of_gemm_rate, the median ratio of the GEMMs' time to
+// the layer's (1: the layer costs only its GEMMs).
+void moe_layer(benchmark::State& state) {
+  moe_layer_run fwd_bwd;
+  constexpr index_t M = moe_layer_run::M, H = moe_layer_run::H;
   // The same expert GEMMs called directly on preallocated buffers: per
   // expert on this rank, x [GC,M]·wi [M,H], h·wo [H,M]; the backward's
   // dh = dy·woᵀ, dwo = hᵀ·dy, dx = dh·wiᵀ, dwi = xᵀ·dh.
-  const index_t C = moe::capacity(S, E, gc), R = G * C, El = E / P;
+  const index_t R = fwd_bwd.slot_rows(), El = fwd_bwd.local_experts();
   std::vector<float> bx(std::size_t(R * M), 0.5f), bh(std::size_t(R * H), 0.25f), by(std::size_t(R * M)), bdh(std::size_t(R * H)),
       bdx(std::size_t(R * M)), bwi(std::size_t(M * H), 0.01f), bwo(std::size_t(H * M), 0.01f), bdwi(std::size_t(M * H)),
       bdwo(std::size_t(H * M));
@@ -198,14 +208,39 @@ void moe_layer(benchmark::State& state) {
   fwd_bwd();  // steady state: the heap holds every buffer size once
   gemms();
   const long f0 = gshard::bench::minor_faults();
-  const auto c = gshard::bench::compare(state, {fwd_bwd, gemms}, 0);
+  const auto c = gshard::bench::compare(state, {std::ref(fwd_bwd), gemms}, 0);
   const double faults = gshard::bench::max_over_ranks(double(gshard::bench::minor_faults() - f0)) / double(state.iterations());
-  const double expert_flop = 3.0 * 4.0 * double(El * R * M * H);  // forward 2 GEMMs, backward 4
+  const double expert_flop = fwd_bwd.expert_flop();
   state.counters["expert_gflops"] = expert_flop / c.median_time[0] * 1e-9;
   state.counters["gemm_gflops"] = expert_flop / c.median_time[1] * 1e-9;
   state.counters["of_gemm_rate"] = c.median_ratio[1];  // the layer's expert GFLOP/s over the direct GEMMs'
   state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
   state.counters["page_faults/iter"] = faults;
+}
+
+// moe_layer_bf16: moe_layer's forward plus backward with fp32 GEMMs and
+// with matmul_precision::bf16 (the router still fp32), interleaved in the
+// same iterations: bf16_speedup, the fp32 time over the bf16 one; each
+// one's expert GFLOP/s, against the fp32 FMA peak and the bf16
+// dot-product peak measured in the run (0 where this build does not
+// target AVX512_BF16). Where the GEMM has no bf16 units, bf16 GEMMs run
+// in fp32 and bf16_speedup is 1 but for noise (GSHARD_GEMM=openblas shows
+// it). At least 4 s: the median needs several iterations.
+void moe_layer_bf16(benchmark::State& state) {
+  moe_layer_run f32, bf16;
+  auto in_bf16 = [&] {
+    const matmul_precision_scope s(matmul_precision::bf16);
+    bf16();
+  };
+  const auto c = gshard::bench::compare(state, {std::ref(f32), in_bf16}, 1);
+  const double flop = f32.expert_flop();
+  state.counters["bf16_speedup"] = 1.0 / c.median_ratio[1];
+  state.counters["f32_expert_gflops"] = flop / c.median_time[0] * 1e-9;
+  state.counters["bf16_expert_gflops"] = flop / c.median_time[1] * 1e-9;
+  state.counters["f32_fma_peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
+  if (const double peak = gshard::bench::bf16_peak_gflops(); peak > 0)
+    state.counters["bf16_peak_share"] = flop / c.median_time[1] * 1e-9 / peak;
+  state.counters["bf16_units"] = gshard::detail::gemm_bf16_native() ? 1 : 0;
 }
 
 // attention_forms: the trainer's causal self-attention alone (8 sequences of 128
@@ -369,6 +404,7 @@ const int registered = [] {
     benchmark::RegisterBenchmark(e ? "dispatch/einsum" : "dispatch/index", dispatch, e)
         ->Arg(256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("moe_layer_bf16", moe_layer_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("attention_forms", attention_forms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("decode", decode)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -98,6 +98,33 @@ void step(benchmark::State& state) {
   state.counters["mfu"] = step_flops / (total / n) / (P * gshard::bench::fma_peak_gflops() * 1e9);
 }
 
+// step_bf16: the trainer's step (sharded update) with fp32 GEMMs and with
+// matmul_precision::bf16 (the trainer's --precision bf16: the router, norms,
+// softmax, the loss, weights and Adam stay fp32), interleaved in the same
+// iterations: bf16_speedup, the fp32 step's time over the bf16 one's;
+// tokens/s of each; MFU of the fp32 step against the FMA peak and of the
+// bf16 step against the bf16 dot-product peak, both measured in the run
+// (no bf16 MFU where this build does not target AVX512_BF16). Where the
+// GEMM has no bf16 units, both steps run fp32 GEMMs. At least 4 s.
+void step_bf16(benchmark::State& state) {
+  trainer f32(true), bf16(true);
+  auto bf16_step = [&] {
+    const matmul_precision_scope s(matmul_precision::bf16);
+    bf16.step();
+  };
+  const double flops0 = model_flops();
+  f32.step();
+  const double P = double(f32.m.nranks()), step_flops = (model_flops() - flops0) * P;
+  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, bf16_step}, 1);
+  state.counters["bf16_speedup"] = 1.0 / c.median_ratio[1];
+  state.counters["f32_tokens/s"] = 16 * 128 / c.median_time[0];
+  state.counters["bf16_tokens/s"] = 16 * 128 / c.median_time[1];
+  state.counters["f32_mfu"] = step_flops / c.median_time[0] / (P * gshard::bench::fma_peak_gflops() * 1e9);
+  if (const double peak = gshard::bench::bf16_peak_gflops(); peak > 0)
+    state.counters["bf16_mfu"] = step_flops / c.median_time[1] / (P * peak * 1e9);
+  state.counters["bf16_units"] = gshard::detail::gemm_bf16_native() ? 1 : 0;
+}
+
 // step_gemms: the step (sharded update) against its own GEMMs replayed
 // alone, interleaved: every local GEMM one step ran (gemm_recorder,
 // counters.hpp), called again in the same order with the same shapes,
@@ -447,6 +474,7 @@ void seq2seq_decode(benchmark::State& state) {
 
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step_bf16", step_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -49,6 +49,13 @@ inline double fma_peak_gflops() {
   return peak;
 }
 
+// The bf16 dot-product peak of one core (gshard/runtime/peak.hpp), measured
+// once in this run; 0 where this build does not target AVX512_BF16.
+inline double bf16_peak_gflops() {
+  static const double peak = measure_bf16_peak(world_group());
+  return peak;
+}
+
 // Names the GEMM backend that ran (and OpenBLAS's kernel) in the context
 // lines; main() adds the FMA peak measured in the run (MPI must be up).
 inline void add_gemm_context() {
@@ -132,6 +139,12 @@ inline int main(int argc, char** argv) {
   char peak[96];
   std::snprintf(peak, sizeof peak, "%.1f GFLOP/s per core (%s, measured in this run)", fma_peak_gflops(), fma_unit());
   benchmark::AddCustomContext("fp32 FMA peak", peak);
+  if (bf16_peak_gflops() > 0) {
+    std::snprintf(peak, sizeof peak, "%.1f GFLOP/s per core (AVX512_BF16, measured in this run)", bf16_peak_gflops());
+    benchmark::AddCustomContext("bf16 dot-product peak", peak);
+  }
+  benchmark::AddCustomContext("bf16 GEMMs", gshard::detail::gemm_bf16_native() ? "on the CPU's bf16 units (oneDNN)"
+                                                                                 : "none here: run in fp32");
   if (env.rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {

@@ -1,5 +1,5 @@
-// examples/progress.hpp — what the trainers share: the progress line's
-// routing summary and time left, a checkpoint's step checked, the optimizer
+// examples/progress.hpp — what the trainers share: the peak MFU is taken
+// against, the progress line's routing summary and time left, a checkpoint's step checked, the optimizer
 // named by --optimizer (and checked against a checkpoint's), and the run's
 // metrics file with its agreement on stopping.
 #pragma once
@@ -24,12 +24,51 @@
 
 #include <gshard/core/error.hpp>
 #include <gshard/core/io.hpp>
+#include <gshard/kernels/gemm.hpp>
 #include <gshard/state/adafactor.hpp>
 #include <gshard/moe/stats.hpp>
 #include <gshard/runtime/collectives.hpp>
+#include <gshard/runtime/peak.hpp>
 #include <gshard/runtime/preemption.hpp>
 
 namespace examples {
+
+// The cores' peaks, measured at start on every rank: MFU is taken against
+// the one the GEMMs run at — the bf16 dot-product peak when they run in
+// bf16 on the CPU's bf16 units and this build measures it, else fp32's.
+struct machine_peak {
+  double fma = 0;   // fp32 FMA GFLOP/s per core
+  double bf16 = 0;  // bf16 dot-product GFLOP/s per core; 0: not measured
+  bool bf16_gemms = false;
+  double gflops() const { return bf16_gemms && bf16 > 0 ? bf16 : fma; }
+};
+
+// Collective over the world.
+inline machine_peak measure_peak(gshard::matmul_precision p) {
+  machine_peak m;
+  m.fma = gshard::measure_fma_peak(gshard::world_group());
+  // Whether oneDNN has bf16 units is each process's finding: agreed, so every rank measures or none.
+  const double native = gshard::detail::gemm_bf16_native() ? 1 : 0;
+  m.bf16_gemms = p == gshard::matmul_precision::bf16 &&
+                 gshard::all_reduce(gshard::world_group(), native, gshard::reduction::min) == 1;
+  if (m.bf16_gemms) m.bf16 = gshard::measure_bf16_peak(gshard::world_group());
+  return m;
+}
+
+// The progress output's machine line: the peaks, the GEMM backend, and
+// what precision its GEMMs multiply in.
+inline std::string machine_line(const machine_peak& m, gshard::matmul_precision p) {
+  char line[384];
+  int n = std::snprintf(line, sizeof line, "machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured)", m.fma,
+                        gshard::fma_unit());
+  auto add = [&](auto... args) { n += std::snprintf(line + n, sizeof line - std::size_t(n), args...); };
+  if (m.bf16_gemms && m.bf16 > 0) add(", bf16 dot-product peak %.1f (AVX512_BF16, measured)", m.bf16);
+  add(", gemm %s", gshard::detail::gemm_backend());
+  if (m.bf16_gemms) add(m.bf16 > 0 ? " in bf16 (fp32 sums; MFU against the bf16 peak)"
+                                   : " in bf16 (fp32 sums; a build without AVX512_BF16 measures no bf16 peak: MFU against fp32's)");
+  else if (p == gshard::matmul_precision::bf16) add(" in fp32 (--precision bf16, but it has no bf16 units to run on here)");
+  return line;
+}
 
 // The progress line's routing part, over the MoE layers: the share of all
 // choices dropped and of first choices, the largest max/mean expert demand

@@ -6,7 +6,8 @@
 // SIGTERM or SIGINT (a time limit, preemption, Ctrl-C) stops every rank after
 // the same step, saves when --save is given, and exits with 128 + the signal.
 // Prints a progress line every --log-every steps (loss, tokens/s, MFU against
-// the FMA peak measured at start, the time left), the held-out loss every
+// the peak measured at start — fp32 FMA's, or bf16's with --precision bf16 —
+// the time left), the held-out loss every
 // --eval-every steps and at the end, and a sampled continuation of a held-out prompt.
 #include <gshard/gshard.hpp>
 #include <gshard/model/cost.hpp>
@@ -55,6 +56,7 @@ struct options {
   bool aux_coef_given = false, second_given = false;
   bool sharded_update = true;  // --weight-update sharded (the default) or replicated
   std::string optimizer = "adam";
+  matmul_precision precision = matmul_precision::f32;  // --precision
   double lr = 0;               // --lr; 0: the optimizer's default
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
@@ -110,6 +112,11 @@ constexpr const char* usage =
     "  --optimizer adam|adafactor  Adam (beta2 0.95), or GShard's Adafactor: factored second moments, no first\n"
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate, warmed up over 50 steps, cosine to a tenth (2e-3; adafactor 3e-3)\n"
+    "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
+    "                     units with fp32 sums; weights, optimizer state, the router, norms, softmax and the loss\n"
+    "                     stay fp32 (docs/15_precision.md). Without bf16 units the GEMMs run in fp32. Each GEMM\n"
+    "                     rounds its operands anew: it pays for large GEMMs (--model 512 --hidden 2048), and is\n"
+    "                     slower at the default size (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
@@ -192,10 +199,12 @@ options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = examples::number<double>("train", a, next(), 1e-9, 1.0);
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
-             a == "--placement" || a == "--positions" || a == "--optimizer") {
+             a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
+      else if (a == "--precision" && (v == "f32" || v == "bf16"))
+        o.precision = v == "f32" ? matmul_precision::f32 : matmul_precision::bf16;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
@@ -217,6 +226,7 @@ options parse(int argc, char** argv) {
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
                      : a == "--optimizer" ? "adam or adafactor"
+                     : a == "--precision" ? "f32 or bf16"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.size() > 1 && a[0] == '-') throw error("gshard train: unknown option " + a + " (--help lists them)");
@@ -464,7 +474,8 @@ std::string preflight(const options& o, const model::config& c, const model::cos
 }
 
 template <class Mesh>
-int train(const Mesh& m, const options& o, const examples::corpus& corpus, double peak) {
+int train(const Mesh& m, const options& o, const examples::corpus& corpus, const examples::machine_peak& peak) {
+  const matmul_precision_scope precision(o.precision);  // every step and evaluation; the router in fp32 regardless
   const bool root = m.rank() == 0;
   const model::config c = model_config(o);
   const std::string& text = corpus.text;
@@ -513,8 +524,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (%s), %.2fM parameters, batch %ld x %ld bytes\n",
                 split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, ffn, count * 1e-6, long(o.batch),
                 long(o.seq));
-    std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
-                gshard::detail::gemm_backend());
+    std::printf("%s\n", examples::machine_line(peak, o.precision).c_str());
     const memory_estimate mem = step_memory(c, ms, o, text.size());
     std::printf("memory per rank: about %.0f MB at its peak (parameters, gradients and %s %.0f MB, activations kept for "
                 "the backward %.0f MB)\n", mem.total() * 1e-6, o.optimizer == "adam" ? "Adam" : "Adafactor", mem.state * 1e-6,
@@ -596,7 +606,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
     const double seconds = MPI_Wtime() - t0;
     // Every rank counts 1/P of each einsum's FLOPs (counters.hpp): x P is the step's.
     const double flops = (model_flops() - flops0) * double(m.nranks());
-    const double mfu = flops / (seconds * double(m.nranks()) * peak * 1e9);
+    const double mfu = flops / (seconds * double(m.nranks()) * peak.gflops() * 1e9);
     t_window += seconds, flops_window += flops, ++steps_window;
     if (tracing) {
       const std::size_t spans = trace::stop(m);
@@ -629,7 +639,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, doubl
       if (!r.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", r.aux);  // a dense model has no routing
       std::printf("step %5d  loss %.4f%s  %.0f tokens/s  %s%slr %.2e  MFU %.2f  ETA %s\n", step + 1, r.ce, aux,
                   tokens_window / t_window, examples::routing_summary(r.moe).c_str(), r.moe.empty() ? "" : "  ", r.lr,
-                  flops_window / (t_window * double(m.nranks()) * peak * 1e9), examples::duration(per_step * (end - step - 1)).c_str());
+                  flops_window / (t_window * double(m.nranks()) * peak.gflops() * 1e9), examples::duration(per_step * (end - step - 1)).c_str());
       std::fflush(stdout);
       t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
     }
@@ -668,8 +678,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   // The machine, measured before anything else runs: MFU is against the
-  // FMA peak of these cores.
-  const double peak = measure_fma_peak(world_group());
+  // peak of these cores for the precision the GEMMs run in.
+  const examples::machine_peak peak = examples::measure_peak(o.precision);
   const examples::corpus corpus = examples::load_corpus("train", o.text_path);
   if (corpus.text.size() < 4096)
     throw error("gshard train: the text has " + std::to_string(corpus.text.size()) + " bytes; give at least 4096");

@@ -8,8 +8,8 @@
 //   scripts/mpirun -np 2 build/examples/translate [options; --help lists them]
 //
 // Prints the languages and their pairs, a progress line every --log-every
-// steps (loss, aux, tokens/s, drops, MFU against the FMA peak measured at
-// start, the time left), and every --eval-every steps and at the end, per
+// steps (loss, aux, tokens/s, drops, MFU against the peak measured at
+// start — fp32 FMA's, or bf16's with --precision bf16 — the time left), and every --eval-every steps and at the end, per
 // language on a fixed held-out sample: bits per reference byte, exact
 // matches and chrF (model/chrf.hpp) of greedy and beam decoding; then a
 // few held-out translations beside their references.
@@ -45,6 +45,7 @@ struct options {
   int steps = 6000, batch = 64, log_every = 100, eval_every = 1000, eval_sentences = 32, show = 6;
   int experts = 8, model = 128, hidden = 256, slot_hidden = 0, layers = 2, beam = 4, max_bytes = 32, save_every = 0;
   std::string optimizer = "adam";
+  matmul_precision precision = matmul_precision::f32;  // --precision
   double temperature = 5, lr = 0, dropout = 0.1, label_smoothing = 0.1, capacity_factor = 2.0;
   std::uint64_t seed = 1;
   std::string metrics, save, resume;
@@ -70,6 +71,9 @@ const char* usage =
     "  --optimizer adam|adafactor  Adam, or Adafactor as GShard trained M4: factored second moments, no first\n"
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate (2e-3; adafactor 3e-3), warmed up over the first 5% of the steps\n"
+    "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
+    "                     units with fp32 sums; the router, norms, softmax, the loss and weights stay fp32; it\n"
+    "                     pays for large GEMMs only (docs/10_performance.md) (f32)\n"
     "  --seed N           weights, batches, routing and dropout (1)\n"
     "  --log-every N      steps between progress lines (100)\n"
     "  --eval-every N     steps between held-out evaluations (1000; 0: at the end only)\n"
@@ -120,6 +124,10 @@ options parse(int argc, char** argv) {
       o.optimizer = next();
       if (o.optimizer != "adam" && o.optimizer != "adafactor")
         throw error("gshard translate: --optimizer is adam or adafactor, not '" + o.optimizer + "'");
+    } else if (a == "--precision") {
+      const std::string v = next();
+      if (v != "f32" && v != "bf16") throw error("gshard translate: --precision is f32 or bf16, not '" + v + "'");
+      o.precision = v == "f32" ? matmul_precision::f32 : matmul_precision::bf16;
     }
     else if (a == "--seed") o.seed = std::uint64_t(examples::number<long long>("translate", a, next(), 0, LLONG_MAX));
     else if (a == "--log-every") o.log_every = integer(1);
@@ -391,7 +399,8 @@ std::string resumable(const std::map<std::string, double>& saved, const std::map
   return "";
 }
 
-int train(const grid& m, const options& o, const std::vector<language>& langs, double peak) {
+int train(const grid& m, const options& o, const std::vector<language>& langs, const examples::machine_peak& peak) {
+  const matmul_precision_scope precision(o.precision);  // every step, evaluation and decoding; the router in fp32 regardless
   const bool root = m.rank() == 0;
   const int P = m.nranks();
   model::seq2seq_config c;
@@ -434,8 +443,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
                 c.experts > 0 ? ("MoE in blocks 1, 3, ...: E " + std::to_string(c.experts) + ", H " + std::to_string(c.hidden)).c_str()
                               : ("dense: H " + std::to_string(c.hidden) + ", blocks 1, 3, ...: H " + std::to_string(c.ffn_hidden(1))).c_str(),
                 count * 1e-6, long(c.vocab), langs.size(), m.describe().c_str());
-    std::printf("machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured), gemm %s\n", peak, fma_unit(),
-                gshard::detail::gemm_backend());
+    std::printf("%s\n", examples::machine_line(peak, o.precision).c_str());
     if (const std::string grace = examples::launcher_grace_note(o.save); !grace.empty()) std::printf("note: %s\n", grace.c_str());
   }
   const int end = o.steps;
@@ -476,7 +484,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
       std::string line = "{\"step\":" + std::to_string(step + 1) + ",\"loss\":" + json_number(out.loss.value().local()()) +
                          ",\"ce\":" + json_number(out.ce) + ",\"aux\":" + json_number(out.aux) +
                          ",\"seconds\":" + json_number(seconds) + ",\"tokens_per_s\":" + json_number(tokens / seconds) +
-                         ",\"mfu\":" + json_number(flops / (seconds * double(P) * peak * 1e9));
+                         ",\"mfu\":" + json_number(flops / (seconds * double(P) * peak.gflops() * 1e9));
       if (eval_json) line += ",\"eval\":" + *eval_json;
       line += ",\"moe\":[";
       for (std::size_t l = 0; l < out.moe.size(); ++l) line += (l ? "," : "") + moe::to_json(out.moe[l]);
@@ -488,7 +496,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, d
       if (!out.moe.empty()) std::snprintf(aux, sizeof aux, "  aux %.3f", out.aux);
       std::printf("step %5d  loss %.4f%s  %.0f tokens/s  %s%sMFU %.2f  ETA %s\n", step + 1, out.ce, aux,
                   tokens_window / t_window, examples::routing_summary(out.moe).c_str(), out.moe.empty() ? "" : "  ",
-                  flops_window / (t_window * double(P) * peak * 1e9), examples::duration(per_step * (end - step - 1)).c_str());
+                  flops_window / (t_window * double(P) * peak.gflops() * 1e9), examples::duration(per_step * (end - step - 1)).c_str());
       std::fflush(stdout);
       t_window = tokens_window = flops_window = 0, steps_window = 0, wall_mark = now;
     }
@@ -520,7 +528,7 @@ int main(int argc, char** argv) {
                 " ranks (the experts are split over them)");
   if (const std::string p = broadcast_text(world_group(), env.rank() == 0 ? check_outputs(o) : ""); !p.empty())
     throw io_error("gshard translate: " + p);
-  const double peak = measure_fma_peak(world_group());
+  const examples::machine_peak peak = examples::measure_peak(o.precision);
   const std::vector<language> langs = prepare(examples::load_freedict("translate", o.languages), o);
   if (env.rank() == 0) {
     std::size_t train = 0, held = 0;
