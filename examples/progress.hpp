@@ -1,7 +1,8 @@
 // examples/progress.hpp — what the trainers share: the peak MFU is taken
-// against, the progress line's routing summary and time left, a checkpoint's step checked, the optimizer
-// named by --optimizer (and checked against a checkpoint's), and the run's
-// metrics file with its agreement on stopping.
+// against, the progress line's routing summary and time left, a
+// checkpoint's step checked, the optimizer named by --optimizer (and
+// checked against a checkpoint's), and the run's metrics file with its
+// agreement on stopping.
 #pragma once
 
 #include <algorithm>
@@ -62,7 +63,7 @@ inline std::string machine_line(const machine_peak& m, gshard::matmul_precision 
   int n = std::snprintf(line, sizeof line, "machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured)", m.fma,
                         gshard::fma_unit());
   auto add = [&](auto... args) { n += std::snprintf(line + n, sizeof line - std::size_t(n), args...); };
-  if (m.bf16_gemms && m.bf16 > 0) add(", bf16 dot-product peak %.1f (AVX512_BF16, measured)", m.bf16);
+  if (m.bf16_gemms && m.bf16 > 0) add(", bf16 dot-product peak %.1f GFLOP/s (AVX512_BF16, measured)", m.bf16);
   add(", gemm %s", gshard::detail::gemm_backend());
   if (m.bf16_gemms) add(m.bf16 > 0 ? " in bf16 (fp32 sums; MFU against the bf16 peak)"
                                    : " in bf16 (fp32 sums; a build without AVX512_BF16 measures no bf16 peak: MFU against fp32's)");

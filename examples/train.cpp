@@ -7,8 +7,8 @@
 // the same step, saves when --save is given, and exits with 128 + the signal.
 // Prints a progress line every --log-every steps (loss, tokens/s, MFU against
 // the peak measured at start — fp32 FMA's, or bf16's with --precision bf16 —
-// the time left), the held-out loss every
-// --eval-every steps and at the end, and a sampled continuation of a held-out prompt.
+// the time left), the held-out loss every --eval-every steps and at the end,
+// and a sampled continuation of a held-out prompt.
 #include <gshard/gshard.hpp>
 #include <gshard/model/cost.hpp>
 #include <gshard/model/train.hpp>

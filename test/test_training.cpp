@@ -1,8 +1,8 @@
 // Training the model: the whole model's derived gradient (ReLU and SwiGLU
 // FFNs) against finite differences and the 1-rank result, rematerialisation,
 // the exact collectives, FLOPs and state of one step against the cost model,
-// determinism, mixed precision, axis roles, checkpoints, the sharded weight update, every MPI
-// call counted, stop signals and trace errors.
+// determinism, mixed precision, axis roles, checkpoints, the sharded weight
+// update, every MPI call counted, stop signals and trace errors.
 #include <gshard/gshard.hpp>
 #include <gshard/model/train.hpp>
 
