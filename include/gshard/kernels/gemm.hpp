@@ -147,13 +147,20 @@ inline bool gemm_bf16_native() {
 #endif
 }
 
-// rows × cols of an fp32 matrix with leading dim ld, rounded to bf16 and packed in `to`.
-inline const Eigen::bfloat16* round_to_bf16(const float* from, index_t rows, index_t cols, index_t ld,
-                                            std::vector<Eigen::bfloat16>& to) {
-  to.resize(std::size_t(rows * cols));
+// rows × cols of a matrix with leading dim ld_from, converted (bf16 <->
+// fp32; to bf16 rounded to nearest even) into one with leading dim ld_to.
+template <class From, class To>
+void convert_rows(const From* from, index_t rows, index_t cols, index_t ld_from, To* to, index_t ld_to) {
   for (index_t r = 0; r < rows; ++r)
-    Eigen::Map<Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(to.data() + r * cols, cols) =
-        Eigen::Map<const Eigen::ArrayXf>(from + r * ld, cols).cast<Eigen::bfloat16>();
+    Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to + r * ld_to, cols) =
+        Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from + r * ld_from, cols).template cast<To>();
+}
+
+// The same, packed (leading dim cols) into `to`, resized to fit.
+template <class From, class To>
+const To* packed(const From* from, index_t rows, index_t cols, index_t ld, std::vector<To>& to) {
+  to.resize(std::size_t(rows * cols));
+  convert_rows(from, rows, cols, ld, to.data(), cols);
   return to.data();
 }
 
@@ -168,23 +175,14 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, 
   if constexpr (std::is_same_v<T, float>)
     if (current_matmul_precision() == matmul_precision::bf16 && k > 0 && gemm_bf16_native()) {
       thread_local std::vector<Eigen::bfloat16> a16, b16;
-      const Eigen::bfloat16* ar = round_to_bf16(a, trans_a ? k : m, trans_a ? m : k, lda, a16);
-      const Eigen::bfloat16* br = round_to_bf16(b, trans_b ? n : k, trans_b ? k : n, ldb, b16);
+      const Eigen::bfloat16* ar = packed(a, trans_a ? k : m, trans_a ? m : k, lda, a16);
+      const Eigen::bfloat16* br = packed(b, trans_b ? n : k, trans_b ? k : n, ldb, b16);
       gemm_bf16<float>(trans_a, trans_b, m, n, k, alpha, ar, trans_a ? m : k, br, trans_b ? k : n, beta, c, ldc);
       return;
     }
   if (auto& log = gemm_log(); log.recorders > 0)  // the check first: no gemm_call built when nobody records
     log.add({int(sizeof(T)), trans_a, trans_b, beta != T(0), m, n, k, lda, ldb, ldc});
   gemm_run(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-// rows × cols of a bf16 matrix with leading dim ld, as packed fp32 in `to`.
-inline const float* widen(const Eigen::bfloat16* from, index_t rows, index_t cols, index_t ld, std::vector<float>& to) {
-  to.resize(std::size_t(rows * cols));
-  for (index_t r = 0; r < rows; ++r)
-    Eigen::Map<Eigen::ArrayXf>(to.data() + r * cols, cols) =
-        Eigen::Map<const Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(from + r * ld, cols).cast<float>();
-  return to.data();
 }
 
 // C = alpha·op(A)·op(B) + beta·C with A and B in bf16, the products
@@ -207,18 +205,16 @@ void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, floa
     return;
 #endif
   thread_local std::vector<float> a32, b32, c32;
-  const float* aw = widen(a, trans_a ? k : m, trans_a ? m : k, lda, a32);
-  const float* bw = widen(b, trans_b ? n : k, trans_b ? k : n, ldb, b32);
+  const float* aw = packed(a, trans_a ? k : m, trans_a ? m : k, lda, a32);
+  const float* bw = packed(b, trans_b ? n : k, trans_b ? k : n, ldb, b32);
   const index_t lda32 = trans_a ? m : k, ldb32 = trans_b ? k : n;
   if constexpr (std::is_same_v<Out, float>) {
     gemm_run<float>(trans_a, trans_b, m, n, k, alpha, aw, lda32, bw, ldb32, beta, c, ldc);
   } else {
-    if (beta != 0.0f) widen(c, m, n, ldc, c32);
+    if (beta != 0.0f) packed(c, m, n, ldc, c32);
     else c32.resize(std::size_t(m * n));
     gemm_run<float>(trans_a, trans_b, m, n, k, alpha, aw, lda32, bw, ldb32, beta, c32.data(), n);
-    for (index_t r = 0; r < m; ++r)
-      Eigen::Map<Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>(c + r * ldc, n) =
-          Eigen::Map<const Eigen::ArrayXf>(c32.data() + r * n, n).cast<Eigen::bfloat16>();
+    convert_rows(c32.data(), m, n, n, c, ldc);
   }
 }
 
