@@ -113,8 +113,46 @@ inline std::vector<mesh_case> meshes_for_world(bool size_one_axes, bool both_ord
     out.push_back({"(" + p + ",1)", two(P, 1)});
   }
   if (P == 4) out.push_back({"(2,2)", two(2, 2)});
+  if (P == 6) out.push_back({"(2,3)", two(2, 3)});
+  if (P == 6 && both_orders) out.push_back({"(3,2)", two(3, 2)});
   if (P == 8) out.push_back({"(2,4)", two(2, 4)});
   if (P == 8 && both_orders) out.push_back({"(4,2)", two(4, 2)});
+  return out;
+}
+
+// The collectives a plan runs on a tensor of extents `global`, as the
+// recorder sees them: kind, axes, bytes. A permute whose blocks differ runs
+// step by step. A step's bytes are this rank's block, or where a dim the
+// step cuts has pieces of different lengths, each piece padded to the
+// longest in its group.
+inline std::vector<collective_event> planned_collectives(const detail::reshard_steps& plan, const detail::mesh_base& m,
+                                                         const index_t* global, int rank, std::size_t elem) {
+  bool even = true;
+  for (int i = 0; i <= plan.n; ++i)
+    for (int d = 0; d < rank; ++d) even = even && detail::dim_even(plan.state[i], d, global[d], m.sizes());
+  const bool permutes = plan.n == 1 && plan.step[0].kind == step_kind::permute;
+  const detail::reshard_steps ran =
+      even || !permutes ? plan : detail::plan_reshard(plan.state[0], plan.state[1], m.naxes(), m.sizes(), false);
+  std::vector<collective_event> out;
+  for (int i = 0; i < ran.n; ++i) {
+    const detail::reshard_step& s = ran.step[i];
+    if (!is_collective(s.kind)) continue;
+    index_t e[max_rank] = {};
+    for (int d = 0; d < rank; ++d) e[d] = detail::dim_block(ran.state[i], d, global[d], m.sizes(), m.coords()).extent;
+    const auto longest = [&](const rlayout& l, int d) {  // over the group along the step's axis
+      index_t most = 0;
+      std::vector<index_t> c(m.coords(), m.coords() + m.naxes());
+      for (c[std::size_t(s.axis)] = 0; c[std::size_t(s.axis)] < m.size(s.axis); ++c[std::size_t(s.axis)])
+        most = std::max(most, detail::dim_block(l, d, global[d], m.sizes(), c.data()).extent);
+      return most;
+    };
+    if (s.kind == step_kind::all_gather || s.kind == step_kind::all_to_all) e[s.from_dim] = longest(ran.state[i], s.from_dim);
+    if (s.kind == step_kind::all_to_all || s.kind == step_kind::reduce_scatter)
+      e[s.to_dim] = m.size(s.axis) * longest(ran.state[i + 1], s.to_dim);
+    index_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= e[d];
+    out.push_back({collective_of(s.kind), m.label(s.mask), std::size_t(n) * elem});
+  }
   return out;
 }
 

@@ -511,16 +511,25 @@ TEST_CASE("autodiff: reshards and the one-collective forms transpose their colle
   const double worst = fd_check_params(ps, loss, x, w);
   INFO("worst relative error " << worst);
   GSHARD_REQUIRE(worst < 1e-6);
-  if (sizes[1] % sizes[0] != 0) {  // a reshard whose target does not divide: the same error on every rank, before any collective
-    param<tensor<double, 2, grid2, bm, "BM">> odd(ps, "odd", {2 * index_t(P), sizes[1]}, init::normal(1.0));
-    tape t(ps);
-    collective_recorder rec;
-    using to_data = rules<on<'M', "data">>;
-    GSHARD_REQUIRE_THROWS_WITH(reshard<to_data>(all_gather<"model">(t.use(odd))), shape_error,
-                               "gshard::tensor: dim 1 (M) of f64[B,M{data}] has extent " + std::to_string(sizes[1]) +
-                                   ", not divisible into " + std::to_string(sizes[0]) + " shards over {data}");
-    GSHARD_REQUIRE(rec.calls(collective::all_to_all) == 0);
-  }
+  // The same chain where dims do not divide: M = 2 over data (empty shards
+  // where data has more ranks), N = 2P + 1 (short shards), through the
+  // all_to_all, the einsum's pending sum, the reduce_scatter and back.
+  parameters ps2(m, 4);
+  param<tensor<double, 2, grid2, bm, "BM">> odd(ps2, "odd", {2 * index_t(P), sizes[1]}, init::normal(1.0));
+  param<tensor<double, 2, grid2, replicate, "MN">> v(ps2, "v", {sizes[1], 2 * index_t(P) + 1}, init::normal(1.0));
+  collective_recorder rec;
+  auto uneven = [&](tape& t) {
+    auto g = all_gather<"model">(t.use(odd));
+    auto a = reshard<rules<on<'M', "data">>>(g);
+    auto h = einsum<"BM,MN->BN">(a, v);
+    auto r = reduce_scatter<"data", 1>(std::move(h));
+    auto back = all_to_all<"data", 0>(relabel<"BN">(std::move(r)));
+    return all_reduce<"data">(against(t, back, 1)) + against(t, reshard<replicate>(g), 2);
+  };
+  const double worst_uneven = fd_check_params(ps2, uneven, odd, v);
+  INFO("extents that do not divide: worst relative error " << worst_uneven);
+  GSHARD_REQUIRE(worst_uneven < 1e-6);
+  GSHARD_REQUIRE(rec.calls(collective::all_to_all) > 0);
 }
 
 TEST_CASE("autodiff: reshards started and finished later, chunks and concat: the blocking forms' values and gradients",

@@ -52,7 +52,7 @@ std::optional<std::vector<collective>> table(const axis_state& from, const axis_
 }
 
 struct tally {
-  int pairs = 0, table_checked = 0, permutes = 0;
+  int pairs = 0, table_checked = 0, permutes = 0, uneven_steps = 0;
   std::string first_failure;
   void fail(const std::string& s) {
     if (first_failure.empty()) first_failure = s;
@@ -139,14 +139,7 @@ std::string bf16_error(const detail::mesh_base& m, const detail::reshard_steps& 
 template <int R, class T = double>
 void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
   const auto g = std::is_same_v<T, bf16> ? distinct_in_bf16<R>(ge) : global_tensor<R>(ge);
-  // Layouts whose split dims divide: the others are refused when a tensor is
-  // built (tested in test_tensor.cpp), so no reshard can see them.
-  std::vector<rlayout> layouts;
-  for (const rlayout& l : all_layouts(R, m.naxes())) {
-    bool divides = true;
-    for (int d = 0; d < R; ++d) divides = divides && ge[std::size_t(d)] % detail::dim_parts(l, d, m.sizes()) == 0;
-    if (divides) layouts.push_back(l);
-  }
+  const std::vector<rlayout> layouts = all_layouts(R, m.naxes());
   for (const rlayout& from : layouts) {
     const auto src64 = shard_of<R>(g, from, m);
     const auto src = as<T, R>(src64);
@@ -180,15 +173,14 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
         if (!ok) t.fail(what + ": wrong values");
       }
 
-      // 2. Collectives: exactly the plan's, with its axes and bytes.
-      std::vector<collective_event> planned;
-      for (int i = 0; i < plan.n; ++i) {
-        const auto& s = plan.step[i];
-        if (!is_collective(s.kind)) continue;
-        const std::uint32_t mask = s.mask;
-        const shape<R> e = detail::local_extents<R>(plan.state[i], ge, m);
-        planned.push_back({collective_of(s.kind), m.label(mask), std::size_t(detail::product<R>(e)) * sizeof(T)});
-        if (s.kind == step_kind::permute) ++t.permutes;
+      // 2. Collectives: exactly the plan's (step by step where a permute's
+      // blocks differ), with its axes and bytes: a rank's block, or where a
+      // cut dim's pieces differ, each piece padded to the group's longest.
+      const bool even = detail::layout_even<R>(from, ge, m) && detail::layout_even<R>(to, ge, m);
+      const std::vector<collective_event> planned = gshard::testing::planned_collectives(plan, m, ge.data(), R, sizeof(T));
+      for (const auto& e : planned) {
+        t.permutes += e.kind == collective::permute;
+        t.uneven_steps += !even;
       }
       if (events != planned) t.fail(what + ": collectives differ from the plan");
 
@@ -210,7 +202,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
       // Equal per-dim axis sets in another order: one permute.
       bool same_sets = !(from == to) && from.partial == to.partial;
       for (int d = 0; d < R; ++d) same_sets = same_sets && detail::axis_set(from.dims[d]) == detail::axis_set(to.dims[d]);
-      if (same_sets && !(events.size() == 1 && events[0].kind == collective::permute)) t.fail(what + ": reordering is not one permute");
+      if (same_sets && even && !(events.size() == 1 && events[0].kind == collective::permute)) t.fail(what + ": reordering is not one permute");
     }
   }
 }
@@ -220,7 +212,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
 TEST_CASE("every reshard pair of rank-1..3 tensors on every mesh matches the global tensor", "[reshard][exhaustive]") {
   const auto meshes = gshard::testing::meshes_for_world(true, true);
   const int P = world_size();
-  const std::size_t expected_meshes = 3 + (P == 4 ? 1 : 0) + (P == 8 ? 2 : 0);
+  const std::size_t expected_meshes = 3 + (P == 4 ? 1 : 0) + (P == 6 || P == 8 ? 2 : 0);
   int ran = 0;
   for (const auto& mc : meshes) {
     const detail::mesh_base& m = *mc.mesh;
@@ -262,6 +254,29 @@ TEST_CASE("every reshard pair moves bf16 exactly and sums it in fp32, rounded on
   }
 }
 
+// Extents that do not divide: a prime, one below the ranks (empty shards),
+// one short of a multiple; on every mesh, every pair, against the global
+// tensor, with the padded bytes of every collective.
+TEST_CASE("every reshard pair of extents that do not divide matches the global tensor", "[reshard][exhaustive][uneven]") {
+  const auto meshes = gshard::testing::meshes_for_world(true, true);
+  for (const auto& mc : meshes) {
+    const detail::mesh_base& m = *mc.mesh;
+    const index_t W = m.nranks();
+    tally t, tb;
+    check_all_pairs<1>(m, {2 * W + 1}, t);
+    check_all_pairs<2>(m, {W + 1, W > 1 ? W - 1 : 1}, t);
+    check_all_pairs<3>(m, {3, 2 * W - 1, 5}, t);
+    check_all_pairs<2, bf16>(m, {W + 1, 7}, tb);
+    INFO("mesh " << mc.name << ": " << t.pairs << " pairs, " << t.uneven_steps << " collectives on uneven shards");
+    GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+    GSHARD_REQUIRE_MSG(tb.first_failure.empty(), tb.first_failure);
+    const std::size_t nl1 = all_layouts(1, m.naxes()).size(), nl2 = all_layouts(2, m.naxes()).size(),
+                      nl3 = all_layouts(3, m.naxes()).size();
+    GSHARD_REQUIRE(std::size_t(t.pairs) == nl1 * nl1 + nl2 * nl2 + nl3 * nl3);
+    GSHARD_REQUIRE((W == 1 ? t.uneven_steps == 0 : t.uneven_steps > 0));
+  }
+}
+
 TEST_CASE("zero-size and size-1 dims reshard too", "[reshard][exhaustive]") {
   dyn2 m(MPI_COMM_WORLD, {1, world_size()});
   tally t;
@@ -269,9 +284,9 @@ TEST_CASE("zero-size and size-1 dims reshard too", "[reshard][exhaustive]") {
   check_all_pairs<2>(m, {index_t(world_size()), 0}, t);
   const int before = t.pairs;
   dyn1 m1(MPI_COMM_WORLD);
-  check_all_pairs<2>(m1, {index_t(world_size()), 1}, t);  // dim 1 splits only on one rank
+  check_all_pairs<2>(m1, {index_t(world_size()), 1}, t);  // dim 1's one element on the first rank, the others empty
   GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
-  GSHARD_REQUIRE(t.pairs - before == (world_size() == 1 ? 16 : 9));
+  GSHARD_REQUIRE(t.pairs - before == 16);
 }
 
 TEST_CASE("typed reshard runs the compile-time plan, equal to the run-time planner", "[reshard]") {
@@ -352,12 +367,7 @@ std::optional<std::vector<collective>> transpose_table(const axis_state& from, c
 // run the transposed collective.
 template <int R>
 void check_transposes(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
-  std::vector<rlayout> layouts;
-  for (const rlayout& l : gshard::testing::all_layouts(R, m.naxes())) {
-    bool divides = true;
-    for (int d = 0; d < R; ++d) divides = divides && ge[std::size_t(d)] % detail::dim_parts(l, d, m.sizes()) == 0;
-    if (divides) layouts.push_back(l);
-  }
+  const std::vector<rlayout> layouts = gshard::testing::all_layouts(R, m.naxes());
   const auto gx = gshard::testing::random_tensor<R>(ge, 11), gdy = gshard::testing::random_tensor<R>(ge, 12);
   std::vector<double> sides;  // per case: this rank's shares of <y,dy> and <x,dx>, summed once at the end
   std::vector<std::string> cases;
@@ -416,6 +426,19 @@ TEST_CASE("the gradient of every reshard is its transpose: <y,dy> = <x,dx>", "[r
     check_transposes<1>(m, {2 * W}, t);
     check_transposes<2>(m, {2 * W, W}, t);
     INFO("mesh " << mc.name << ": " << t.pairs << " (pair, dy) cases, " << t.table_checked << " checked against the table");
+    GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+    GSHARD_REQUIRE(t.table_checked > 0);
+  }
+}
+
+TEST_CASE("the gradient of every reshard of extents that do not divide is its transpose", "[reshard][exhaustive][grad][uneven]") {
+  for (const auto& mc : gshard::testing::meshes_for_world(true, false)) {
+    const detail::mesh_base& m = *mc.mesh;
+    const index_t W = m.nranks();
+    tally t;
+    check_transposes<1>(m, {2 * W + 1}, t);
+    check_transposes<2>(m, {W + 1, 3}, t);
+    INFO("mesh " << mc.name << ": " << t.pairs << " (pair, dy) cases");
     GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
     GSHARD_REQUIRE(t.table_checked > 0);
   }

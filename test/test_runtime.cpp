@@ -71,9 +71,9 @@ TEST_CASE("with_mesh picks the compile-time mesh that fits the world", "[mesh]")
   using m2 = mesh<axis<"data", 2>>;
   using m4 = mesh<axis<"data", 2>, axis<"expert", 2>>;
   using m8 = mesh<axis<"data", 2>, axis<"expert", 4>>;
-  if (P == 3) {
+  if (P != 1 && P != 2 && P != 4 && P != 8) {
     GSHARD_REQUIRE_THROWS_WITH((with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [](const auto&) { return 0; })), mesh_error,
-                               "no mesh fits 3 ranks; this program supports 1, 2, 4, 8");
+                               "no mesh fits " + std::to_string(P) + " ranks; this program supports 1, 2, 4, 8");
   } else {
     const int axes = with_mesh<m1, m2, m4, m8>(MPI_COMM_WORLD, [&](const auto& m) { return m.naxes() * 100 + m.nranks(); });
     const int want = (P <= 2 ? 100 : 200) + P;

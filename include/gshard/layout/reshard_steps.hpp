@@ -9,6 +9,7 @@
 
 #include "gshard/core/counters.hpp"
 #include "gshard/layout/rlayout.hpp"
+#include "gshard/layout/shard_geometry.hpp"
 
 namespace gshard {
 
@@ -116,6 +117,27 @@ constexpr void apply(rlayout& l, const reshard_step& s) {
   }
 }
 
+// The elements one rank hands a collective step on a tensor of extents
+// `global` of rank `rank` (the step's state before is `before`, after it
+// `after`): its block, or where a dim the step cuts does not divide, its
+// pieces padded to the longest (tensor/execute_reshard.hpp): an all_gather
+// sends one piece, an all_to_all and a reduce_scatter one per group rank.
+constexpr index_t step_elements(const reshard_step& s, const rlayout& before, const rlayout& after, const index_t* global,
+                                int rank, const index_t* sizes, const index_t* coords) {
+  index_t n = 1;
+  for (int d = 0; d < rank; ++d) {
+    index_t e = dim_block(before, d, global[d], sizes, coords).extent;
+    if (s.kind == step_kind::all_gather && d == s.from_dim)
+      e = piece_capacity(dim_block(after, d, global[d], sizes, coords).extent, sizes[s.axis]);
+    if (s.kind == step_kind::all_to_all && d == s.from_dim)
+      e = piece_capacity(dim_block(after, d, global[d], sizes, coords).extent, sizes[s.axis]);
+    if ((s.kind == step_kind::all_to_all || s.kind == step_kind::reduce_scatter) && d == s.to_dim)
+      e = piece_capacity(e, sizes[s.axis]) * sizes[s.axis];
+    n *= e;
+  }
+  return n;
+}
+
 // Plans src -> dst over a mesh of `naxes` axes whose sizes are `sizes`
 // (gshard::dynamic, i.e. -1, where unknown). Greedy and deterministic: local
 // steps first; then all_to_all, reduce_scatter, all_reduce, all_gather, each
@@ -129,7 +151,10 @@ constexpr void apply(rlayout& l, const reshard_step& s) {
 //   partial -> split(d)      reduce_scatter
 //   replicate -> partial     zero_partial, local (coordinate 0 keeps the value)
 //   same blocks, other ranks permute           (one step for the whole mesh)
-constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int naxes, const index_t* sizes) {
+// `permute` false plans without the permute step (for extents whose blocks
+// are not all equal, where one rank's block is not another's).
+constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int naxes, const index_t* sizes,
+                                     bool permute = true) {
   reshard_steps p;
   rlayout cur = src;
   auto emit = [&](reshard_step s) {
@@ -146,7 +171,7 @@ constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int
   };
   auto i8 = [](int v) { return std::int8_t(v); };
 
-  if (permute_suffices(src, dst, sizes)) {
+  if (permute && permute_suffices(src, dst, sizes)) {
     emit({step_kind::permute, -1, -1, -1});
     p.state[p.n] = cur;
     return p;

@@ -22,17 +22,48 @@ struct block {
   index_t extent;
 };
 
-// The slice of dim d (global extent `global`) held by the rank at `coords`:
-// block index = row-major composite of its coordinates on the splitting axes.
+// The rule for a dim that does not divide (GSPMD's): a block of `len` cut
+// into `parts` pieces holds pieces of ceil(len / parts), the last ones short
+// or empty. Piece j of them:
+constexpr block piece_of(index_t len, index_t parts, index_t j) {
+  const index_t c = (len + parts - 1) / parts;
+  const index_t off = j * c < len ? j * c : len;
+  return {off, len - off < c ? len - off : c};
+}
+// The longest piece: the size every piece travels at in a collective, the
+// short ones padded with zeros.
+constexpr index_t piece_capacity(index_t len, index_t parts) { return (len + parts - 1) / parts; }
+
+// The slice of dim d (global extent `global`) held by the rank at `coords`.
+// A dim split over axes (a, b) is cut over a by the rule above, then each
+// block over b: so every reshard step, which moves one axis at a dim's
+// minor end, stays within the blocks of the axes before it (a flat
+// ceil(n / (|a| |b|)) would not: 10 over 2 x 3 would need element 5 of the
+// second half on a rank of the first). Where every level divides, the block
+// index is the row-major composite of the coordinates and every block equal.
 constexpr block dim_block(const rlayout& l, int d, index_t global, const index_t* axis_sizes, const index_t* coords) {
-  index_t idx = 0, parts = 1;
+  block b{0, global};
   for (int i = 0; i < l.dims[d].n; ++i) {
     const int a = l.dims[d].ax[i];
-    idx = idx * axis_sizes[a] + coords[a];
-    parts *= axis_sizes[a];
+    const block p = piece_of(b.extent, axis_sizes[a], coords[a]);
+    b = {b.offset + p.offset, p.extent};
   }
-  const index_t extent = global / parts;
-  return {idx * extent, extent};
+  return b;
+}
+
+// Whether dim d's blocks are all equal: every level of the rule divides.
+constexpr bool dim_even(const rlayout& l, int d, index_t global, const index_t* axis_sizes) {
+  for (int i = 0; i < l.dims[d].n; ++i) {
+    const index_t p = axis_sizes[l.dims[d].ax[i]];
+    if (global % p != 0) return false;
+    global /= p;
+  }
+  return true;
+}
+// The largest block of dim d (the one at coordinate 0 of every axis).
+constexpr index_t max_block(const rlayout& l, int d, index_t global, const index_t* axis_sizes) {
+  for (int i = 0; i < l.dims[d].n; ++i) global = piece_capacity(global, axis_sizes[l.dims[d].ax[i]]);
+  return global;
 }
 
 }  // namespace gshard::detail

@@ -173,11 +173,12 @@ struct einsum_plan {
       index_t global[128] = {}, local[128] = {};
       label_extents(a, b, global, dt);
       for (int c = 0; c < 128; ++c) local[c] = global[c];
-      // Local extents: each label divided by the shards of its (sliced) dim.
+      // Local extents: each label's block in its (sliced) dim, the largest
+      // where they differ (the FLOPs of the busiest rank).
       for (int op = 0; op < nin; ++op)
         for (int d = 0; d < spec.in_rank[op]; ++d) {
           const char l = spec.in[op][d];
-          local[int(l)] = global[int(l)] / detail::dim_parts(sharding.in[op], d, m->sizes());
+          local[int(l)] = detail::max_block(sharding.in[op], d, global[int(l)], m->sizes());
         }
       for (int d = 0; d < rank_out; ++d) out_global[std::size_t(d)] = global[int(spec.out[d])];
       out_text += "   " + std::to_string(index_t(spec.flops(local))) + " FLOP/rank";

@@ -6,6 +6,7 @@
 // it (the buckets run their stackable steps themselves).
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <span>
 
@@ -52,49 +53,83 @@ inline int permute_source(const mesh_base& m, const rlayout& from, const rlayout
   return m.rank_of(src);
 }
 
-// Copies piece `j` of `in` along dim d (j-th of `parts` equal pieces) into `out`.
+// Copies piece `j` of `in` along dim d (the j-th of `parts`, by the rule
+// of shard_geometry.hpp) into `out`, whose extents are `slot` (e with dim d
+// at least the piece's extent; the piece at its origin).
+template <class T, int Rank>
+void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out, const shape<Rank>& slot) {
+  if (d < 0 || d >= Rank) __builtin_unreachable();  // tells GCC the stores below stay in the arrays
+  const block p = piece_of(e[std::size_t(d)], parts, j);
+  shape<Rank> piece = e, off{}, zero{};
+  piece[std::size_t(d)] = p.extent;
+  off[std::size_t(d)] = p.offset;
+  copy_box(in, e.data(), off.data(), out, slot.data(), zero.data(), piece.data(), Rank);
+}
 template <class T, int Rank>
 void take_piece(const T* in, const shape<Rank>& e, int d, index_t parts, index_t j, T* out) {
-  if (d < 0 || d >= Rank) __builtin_unreachable();  // tells GCC the stores below stay in the arrays
-  shape<Rank> piece = e, off{}, zero{};
-  piece[std::size_t(d)] = e[std::size_t(d)] / parts;
-  off[std::size_t(d)] = j * piece[std::size_t(d)];
-  copy_box(in, e.data(), off.data(), out, piece.data(), zero.data(), piece.data(), Rank);
+  shape<Rank> piece = e;
+  piece[std::size_t(d)] = piece_of(e[std::size_t(d)], parts, j).extent;
+  take_piece<T, Rank>(in, e, d, parts, j, out, piece);
 }
-// Copies `piece` into `out` (extents e) at position j along dim d.
+// Copies the box `pe` at the origin of `piece` (extents `slot`) into `out`
+// (extents e) at piece j of `parts` along dim d.
 template <class T, int Rank>
-void put_piece(const T* piece, const shape<Rank>& pe, int d, index_t j, T* out, const shape<Rank>& e) {
+void put_piece(const T* piece, const shape<Rank>& slot, const shape<Rank>& pe, int d, index_t parts, index_t j, T* out,
+               const shape<Rank>& e) {
   if (d < 0 || d >= Rank) __builtin_unreachable();
   shape<Rank> off{}, zero{};
-  off[std::size_t(d)] = j * pe[std::size_t(d)];
-  copy_box(piece, pe.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
+  off[std::size_t(d)] = piece_of(e[std::size_t(d)], parts, j).offset;
+  copy_box(piece, slot.data(), zero.data(), out, e.data(), off.data(), pe.data(), Rank);
+}
+
+// A collective step's pieces when its dims do not divide: every piece
+// travels in a slot of the longest piece's extents, padded with zeros, so
+// that the collective moves equal blocks; the receiver copies out the real
+// part. `slot` is the local extents with each split dim at its capacity.
+template <int Rank>
+shape<Rank> padded_slot(shape<Rank> e, int d, index_t len, index_t parts) {
+  e[std::size_t(d)] = piece_capacity(len, parts);
+  return e;
 }
 
 // An all_to_all step (.., a{..,x}, .., b{..}, ..) |-> (.., a{..}, .., b{..,x}, ..)
 // as Pack / Communicate / Unpack: piece j of dim b goes to group rank j, the
-// piece from group rank i is block i of dim a. Each of Pack and Unpack is
-// needed only when its dim has others outside it (else the pieces lie in
-// order already). The blocking step (run_step) and the one started now and
-// finished later (reshard_request, gshard/tensor/reshard.hpp) share it.
+// piece from group rank i is block i of dim a. Where both dims divide, each
+// of Pack and Unpack is needed only when its dim has others outside it (else
+// the pieces lie in order already); where one does not, every piece goes
+// padded to the longest (padded_slot). The blocking step (run_step) and the one
+// started now and finished later (reshard_request, gshard/tensor/reshard.hpp)
+// share it.
 template <class T, int Rank>
 struct all_to_all_geometry {
   shape<Rank> e, eo;   // local extents before and after
+  shape<Rank> slot;    // one piece as it travels
   int a, b;            // the dim gathered (from_dim) and the dim split (to_dim)
   index_t P;           // the group's size
+  bool even;           // both dims divide: pieces are equal, no padding
+  std::size_t piece;   // elements per piece (per slot)
   std::size_t n;       // elements sent (and received)
   all_to_all_geometry(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
                       const shape<Rank>& global)
       : e(local_extents<Rank>(before, global, m)), eo(local_extents<Rank>(after, global, m)), a(s.from_dim), b(s.to_dim),
-        P(m.group(1u << s.axis).size), n(std::size_t(product<Rank>(e))) {}
-  bool packs() const { return product<Rank>(e, 0, b) != 1; }
-  bool unpacks() const { return product<Rank>(eo, 0, a) != 1; }
+        P(m.group(1u << s.axis).size) {
+    even = eo[std::size_t(a)] % P == 0 && e[std::size_t(b)] % P == 0;
+    slot = padded_slot<Rank>(padded_slot<Rank>(e, b, e[std::size_t(b)], P), a, eo[std::size_t(a)], P);
+    piece = std::size_t(product<Rank>(slot));
+    n = piece * std::size_t(P);
+  }
+  bool packs() const { return !even || product<Rank>(e, 0, b) != 1; }
+  bool unpacks() const { return !even || product<Rank>(eo, 0, a) != 1; }
   void pack(const T* in, T* send) const {
-    for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in, e, b, P, j, send + std::size_t(j) * (n / std::size_t(P)));
+    if (!even) std::fill(send, send + n, T(0));
+    for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in, e, b, P, j, send + std::size_t(j) * piece, slot);
   }
   void unpack(const T* recv, T* out) const {
-    shape<Rank> pe = e;
-    pe[std::size_t(b)] = eo[std::size_t(b)];
-    for (index_t i = 0; i < P; ++i) put_piece<T, Rank>(recv + std::size_t(i) * (n / std::size_t(P)), pe, a, i, out, eo);
+    for (index_t i = 0; i < P; ++i) {
+      shape<Rank> pe = eo;
+      pe[std::size_t(a)] = piece_of(eo[std::size_t(a)], P, i).extent;
+      put_piece<T, Rank>(recv + std::size_t(i) * piece, slot, pe, a, P, i, out, eo);
+    }
   }
 };
 
@@ -104,6 +139,18 @@ template <class T>
 std::unique_ptr<T[]> uninitialized(std::size_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
+
+// Whether every dim of a layout-l tensor of extents `global` has equal blocks.
+template <int Rank>
+bool layout_even(const rlayout& l, const shape<Rank>& global, const mesh_base& m) {
+  for (int d = 0; d < Rank; ++d)
+    if (!dim_even(l, d, global[std::size_t(d)], m.sizes())) return false;
+  return true;
+}
+
+template <class T, int Rank>
+local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
+                                      const shape<Rank>& global);
 
 // Runs one step; `before` is the layout of `in`, and the result has `after`:
 // a case per step kind, each its Pack / Communicate / Unpack, sharing the
@@ -117,14 +164,31 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
   switch (s.kind) {
     case step_kind::all_gather: {  // (.., d{..,x}, ..) |-> (.., d{..}, ..)
       const axis_group& g = m.group(1u << s.axis);
+      const int d = s.from_dim;
       local_tensor<T, Rank> out(eo);
-      if (product<Rank>(e, 0, s.from_dim) == 1) {
+      const index_t len = eo[std::size_t(d)];
+      if (len % g.size == 0 && product<Rank>(e, 0, d) == 1) {
         all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
         return out;
       }
-      const auto recv = uninitialized<T>(n * std::size_t(g.size));  // Communicate
-      all_gather<T>(g, {in.data(), n}, {recv.get(), n * std::size_t(g.size)});
-      for (int p = 0; p < g.size; ++p) put_piece<T, Rank>(recv.get() + std::size_t(p) * n, e, s.from_dim, p, out.data(), eo);  // Unpack
+      // Pack (only where the pieces are short: into a zero-padded slot)
+      const shape<Rank> slot = padded_slot<Rank>(e, d, len, g.size);
+      const std::size_t piece = std::size_t(product<Rank>(slot));
+      std::unique_ptr<T[]> send_buf;
+      const T* send = in.data();
+      if (piece != n) {
+        send_buf = uninitialized<T>(piece);
+        std::fill(send_buf.get(), send_buf.get() + piece, T(0));
+        copy_box(in.data(), e.data(), shape<Rank>{}.data(), send_buf.get(), slot.data(), shape<Rank>{}.data(), e.data(), Rank);
+        send = send_buf.get();
+      }
+      const auto recv = uninitialized<T>(piece * std::size_t(g.size));  // Communicate
+      all_gather<T>(g, {send, piece}, {recv.get(), piece * std::size_t(g.size)});
+      for (int p = 0; p < g.size; ++p) {  // Unpack
+        shape<Rank> pe = e;
+        pe[std::size_t(d)] = piece_of(len, g.size, p).extent;
+        put_piece<T, Rank>(recv.get() + std::size_t(p) * piece, slot, pe, d, g.size, p, out.data(), eo);
+      }
       return out;
     }
     case step_kind::slice: {  // (.., d{..}, ..) |-> (.., d{..,x}, ..), local
@@ -138,13 +202,13 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       std::unique_ptr<T[]> send_buf, recv_buf;
       const T* send = in.data();
       if (geo.packs()) {  // Pack
-        send_buf = uninitialized<T>(n);
+        send_buf = uninitialized<T>(geo.n);
         geo.pack(in.data(), send_buf.get());
         send = send_buf.get();
       }
-      if (geo.unpacks()) recv_buf = uninitialized<T>(n);
+      if (geo.unpacks()) recv_buf = uninitialized<T>(geo.n);
       T* recv = geo.unpacks() ? recv_buf.get() : out.data();
-      all_to_all<T>(m.group(1u << s.axis), {send, n}, {recv, n});  // Communicate
+      all_to_all<T>(m.group(1u << s.axis), {send, geo.n}, {recv, geo.n});  // Communicate
       if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
       return out;
     }
@@ -156,15 +220,24 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
     case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
       const axis_group& g = m.group(1u << s.axis);
       const index_t P = g.size;
+      const int d = s.to_dim;
       local_tensor<T, Rank> out(eo);
-      std::unique_ptr<T[]> send_buf;
+      const bool even = e[std::size_t(d)] % P == 0;
+      const shape<Rank> slot = padded_slot<Rank>(e, d, e[std::size_t(d)], P);
+      const std::size_t piece = std::size_t(product<Rank>(slot));
+      std::unique_ptr<T[]> send_buf, recv_buf;
       const T* send = in.data();
-      if (product<Rank>(e, 0, s.to_dim) != 1) {  // Pack
-        send_buf = uninitialized<T>(n);
-        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, s.to_dim, P, j, send_buf.get() + std::size_t(j) * (n / std::size_t(P)));
+      if (!even || product<Rank>(e, 0, d) != 1) {  // Pack
+        send_buf = uninitialized<T>(piece * std::size_t(P));
+        if (!even) std::fill(send_buf.get(), send_buf.get() + piece * std::size_t(P), T(0));
+        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, d, P, j, send_buf.get() + std::size_t(j) * piece, slot);
         send = send_buf.get();
       }
-      reduce_scatter<T>(g, {send, n}, {out.data(), std::size_t(out.size())});  // Communicate
+      if (!even) recv_buf = uninitialized<T>(piece);
+      T* recv = even ? out.data() : recv_buf.get();
+      reduce_scatter<T>(g, {send, piece * std::size_t(P)}, {recv, piece});  // Communicate
+      if (!even)  // Unpack: the real part of this rank's slot
+        copy_box(recv, slot.data(), shape<Rank>{}.data(), out.data(), eo.data(), shape<Rank>{}.data(), eo.data(), Rank);
       return out;
     }
     case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
@@ -174,6 +247,9 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       return out;
     }
     case step_kind::permute: {  // same blocks, other ranks
+      if (!layout_even<Rank>(before, global, m) || !layout_even<Rank>(after, global, m))
+        // The blocks are equal only where the dims divide: else step by step.
+        return execute_reshard<T, Rank>(m, plan_reshard(before, after, m.naxes(), m.sizes(), false), in, global);
       const axis_group& g = m.all_axes();
       const int source = permute_source(m, before, after, m.coords());
       int dest = -1;

@@ -43,10 +43,6 @@ struct reshard_of {
   using out_t = with_sharding<Y, To>;
   using plan = reshard_plan<typename Y::mesh_type, Y::rank, typename Y::sharding_type, To>;
   using T = typename Y::value_type;
-  // Before any collective: a target that does not divide throws the same on every rank.
-  static void check(const Y& x) {
-    check_divisible<Y::rank>(out_t::resolved, To::spec, x.extents(), x.mesh(), dtype_name<T>(), Y::labels);
-  }
 };
 }  // namespace detail
 
@@ -64,7 +60,6 @@ auto reshard(X&& x) {
   using T = typename R::T;
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
-  R::check(x);
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
     return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
   } else {
@@ -158,7 +153,6 @@ template <class ToOrRules, class X>
   requires sharded_tensor<X>
 [[nodiscard]] auto start_reshard(X&& x) {
   using R = detail::reshard_of<ToOrRules, X>;
-  R::check(x);
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
     return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()));
   else

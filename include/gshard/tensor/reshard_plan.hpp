@@ -34,6 +34,15 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
   };
   for (int i = 0; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
+    if (s.kind == step_kind::permute && m && global) {
+      bool even = true;
+      for (int d = 0; d < rank; ++d)
+        even = even && dim_even(p.state[i], d, global[d], m->sizes()) && dim_even(p.state[i + 1], d, global[d], m->sizes());
+      if (!even)  // the blocks differ, so the executor goes step by step (a permute is a plan's only step)
+        return out + describe_steps(plan_reshard(p.state[i], p.state[i + 1], m->naxes(), m->sizes(), false), names, rank,
+                                    dtype, labels, global, m, elem_bytes, first + i);
+
+    }
     out += "  " + std::to_string(first + i) + ". " + std::string(name_of(s.kind));
     if (s.kind == step_kind::permute) out += " over the whole mesh";
     else {
@@ -49,11 +58,19 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
     if (s.from_dim >= 0 && s.to_dim >= 0) out += ": " + dim_name(s.from_dim) + " -> " + dim_name(s.to_dim);
     else if (s.from_dim >= 0) out += ": " + dim_name(s.from_dim);
     else if (s.to_dim >= 0) out += ": " + dim_name(s.to_dim);
-    out += "   " + notation(unresolve(p.state[i + 1], names), rank, dtype, labels, global);
+    const sharding_spec after = unresolve(p.state[i + 1], names);
+    out += "   " + notation(after, rank, dtype, labels, global);
+    if (m && global) out += uneven_note(p.state[i + 1], after, global, rank, *m, labels);
     if (m && global && is_collective(s.kind)) {
       index_t n = 1;
       for (int d = 0; d < rank; ++d) n *= dim_block(p.state[i], d, global[d], m->sizes(), m->coords()).extent;
-      out += "   " + std::to_string(std::size_t(n) * elem_bytes) + " B/rank";
+      const index_t sent = step_elements(s, p.state[i], p.state[i + 1], global, rank, m->sizes(), m->coords());
+      out += "   " + std::to_string(std::size_t(sent) * elem_bytes) + " B/rank";
+      if (sent > n) {
+        out += " (";
+        out += std::to_string(std::size_t(sent - n) * elem_bytes);
+        out += " B of it padding)";
+      }
     }
     out += '\n';
   }

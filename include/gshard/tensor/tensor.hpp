@@ -102,19 +102,59 @@ std::string extents_string(const Extents& e) {
   return s + "]";
 }
 
-// Every split dim divisible by its number of shards; the same error on every rank otherwise.
+// Every split dim divisible by its number of shards, for what needs equal
+// shards (a parameter, the MoE layer's groups); the same error on every rank
+// otherwise, starting with `who`.
 template <int Rank>
-GSHARD_NOINLINE void check_divisible(const rlayout& l, const sharding_spec& spec, const shape<Rank>& global, const mesh_base& m,
-                     std::string_view dtype, std::string_view labels = {}) {
+GSHARD_NOINLINE void require_even(std::string_view who, const rlayout& l, const sharding_spec& spec, const shape<Rank>& global,
+                                  const mesh_base& m, std::string_view dtype, std::string_view labels = {}) {
   for (int d = 0; d < Rank; ++d) {
-    const index_t parts = dim_parts(l, d, m.sizes());
-    if (global[std::size_t(d)] < 0 || global[std::size_t(d)] % parts != 0)
-      throw shape_error("gshard::tensor: dim " + std::to_string(d) +
-                        (labels.empty() ? std::string() : " (" + std::string(1, labels[std::size_t(d)]) + ")") + " of " +
-                        notation(spec, Rank, dtype, labels, global.data()) + " has extent " +
-                        std::to_string(global[std::size_t(d)]) + ", not divisible into " + std::to_string(parts) +
-                        " shards over {" + m.label(axis_set(l.dims[d])) + "} of " + m.describe());
+    if (dim_even(l, d, global[std::size_t(d)], m.sizes())) continue;
+    throw shape_error(std::string(who) + ": dim " + std::to_string(d) +
+                      (labels.empty() ? std::string() : " (" + std::string(1, labels[std::size_t(d)]) + ")") + " of " +
+                      notation(spec, Rank, dtype, labels, global.data()) + " has extent " +
+                      std::to_string(global[std::size_t(d)]) + ", not divisible into " +
+                      std::to_string(dim_parts(l, d, m.sizes())) + " shards over {" + m.label(axis_set(l.dims[d])) +
+                      "} of " + m.describe());
   }
+}
+
+// The dims whose blocks are not all equal, as text for a tensor's printed
+// form: " (uneven: 8{expert} in shards 3,3,2)", "" when every dim divides.
+// Shards listed in block order, the first 8 of them.
+inline std::string uneven_note(const rlayout& l, const sharding_spec& spec, const index_t* global, int rank,
+                               const mesh_base& m, std::string_view labels = {}) {
+  std::string out;  // appended piece by piece: GCC 12 warns (-Wrestrict) on "literal" + std::string
+  for (int d = 0; d < rank; ++d) {
+    const index_t n = global[d];
+    if (dim_even(l, d, n, m.sizes())) continue;
+    out += out.empty() ? " (uneven: " : "; ";
+    if (d < int(labels.size())) {
+      out += labels[std::size_t(d)];
+      out += '=';
+    }
+    out += std::to_string(n);
+    out += '{';
+    for (int i = 0; i < spec.dims[d].n; ++i) {
+      if (i) out += ',';
+      out += spec.dims[d].axes[i].view();
+    }
+    out += "} in shards ";
+    const index_t parts = dim_parts(l, d, m.sizes());
+    index_t c[max_mesh_axes] = {};
+    for (index_t k = 0; k < parts && k < 8; ++k) {
+      for (index_t r = k, i = l.dims[d].n - 1; i >= 0; --i) {  // block k's coordinates, row-major
+        const int a = l.dims[d].ax[i];
+        c[a] = r % m.sizes()[a];
+        r /= m.sizes()[a];
+      }
+      if (k) out += ',';
+      out += std::to_string(dim_block(l, d, n, m.sizes(), c).extent);
+    }
+    if (parts > 8) out += ",...";
+  }
+  if (!out.empty()) out += ')';
+  return out;
 }
 
 }  // namespace detail
@@ -184,8 +224,12 @@ class tensor {
   extents_type offsets() const { return detail::global_offsets<Rank>(resolved, extents_, *mesh_); }
 
   // "f32[8{data},16,512]"; with labels (the type's, or these) "f32[G{data},S,M]".
+  // A dim whose shards differ is named after it: "f32[8{expert},16] (uneven:
+  // 8{expert} in shards 3,3,2)".
   std::string notation(std::string_view names = {}) const {
-    return detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), names.empty() ? labels : names, extents_.data());
+    const std::string_view l = names.empty() ? labels : names;
+    return detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), l, extents_.data()) +
+           detail::uneven_note(resolved, Sharding::spec, extents_.data(), Rank, *mesh_, l);
   }
 
  private:
@@ -198,7 +242,11 @@ class tensor {
                             std::to_string(fixed[std::size_t(d)]) + " but was given " +
                             std::to_string(extents_[std::size_t(d)]));
     }
-    detail::check_divisible<Rank>(resolved, Sharding::spec, extents_, *mesh_, detail::dtype_name<T>(), labels);
+    for (int d = 0; d < Rank; ++d)
+      if (extents_[std::size_t(d)] < 0)
+        throw shape_error("gshard::tensor: dim " + std::to_string(d) + " of " +
+                          detail::notation(Sharding::spec, Rank, detail::dtype_name<T>(), labels, extents_.data()) +
+                          " has a negative extent");
   }
 
   [[noreturn]] GSHARD_NOINLINE void wrong_shard(const extents_type& want) const {
