@@ -26,6 +26,14 @@ using grid3 = mesh<axis<"data">, axis<"expert">, axis<"model">>;
 
 constexpr index_t M = 6, H = 8, E = 6, V = 10;  // E divides by the expert axis at 1, 2, 3, 4 and 8 ranks
 
+// The zoo's extents: the ones above, or (odd) extents that split into
+// unequal shards: 5 experts over 2, 3 or 4 ranks, H = 7 over "model" at 2, 4
+// and 8. M = 4 still divides, so the sharded update cuts unequal weights.
+struct zoo_sizes {
+  index_t m = M, h = H, e = E, v = V;
+};
+constexpr zoo_sizes even_sizes{}, odd_sizes{4, 7, 5, 3};
+
 // The shapes and shardings of the models' weights.
 template <class Mesh, class T = double>
 struct weight_zoo {
@@ -36,13 +44,15 @@ struct weight_zoo {
   param<tensor<T, 3, Mesh, sharding<split<0, "expert">, split<2, "model">>>> experts;  // [E{expert}, M, H{model}]
   param<tensor<T, 2, Mesh, replicate>> table;                                      // [V, M]
   template <class... How>
-  weight_zoo(const Mesh& m, How... how)
+  weight_zoo(const Mesh& m, const zoo_sizes& z, How... how)
       : ps(m, 11, how...),
-        norm(ps, "norm", {M}, init::ones()),
-        w_in(ps, "w_in", {M, H}, init::normal(0.5)),
-        w_out(ps, "w_out", {H, M}, init::normal(0.5)),
-        experts(ps, "experts", {E, M, H}, init::normal(0.5)),
-        table(ps, "table", {V, M}, init::normal(1.0)) {}
+        norm(ps, "norm", {z.m}, init::ones()),
+        w_in(ps, "w_in", {z.m, z.h}, init::normal(0.5)),
+        w_out(ps, "w_out", {z.h, z.m}, init::normal(0.5)),
+        experts(ps, "experts", {z.e, z.m, z.h}, init::normal(0.5)),
+        table(ps, "table", {z.v, z.m}, init::normal(1.0)) {}
+  template <class... How>
+  weight_zoo(const Mesh& m, How... how) : weight_zoo(m, even_sizes, how...) {}
 };
 
 // The gradient of weight i at `step`, element k of the global tensor: a
@@ -140,8 +150,8 @@ double worst_difference(parameters_base& a, parameters_base& b) {
 // from the same initial weights and the gradients rounded to T; the worst
 // relative difference (on rank 0).
 template <class T = double, class... How>
-double against_reference(const grid3& m, const adafactor_config& cfg, int steps, How... how) {
-  weight_zoo<grid3, T> z(m, how...);
+double against_reference(const grid3& m, const zoo_sizes& sizes, const adafactor_config& cfg, int steps, How... how) {
+  weight_zoo<grid3, T> z(m, sizes, how...);
   adafactor opt(cfg, z.ps);
   std::vector<reference> ref(z.ps.size());
   for (std::size_t i = 0; i < z.ps.size(); ++i) ref[i] = {z.ps.values()[i].extents(), global_values(z.ps.values()[i]), {}, {}, {}, {}};
@@ -182,16 +192,18 @@ TEST_CASE("Adafactor equals a double reference of its formulas on every weight s
   adafactor_config relative = gshard_setting;
   relative.relative_step = true;
   const shard_weight_update<default_roles::batch> sharded;
+  for (const zoo_sizes& sizes : {even_sizes, odd_sizes})
   for (const auto& [what, cfg] : {std::pair{"GShard's setting", gshard_setting}, std::pair{"first moment, fixed decay, parameter "
                                   "scale, weight decay, both clippings", everything}, std::pair{"relative step", relative}}) {
-    const double replicated = against_reference(m, cfg, 5), in_blocks = against_reference(m, cfg, 5, sharded);
-    INFO(m.describe() << ", " << what << ": worst relative difference, replicated update " << replicated
+    const double replicated = against_reference(m, sizes, cfg, 5), in_blocks = against_reference(m, sizes, cfg, 5, sharded);
+    INFO((sizes.e == E ? "" : "extents that do not divide, ") << m.describe() << ", " << what
+                                                              << ": worst relative difference, replicated update " << replicated
                       << ", sharded update " << in_blocks);
     GSHARD_REQUIRE(replicated < 1e-11);
     GSHARD_REQUIRE(in_blocks < 1e-11);
     // In float (the trainers'): the factors in double, the vectors' second
     // moment and the update in float.
-    const double f32 = against_reference<float>(m, cfg, 5), f32_blocks = against_reference<float>(m, cfg, 5, sharded);
+    const double f32 = against_reference<float>(m, sizes, cfg, 5), f32_blocks = against_reference<float>(m, sizes, cfg, 5, sharded);
     INFO("in float: replicated update " << f32 << ", sharded update " << f32_blocks);
     GSHARD_REQUIRE(f32 < 2e-5);
     GSHARD_REQUIRE(f32_blocks < 2e-5);
@@ -244,39 +256,47 @@ TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the
     p.push_back({"param.", &z.ps.values()});
     return p;
   };
-  weight_zoo<grid3> straight(self);
-  adafactor so(cfg, straight.ps);
-  weight_zoo<grid3> a(m, shard_weight_update<default_roles::batch>{});
-  adafactor ao(cfg, a.ps);
-  for (int t = 0; t < 2; ++t) {
-    set_grads(straight.ps, t), so.update(straight.ps);
-    set_grads(a.ps, t), ao.update(a.ps);
+  // With the zoo's extents, and with extents that split into unequal shards
+  // (saved from unequal blocks, loaded into whole ones and back).
+  for (const zoo_sizes& sizes : {odd_sizes, even_sizes}) {
+    INFO((sizes.e == E ? "the zoo's extents" : "extents that do not divide"));
+    weight_zoo<grid3> straight(self, sizes);
+    adafactor so(cfg, straight.ps);
+    weight_zoo<grid3> a(m, sizes, shard_weight_update<default_roles::batch>{});
+    adafactor ao(cfg, a.ps);
+    for (int t = 0; t < 2; ++t) {
+      set_grads(straight.ps, t), so.update(straight.ps);
+      set_grads(a.ps, t), ao.update(a.ps);
+    }
+    save_checkpoint(dir + "/a.ckpt", m, parts(a, ao), {{"step", 2.0}});
+    weight_zoo<grid3> b(self, sizes);
+    adafactor bo(cfg, b.ps);
+    bo.step = int(load_checkpoint(dir + "/a.ckpt", self, parts(b, bo)).at("step"));
+    for (int t = 2; t < 4; ++t) {
+      set_grads(straight.ps, t), so.update(straight.ps);
+      set_grads(b.ps, t), bo.update(b.ps);
+    }
+    const double worst = worst_difference(straight.ps, b.ps);
+    INFO("worst relative weight difference after resuming at 1 rank: " << worst);
+    GSHARD_REQUIRE(worst < 1e-11);
+    // And back: saved by a 1-rank run (each rank its own file), loaded at P ranks.
+    const std::string mine = dir + "/b" + std::to_string(world_rank()) + ".ckpt";
+    save_checkpoint(mine, self, parts(b, bo), {{"step", 4.0}});
+    weight_zoo<grid3> c(m, sizes, shard_weight_update<default_roles::batch>{});
+    adafactor co(cfg, c.ps);
+    co.step = int(load_checkpoint(dir + "/b0.ckpt", m, parts(c, co)).at("step"));
+    for (int t = 4; t < 6; ++t) {
+      set_grads(straight.ps, t), so.update(straight.ps);
+      set_grads(c.ps, t), co.update(c.ps);
+    }
+    const double back = worst_difference(straight.ps, c.ps);
+    INFO("worst relative weight difference after resuming at " << P << " ranks: " << back);
+    GSHARD_REQUIRE(back < 1e-11);
   }
-  save_checkpoint(dir + "/a.ckpt", m, parts(a, ao), {{"step", 2.0}});
+  // An Adam checkpoint has no Adafactor state: the record it lacks is named.
   weight_zoo<grid3> b(self);
   adafactor bo(cfg, b.ps);
-  bo.step = int(load_checkpoint(dir + "/a.ckpt", self, parts(b, bo)).at("step"));
-  for (int t = 2; t < 4; ++t) {
-    set_grads(straight.ps, t), so.update(straight.ps);
-    set_grads(b.ps, t), bo.update(b.ps);
-  }
-  const double worst = worst_difference(straight.ps, b.ps);
-  INFO("worst relative weight difference after resuming at 1 rank: " << worst);
-  GSHARD_REQUIRE(worst < 1e-11);
-  // And back: saved by a 1-rank run (each rank its own file), loaded at P ranks.
   const std::string mine = dir + "/b" + std::to_string(world_rank()) + ".ckpt";
-  save_checkpoint(mine, self, parts(b, bo), {{"step", 4.0}});
-  weight_zoo<grid3> c(m, shard_weight_update<default_roles::batch>{});
-  adafactor co(cfg, c.ps);
-  co.step = int(load_checkpoint(dir + "/b0.ckpt", m, parts(c, co)).at("step"));
-  for (int t = 4; t < 6; ++t) {
-    set_grads(straight.ps, t), so.update(straight.ps);
-    set_grads(c.ps, t), co.update(c.ps);
-  }
-  const double back = worst_difference(straight.ps, c.ps);
-  INFO("worst relative weight difference after resuming at " << P << " ranks: " << back);
-  GSHARD_REQUIRE(back < 1e-11);
-  // An Adam checkpoint has no Adafactor state: the record it lacks is named.
   adam other({}, b.ps);
   save_checkpoint(mine, self, {{"param.", &b.ps.values()}, {"adam.m.", &other.moment1()}});
   GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(mine, self, parts(b, bo)), checkpoint_error, "no record 'adafactor.v_row.norm'");

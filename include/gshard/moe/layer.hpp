@@ -141,8 +141,6 @@ struct layer {
     const V x = paddings ? V(mask_padding(x_in, *paddings)) : x_in;
     static_assert(std::is_same_v<typename V::tensor_type, named<T, "GSM", Mesh, at_tokens>>,
                   "gshard::moe::layer: the input is named<T, \"GSM\", Mesh, at_tokens> (groups over the batch axes)");
-    gshard::detail::require_even<3>("gshard::moe::layer (its groups split evenly)", V::tensor_type::resolved,
-                            V::tensor_type::sharding_type::spec, x.extents(), x.mesh(), gshard::detail::dtype_name<T>(), "GSM");
     if (x.extent(2) != router.value().extent(0))
       throw shape_error("gshard::moe::layer: the input " + x.notation() + " does not fit the router " +
                         router.value().notation());

@@ -87,8 +87,9 @@ class adafactor final : public optimizer {
       const auto ext = g.extents();
       w.row_axes = live_axes(l.dims[rank - 1], m), w.col_axes = live_axes(l.dims[rank - 2], m);
       w.rows = ext[std::size_t(rank - 2)], w.cols = ext[std::size_t(rank - 1)];
-      w.local_rows = w.rows / detail::dim_parts(l, rank - 2, m.sizes());
-      w.local_cols = w.cols / detail::dim_parts(l, rank - 1, m.sizes());
+      w.local_rows = detail::dim_block(l, rank - 2, w.rows, m.sizes(), m.coords()).extent;
+      w.local_cols = detail::dim_block(l, rank - 1, w.cols, m.sizes(), m.coords()).extent;
+      for (int d = 0; d < rank - 2; ++d) w.lead *= detail::dim_block(l, d, ext[std::size_t(d)], m.sizes(), m.coords()).extent;
     }
   }
 
@@ -176,6 +177,7 @@ class adafactor final : public optimizer {
   struct weight_state {
     int rank = 1;
     index_t rows = 1, cols = 1, local_rows = 1, local_cols = 1;  // the last two dims, global and on this rank
+    index_t lead = 1;  // the leading dims' elements on this rank (an expert stack's local experts)
     std::uint32_t row_axes = 0, col_axes = 0;  // the axes (of size > 1) splitting the last dim, and the second-to-last
     std::unique_ptr<detail::set_entry> block;  // the weight's block when the update is sharded
     std::vector<double> mean_r;                // per leading index on this rank: mean(R), from the factors to the update
@@ -231,7 +233,7 @@ class adafactor final : public optimizer {
   double update_factors(weight_state& w, std::span<T> g, detail::set_entry& r_entry, detail::set_entry& c_entry,
                         const detail::mesh_base& mesh, double clip, double beta) {
     const std::span<double> r = r_entry.f64(), c = c_entry.f64();
-    const std::size_t nr = std::size_t(w.local_rows), nc = std::size_t(w.local_cols), lead = r.size() / nr;
+    const std::size_t nr = std::size_t(w.local_rows), nc = std::size_t(w.local_cols), lead = std::size_t(w.lead);
     auto& s = sums_;
     s.assign(lead * nr, 0.0);
     for (std::size_t l = 0; l < lead; ++l)

@@ -122,8 +122,6 @@ class parameters_base {
   std::size_t declare_value(std::string name, const typename X::extents_type& extents, initializer init) {
     static_assert(X::resolved.partial == 0, "gshard::param: a parameter cannot hold pending sums; use its reduced sharding");
     const auto& m = static_cast<const typename X::mesh_type&>(*mesh_);
-    detail::require_even<X::rank>("gshard::param '" + name + "' (a parameter's shards are equal)", X::resolved,
-                                  X::sharding_type::spec, extents, m, detail::dtype_name<typename X::value_type>(), X::labels);
     X value(m, extents);
     initialise(value, name, init);
     values_.add(name, std::move(value));
@@ -139,9 +137,6 @@ class parameters_base {
   }
   template <class X>
   std::size_t declare_buffer_value(std::string name, const typename X::extents_type& extents, initializer init) {
-    detail::require_even<X::rank>("gshard::buffer '" + name + "' (a buffer's shards are equal)", X::resolved,
-                                  X::sharding_type::spec, extents, *mesh_, detail::dtype_name<typename X::value_type>(),
-                                  X::labels);
     X value(static_cast<const typename X::mesh_type&>(*mesh_), extents);
     initialise(value, name, init);
     buffers_.add(std::move(name), std::move(value));

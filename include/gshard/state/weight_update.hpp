@@ -28,7 +28,10 @@ namespace detail {
 // The layout in which the optimizer updates a weight of layout `w` when the
 // update is sharded over the mesh axes `axes` (bit a: axis a): the axes of
 // `axes` that `w` replicates (of size > 1) are appended, in mesh order and
-// minor-most, to the first dim whose local extent they divide. So the
+// minor-most, to the first dim whose blocks they divide equally on every
+// rank (dim_even: each rank's block of the update is then the same size,
+// as the gradient buckets' reduce_scatters need, whatever the weight's own
+// blocks). So the
 // weight's gradient, pending over those axes, arrives by reduce_scatter
 // instead of all_reduce, and the updated block returns by all_gather. `w`
 // itself when no such axis remains or no dim divides (`why` says which).
@@ -46,14 +49,15 @@ constexpr update_choice choose_update_layout(const rlayout& w, int rank, const i
     if (((axes >> a) & 1u) && w.is_free(a) && sizes[a] > 1) take |= 1u << a, parts *= sizes[a];
   if (take == 0) return c;
   for (int d = 0; d < rank; ++d) {
-    const index_t local = extents[d] / dim_parts(w, d, sizes);
-    if (local % parts != 0) continue;
+    rlayout l = w;
     for (int a = 0; a < naxes; ++a)
-      if ((take >> a) & 1u) c.layout.push(d, a);
+      if ((take >> a) & 1u) l.push(d, a);
+    if (!dim_even(l, d, extents[d], sizes)) continue;
+    c.layout = l;
     c.parts = parts;
     return c;
   }
-  c.why = "no dim's local extent divides by the ranks of the update axes";
+  c.why = "no dim's blocks divide by the ranks of the update axes";
   return c;
 }
 

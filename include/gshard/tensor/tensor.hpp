@@ -102,23 +102,6 @@ std::string extents_string(const Extents& e) {
   return s + "]";
 }
 
-// Every split dim divisible by its number of shards, for what needs equal
-// shards (a parameter, the MoE layer's groups); the same error on every rank
-// otherwise, starting with `who`.
-template <int Rank>
-GSHARD_NOINLINE void require_even(std::string_view who, const rlayout& l, const sharding_spec& spec, const shape<Rank>& global,
-                                  const mesh_base& m, std::string_view dtype, std::string_view labels = {}) {
-  for (int d = 0; d < Rank; ++d) {
-    if (dim_even(l, d, global[std::size_t(d)], m.sizes())) continue;
-    throw shape_error(std::string(who) + ": dim " + std::to_string(d) +
-                      (labels.empty() ? std::string() : " (" + std::string(1, labels[std::size_t(d)]) + ")") + " of " +
-                      notation(spec, Rank, dtype, labels, global.data()) + " has extent " +
-                      std::to_string(global[std::size_t(d)]) + ", not divisible into " +
-                      std::to_string(dim_parts(l, d, m.sizes())) + " shards over {" + m.label(axis_set(l.dims[d])) +
-                      "} of " + m.describe());
-  }
-}
-
 // The dims whose blocks are not all equal, as text for a tensor's printed
 // form: " (uneven: 8{expert} in shards 3,3,2)", "" when every dim divides.
 // Shards listed in block order, the first 8 of them.
