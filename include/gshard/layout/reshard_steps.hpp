@@ -138,6 +138,18 @@ constexpr index_t step_elements(const reshard_step& s, const rlayout& before, co
   return n;
 }
 
+// Whether every dim of a tensor of extents `global` has equal blocks in
+// every layout of the plan: a value of the global extents and the mesh's
+// sizes alone, so every rank decides alike (the gradient buckets stack only
+// such plans: their members' blocks then have one size on every rank, and
+// every rank cuts its buckets at the same members).
+constexpr bool plan_even(const reshard_steps& p, const index_t* global, int rank, const index_t* sizes) {
+  for (int i = 0; i <= p.n; ++i)
+    for (int d = 0; d < rank; ++d)
+      if (!dim_even(p.state[i], d, global[d], sizes)) return false;
+  return true;
+}
+
 // Plans src -> dst over a mesh of `naxes` axes whose sizes are `sizes`
 // (gshard::dynamic, i.e. -1, where unknown). Greedy and deterministic: local
 // steps first; then all_to_all, reduce_scatter, all_reduce, all_gather, each

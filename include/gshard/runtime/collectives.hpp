@@ -39,7 +39,7 @@ inline std::uint64_t open_collective(collective kind, const axis_group& g, std::
     debug::start_watchdog();  // once per process
     watch.emplace(kind, g.label, bytes, seq);
   }
-  if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, seq, kind, g.label, type, count);
+  if (debug::checked() && g.mesh_comm != MPI_COMM_NULL) debug::check(g.mesh_comm, g.comm, seq, kind, g.label, type, count);
   return seq;
 }
 

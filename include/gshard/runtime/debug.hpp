@@ -185,10 +185,11 @@ class awaiting_io {
 
 // The message for field f that differs across the n ranks' records `all`
 // (5 per rank): each distinct value with the ranks that hold it. `show`
-// prints one rank's value.
+// prints one rank's value; `rank_of` maps a record to its mesh rank (none:
+// record r is rank r).
 template <class Show>
 std::string difference_message(std::uint64_t seq, const char* field, const std::vector<std::int64_t>& all, int n, int f,
-                               const Show& show) {
+                               const Show& show, const std::vector<int>* rank_of = nullptr) {
   std::string msg = "gshard debug: collective #" + std::to_string(seq) + " differs across ranks in its " + field + ':';
   std::vector<bool> done(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
@@ -198,7 +199,7 @@ std::string difference_message(std::uint64_t seq, const char* field, const std::
       if (!done[std::size_t(q)] && all[std::size_t(5 * q + f)] == all[std::size_t(5 * r + f)]) {
         done[std::size_t(q)] = true;
         if (!ranks.empty()) ranks += ',';
-        ranks += std::to_string(q);
+        ranks += std::to_string(rank_of ? (*rank_of)[std::size_t(q)] : q);
       }
     msg += ' ' + show(r) + (ranks.find(',') != std::string::npos ? " on ranks " : " on rank ") + ranks + ';';
   }
@@ -209,8 +210,10 @@ std::string difference_message(std::uint64_t seq, const char* field, const std::
 // The checked mode's comparison, over every rank of the mesh (in SPMD they
 // all reach the same collective). Fields: sequence number, kind, axes,
 // element type, element count (-1: may differ, as for gather and scatter).
-inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const std::string& axes, int type,
-                  std::int64_t count) {
+// The count is compared within the collective's group only (`group_comm`):
+// groups of a split that does not divide legitimately move different counts.
+inline void check(MPI_Comm mesh_comm, MPI_Comm group_comm, std::uint64_t seq, collective kind, const std::string& axes,
+                  int type, std::int64_t count) {
   const std::uint64_t axes_hash = gshard::detail::fnv1a(axes);
   const std::int64_t mine[5] = {std::int64_t(seq), std::int64_t(kind), std::int64_t(axes_hash), type, count};
   int n = 0, me = 0;
@@ -219,9 +222,21 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
   std::vector<std::int64_t> all(std::size_t(5 * n));
   MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, mesh_comm);
   static const char* field_names[5] = {"sequence number", "kind", "axes", "element type", "element count"};
+  // The group's members, by mesh rank: the same collective on every rank
+  // (the first four fields agree) before the group's own exchange.
+  std::vector<int> members;
+  const auto in_group = [&] {
+    int g = 0;
+    MPI_Comm_size(group_comm, &g);
+    members.resize(std::size_t(g));
+    MPI_Allgather(&me, 1, MPI_INT, members.data(), 1, MPI_INT, group_comm);
+  };
   for (int f = 0; f < 5; ++f) {
+    if (f == 4) in_group();
+    const auto record = [&](int r) { return f == 4 ? members[std::size_t(r)] : r; };  // the r-th compared rank
+    const int compared = f == 4 ? int(members.size()) : n;
     bool differ = false;
-    for (int r = 1; r < n; ++r) differ = differ || all[std::size_t(5 * r + f)] != all[std::size_t(f)];
+    for (int r = 1; r < compared; ++r) differ = differ || all[std::size_t(5 * record(r) + f)] != all[std::size_t(5 * record(0) + f)];
     if (!differ) continue;
     std::vector<char> names;  // the axes names travel too, for the message (only when they differ)
     if (f == 2) {
@@ -239,6 +254,15 @@ inline void check(MPI_Comm mesh_comm, std::uint64_t seq, collective kind, const 
         default: return std::to_string(v);
       }
     };
+    if (f == 4) {  // within the group: its first member aborts the job
+      std::vector<std::int64_t> sub;
+      for (int q : members) sub.insert(sub.end(), all.begin() + 5 * q, all.begin() + 5 * q + 5);
+      const auto show_sub = [&](int r) { return show(members[std::size_t(r)]); };
+      const std::string msg = difference_message(seq, field_names[f], sub, compared, f, show_sub, &members);
+      if (me == members[0]) mpi::abort_job(msg.c_str());
+      MPI_Barrier(group_comm);
+      std::_Exit(1);
+    }
     const std::string msg = difference_message(seq, field_names[f], all, n, f, show);
     if (me == 0) mpi::abort_job(msg.c_str());
     MPI_Barrier(mesh_comm);  // rank 0 aborts the job; the others wait for it

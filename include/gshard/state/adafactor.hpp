@@ -135,14 +135,16 @@ class adafactor final : public optimizer {
       if (w.block) w.block->as_sharded()->slice_from(ps.values()[i]);
       detail::set_entry& value = w.block ? *w.block : ps.values()[i];
       const double rep = double(g.replication());
+      // By the element type, not by which span holds elements: a block of a
+      // split that does not divide may be empty on this rank, and its
+      // factors' all_reduces still need it.
       const auto moments = [&](auto grad, auto weight) {
-        if (grad.empty()) return;
         sums[2 * i] = (w.rank < 2 ? update_full(grad, rows_[i], clip, beta)
                                   : update_factors(w, grad, rows_[i], cols_[col], mesh, clip, beta)) / rep;
         if (cfg.scale_parameter) sums[2 * i + 1] = detail::sum_of_squares<typename decltype(weight)::value_type>(weight) / rep;
       };
-      moments(g.f32(), value.f32());
-      moments(g.f64(), value.f64());
+      if (g.element_bytes() == 4) moments(g.f32(), value.f32());
+      else moments(g.f64(), value.f64());
       if (w.rank >= 2) ++col;
     }
     all_reduce<double>(mesh.all_axes(), sums);
@@ -159,13 +161,13 @@ class adafactor final : public optimizer {
       const double shrink = cfg.clip_threshold > 0 ? std::max(1.0, rms_u / cfg.clip_threshold) : 1.0;
       const double rate = lr * (cfg.scale_parameter ? std::max(cfg.eps2, rms_w) : 1.0);
       const auto apply = [&](auto weight, auto grad, auto first) {
-        if (!grad.empty()) step_one(w, weight, grad, first, rows_[i], w.rank < 2 ? nullptr : &cols_[col], clip / shrink, rate);
+        step_one(w, weight, grad, first, rows_[i], w.rank < 2 ? nullptr : &cols_[col], clip / shrink, rate);
       };
-      apply(value.f32(), g.f32(), cfg.beta1 > 0 ? m_[i].f32() : std::span<float>{});
-      apply(value.f64(), g.f64(), cfg.beta1 > 0 ? m_[i].f64() : std::span<double>{});
+      if (g.element_bytes() == 4) apply(value.f32(), g.f32(), cfg.beta1 > 0 ? m_[i].f32() : std::span<float>{});
+      else apply(value.f64(), g.f64(), cfg.beta1 > 0 ? m_[i].f64() : std::span<double>{});
       if (w.rank >= 2) ++col;
       if (!w.block) continue;
-      detail::gather_block(*w.block->as_sharded(), ps.values()[i], f32, f64, ps.bucket_bytes() > 0);
+      detail::gather_block(*w.block->as_sharded(), ps.values()[i], ps.mesh(), f32, f64, ps.bucket_bytes() > 0);
       detail::progress_in_flight();  // a started gather travels while the next weights update
     }
     f32.flush();

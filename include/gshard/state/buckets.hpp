@@ -100,7 +100,8 @@ class bucket {
   void add(std::span<const T> block, done_fn done) {
     if (step_ >= 0) throw error("gshard::detail::bucket: a tensor added to a bucket that has started");
     // Each rank's part of a member must be whole: a reduce_scatter's group
-    // divides its block (the layouts that plan it are divisible).
+    // divides its block (only plans whose blocks are all equal are stacked:
+    // plan_even, layout/reshard_steps.hpp).
     std::size_t parts = 1;
     for (int i = 0; i < plan_.n; ++i)
       if (plan_.step[i].kind == step_kind::reduce_scatter) parts *= std::size_t(mesh_->group(1u << plan_.step[i].axis).size);

@@ -172,7 +172,7 @@ class adam final : public optimizer {
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
       if (!block) continue;
-      detail::gather_block(*block, ps.values()[i], f32, f64, ps.bucket_bytes() > 0);
+      detail::gather_block(*block, ps.values()[i], ps.mesh(), f32, f64, ps.bucket_bytes() > 0);
       detail::progress_in_flight();  // a started gather travels while the next weights update
     }
     f32.flush();

@@ -181,10 +181,14 @@ std::unique_ptr<set_entry> zero_factor(std::string name, const mesh_base& m, con
 
 // The one way an updated block returns to its weight: its plan's
 // all_gathers through the buckets (one collective per step for many weights,
-// gshard/state/buckets.hpp) when `bucketed` and the plan's steps stack, else alone.
-// Every rank calls it for the same weights in the same order.
-inline void gather_block(sharded_entry& block, set_entry& weight, buckets<float>& f32, buckets<double>& f64, bool bucketed) {
-  if (!bucketed || !stackable(block.gather_plan())) {
+// gshard/state/buckets.hpp) when `bucketed` and the plan's steps stack with
+// every block of one size (plan_even), else alone. Every rank calls it for
+// the same weights in the same order, and decides alike.
+inline void gather_block(sharded_entry& block, set_entry& weight, const mesh_base& m, buckets<float>& f32, buckets<double>& f64,
+                         bool bucketed) {
+  const std::vector<index_t> extents = block.extents();
+  if (!bucketed || !stackable(block.gather_plan()) ||
+      !plan_even(block.gather_plan(), extents.data(), int(extents.size()), m.sizes())) {
     block.gather_into(weight);
     return;
   }
@@ -197,8 +201,10 @@ inline void gather_block(sharded_entry& block, set_entry& weight, buckets<float>
       std::copy(whole.begin(), whole.end(), to.begin());
     });
   };
-  if (!block.f32().empty()) gather(f32, block.f32(), weight.f32());
-  if (!block.f64().empty()) gather(f64, block.f64(), weight.f64());
+  // By the element type: an empty block (a split that does not divide) still
+  // joins its group's all_gathers.
+  if (block.element_bytes() == 4) gather(f32, block.f32(), weight.f32());
+  else gather(f64, block.f64(), weight.f64());
 }
 
 }  // namespace detail
