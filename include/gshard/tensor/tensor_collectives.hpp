@@ -256,7 +256,7 @@ tensor<T, Rank, Mesh, Sharding> scatter(const Mesh& m, const local_tensor<T, Ran
                                        m.rank() == root ? std::size_t(global.size()) * sizeof(T) : 0,
                                        debug::type_code<T>(), -1);
   if constexpr (Rank > 0) mpi::check(MPI_Bcast(g.data(), Rank, mpi::datatype<index_t>(), root, m.comm()), "MPI_Bcast");
-  out_t out(m, g);  // throws on every rank alike when g does not divide
+  out_t out(m, g);  // throws on every rank alike for a negative extent
   const auto receives = [&](const std::vector<index_t>& c) {
     for (int a = 0; a < m.naxes(); ++a)
       if (L.is_partial(a) && c[std::size_t(a)] != 0) return false;
