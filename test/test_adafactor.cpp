@@ -266,21 +266,22 @@ TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the
     INFO((sizes.e == E ? "the zoo's extents" : "extents that do not divide"));
     weight_zoo<grid3> straight(self, sizes);
     adafactor so(cfg, straight.ps);
+    // Steps [from, to) of the straight run and of `z`; then their worst difference.
+    const auto go_on = [&](weight_zoo<grid3>& z, adafactor& o, int from, int to) {
+      for (int t = from; t < to; ++t) {
+        set_grads(straight.ps, t), so.update(straight.ps);
+        set_grads(z.ps, t), o.update(z.ps);
+      }
+      return worst_difference(straight.ps, z.ps);
+    };
     weight_zoo<grid3> a(m, sizes, shard_weight_update<default_roles::batch>{});
     adafactor ao(cfg, a.ps);
-    for (int t = 0; t < 2; ++t) {
-      set_grads(straight.ps, t), so.update(straight.ps);
-      set_grads(a.ps, t), ao.update(a.ps);
-    }
+    go_on(a, ao, 0, 2);
     save_checkpoint(dir + "/a.ckpt", m, parts(a, ao), {{"step", 2.0}});
     weight_zoo<grid3> b(self, sizes);
     adafactor bo(cfg, b.ps);
     bo.step = int(load_checkpoint(dir + "/a.ckpt", self, parts(b, bo)).at("step"));
-    for (int t = 2; t < 4; ++t) {
-      set_grads(straight.ps, t), so.update(straight.ps);
-      set_grads(b.ps, t), bo.update(b.ps);
-    }
-    const double worst = worst_difference(straight.ps, b.ps);
+    const double worst = go_on(b, bo, 2, 4);
     INFO("worst relative weight difference after resuming at 1 rank: " << worst);
     GSHARD_REQUIRE(worst < 1e-11);
     // And back: saved by a 1-rank run (each rank its own file), loaded at P ranks.
@@ -289,11 +290,7 @@ TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the
     weight_zoo<grid3> c(m, sizes, shard_weight_update<default_roles::batch>{});
     adafactor co(cfg, c.ps);
     co.step = int(load_checkpoint(dir + "/b0.ckpt", m, parts(c, co)).at("step"));
-    for (int t = 4; t < 6; ++t) {
-      set_grads(straight.ps, t), so.update(straight.ps);
-      set_grads(c.ps, t), co.update(c.ps);
-    }
-    const double back = worst_difference(straight.ps, c.ps);
+    const double back = go_on(c, co, 4, 6);
     INFO("worst relative weight difference after resuming at " << P << " ranks: " << back);
     GSHARD_REQUIRE(back < 1e-11);
   }
