@@ -2,7 +2,7 @@
 // dim is cut into and which block of it a rank holds. The one place that
 // says it: everything that needs a local extent or a global offset
 // (distribute, reshard, einsum, checkpoints, printing, the cost model) asks
-// these two functions. Knows nothing of MPI.
+// the functions here. Knows nothing of MPI.
 #pragma once
 
 #include "gshard/layout/rlayout.hpp"
