@@ -127,12 +127,7 @@ inline std::vector<mesh_case> meshes_for_world(bool size_one_axes, bool both_ord
 // longest in its group.
 inline std::vector<collective_event> planned_collectives(const detail::reshard_steps& plan, const detail::mesh_base& m,
                                                          const index_t* global, int rank, std::size_t elem) {
-  bool even = true;
-  for (int i = 0; i <= plan.n; ++i)
-    for (int d = 0; d < rank; ++d) even = even && detail::dim_even(plan.state[i], d, global[d], m.sizes());
-  const bool permutes = plan.n == 1 && plan.step[0].kind == step_kind::permute;
-  const detail::reshard_steps ran =
-      even || !permutes ? plan : detail::plan_reshard(plan.state[0], plan.state[1], m.naxes(), m.sizes(), false);
+  const detail::reshard_steps ran = detail::plan_to_run(plan, global, rank, m.naxes(), m.sizes());
   std::vector<collective_event> out;
   for (int i = 0; i < ran.n; ++i) {
     const detail::reshard_step& s = ran.step[i];

@@ -176,7 +176,7 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
       // 2. Collectives: exactly the plan's (step by step where a permute's
       // blocks differ), with its axes and bytes: a rank's block, or where a
       // cut dim's pieces differ, each piece padded to the group's longest.
-      const bool even = detail::layout_even<R>(from, ge, m) && detail::layout_even<R>(to, ge, m);
+      const bool even = detail::plan_even(plan, ge.data(), R, m.sizes());
       const std::vector<collective_event> planned = gshard::testing::planned_collectives(plan, m, ge.data(), R, sizeof(T));
       for (const auto& e : planned) {
         t.permutes += e.kind == collective::permute;

@@ -239,5 +239,15 @@ constexpr reshard_steps plan_reshard(const rlayout& src, const rlayout& dst, int
   return p;
 }
 
+// The steps that run `p` on a tensor of extents `global`: `p` itself, but a
+// permute (a plan's only step) whose blocks differ goes step by step, since
+// one rank's block is then not another's. The executor runs, and a printed
+// plan shows, these.
+constexpr reshard_steps plan_to_run(const reshard_steps& p, const index_t* global, int rank, int naxes,
+                                    const index_t* sizes) {
+  if (p.n != 1 || p.step[0].kind != step_kind::permute || plan_even(p, global, rank, sizes)) return p;
+  return plan_reshard(p.state[0], p.state[1], naxes, sizes, false);
+}
+
 }  // namespace detail
 }  // namespace gshard

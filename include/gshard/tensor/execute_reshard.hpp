@@ -140,17 +140,72 @@ std::unique_ptr<T[]> uninitialized(std::size_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
 
-// Whether every dim of a layout-l tensor of extents `global` has equal blocks.
-template <int Rank>
-bool layout_even(const rlayout& l, const shape<Rank>& global, const mesh_base& m) {
-  for (int d = 0; d < Rank; ++d)
-    if (!dim_even(l, d, global[std::size_t(d)], m.sizes())) return false;
-  return true;
+// An all_gather step (.., d{..,x}, ..) |-> (.., d{..}, ..): the pieces lie
+// in order in the gathered buffer when dim d is the outermost (and they are
+// equal); else each lands at its place, and where they differ each travels
+// in a zero-padded slot.
+template <class T, int Rank>
+local_tensor<T, Rank> gather_step(const mesh_base& m, const reshard_step& s, const local_tensor<T, Rank>& in,
+                                  const shape<Rank>& e, const shape<Rank>& eo) {
+  const std::size_t n = std::size_t(product<Rank>(e));
+  const axis_group& g = m.group(1u << s.axis);
+  const int d = s.from_dim;
+  local_tensor<T, Rank> out(eo);
+  const index_t len = eo[std::size_t(d)];
+  if (len % g.size == 0 && product<Rank>(e, 0, d) == 1) {
+    all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
+    return out;
+  }
+  // Pack (only where the pieces are short: into a zero-padded slot)
+  const shape<Rank> slot = padded_slot<Rank>(e, d, len, g.size);
+  const std::size_t piece = std::size_t(product<Rank>(slot));
+  std::unique_ptr<T[]> send_buf;
+  const T* send = in.data();
+  if (piece != n) {
+    send_buf = uninitialized<T>(piece);
+    std::fill(send_buf.get(), send_buf.get() + piece, T(0));
+    copy_box(in.data(), e.data(), shape<Rank>{}.data(), send_buf.get(), slot.data(), shape<Rank>{}.data(), e.data(), Rank);
+    send = send_buf.get();
+  }
+  const auto recv = uninitialized<T>(piece * std::size_t(g.size));  // Communicate
+  all_gather<T>(g, {send, piece}, {recv.get(), piece * std::size_t(g.size)});
+  for (int p = 0; p < g.size; ++p) {  // Unpack
+    shape<Rank> pe = e;
+    pe[std::size_t(d)] = piece_of(len, g.size, p).extent;
+    put_piece<T, Rank>(recv.get() + std::size_t(p) * piece, slot, pe, d, g.size, p, out.data(), eo);
+  }
+  return out;
 }
 
+// A reduce_scatter step partial{x} |-> (.., d{..,x}, ..): piece j of dim d
+// summed onto group rank j; pieces packed when d is not the outermost or
+// they differ (then each padded to the longest, and this rank's real part
+// copied out of its slot).
 template <class T, int Rank>
-local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
-                                      const shape<Rank>& global);
+local_tensor<T, Rank> reduce_scatter_step(const mesh_base& m, const reshard_step& s, const local_tensor<T, Rank>& in,
+                                          const shape<Rank>& e, const shape<Rank>& eo) {
+  const axis_group& g = m.group(1u << s.axis);
+  const index_t P = g.size;
+  const int d = s.to_dim;
+  local_tensor<T, Rank> out(eo);
+  const bool even = e[std::size_t(d)] % P == 0;
+  const shape<Rank> slot = padded_slot<Rank>(e, d, e[std::size_t(d)], P);
+  const std::size_t piece = std::size_t(product<Rank>(slot));
+  std::unique_ptr<T[]> send_buf, recv_buf;
+  const T* send = in.data();
+  if (!even || product<Rank>(e, 0, d) != 1) {  // Pack
+    send_buf = uninitialized<T>(piece * std::size_t(P));
+    if (!even) std::fill(send_buf.get(), send_buf.get() + piece * std::size_t(P), T(0));
+    for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, d, P, j, send_buf.get() + std::size_t(j) * piece, slot);
+    send = send_buf.get();
+  }
+  if (!even) recv_buf = uninitialized<T>(piece);
+  T* recv = even ? out.data() : recv_buf.get();
+  reduce_scatter<T>(g, {send, piece * std::size_t(P)}, {recv, piece});  // Communicate
+  if (!even)  // Unpack: the real part of this rank's slot
+    copy_box(recv, slot.data(), shape<Rank>{}.data(), out.data(), eo.data(), shape<Rank>{}.data(), eo.data(), Rank);
+  return out;
+}
 
 // Runs one step; `before` is the layout of `in`, and the result has `after`:
 // a case per step kind, each its Pack / Communicate / Unpack, sharing the
@@ -162,35 +217,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
   const shape<Rank> eo = local_extents<Rank>(after, global, m);
   const std::size_t n = std::size_t(product<Rank>(e));
   switch (s.kind) {
-    case step_kind::all_gather: {  // (.., d{..,x}, ..) |-> (.., d{..}, ..)
-      const axis_group& g = m.group(1u << s.axis);
-      const int d = s.from_dim;
-      local_tensor<T, Rank> out(eo);
-      const index_t len = eo[std::size_t(d)];
-      if (len % g.size == 0 && product<Rank>(e, 0, d) == 1) {
-        all_gather<T>(g, {in.data(), n}, {out.data(), std::size_t(out.size())});
-        return out;
-      }
-      // Pack (only where the pieces are short: into a zero-padded slot)
-      const shape<Rank> slot = padded_slot<Rank>(e, d, len, g.size);
-      const std::size_t piece = std::size_t(product<Rank>(slot));
-      std::unique_ptr<T[]> send_buf;
-      const T* send = in.data();
-      if (piece != n) {
-        send_buf = uninitialized<T>(piece);
-        std::fill(send_buf.get(), send_buf.get() + piece, T(0));
-        copy_box(in.data(), e.data(), shape<Rank>{}.data(), send_buf.get(), slot.data(), shape<Rank>{}.data(), e.data(), Rank);
-        send = send_buf.get();
-      }
-      const auto recv = uninitialized<T>(piece * std::size_t(g.size));  // Communicate
-      all_gather<T>(g, {send, piece}, {recv.get(), piece * std::size_t(g.size)});
-      for (int p = 0; p < g.size; ++p) {  // Unpack
-        shape<Rank> pe = e;
-        pe[std::size_t(d)] = piece_of(len, g.size, p).extent;
-        put_piece<T, Rank>(recv.get() + std::size_t(p) * piece, slot, pe, d, g.size, p, out.data(), eo);
-      }
-      return out;
-    }
+    case step_kind::all_gather: return gather_step<T, Rank>(m, s, in, e, eo);
     case step_kind::slice: {  // (.., d{..}, ..) |-> (.., d{..,x}, ..), local
       local_tensor<T, Rank> out(eo);
       take_piece<T, Rank>(in.data(), e, s.to_dim, m.size(s.axis), m.coord(s.axis), out.data());
@@ -217,29 +244,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       all_reduce<T>(m.group(s.mask), {in.data(), n}, {out.data(), n});
       return out;
     }
-    case step_kind::reduce_scatter: {  // partial{x} |-> (.., d{..,x}, ..)
-      const axis_group& g = m.group(1u << s.axis);
-      const index_t P = g.size;
-      const int d = s.to_dim;
-      local_tensor<T, Rank> out(eo);
-      const bool even = e[std::size_t(d)] % P == 0;
-      const shape<Rank> slot = padded_slot<Rank>(e, d, e[std::size_t(d)], P);
-      const std::size_t piece = std::size_t(product<Rank>(slot));
-      std::unique_ptr<T[]> send_buf, recv_buf;
-      const T* send = in.data();
-      if (!even || product<Rank>(e, 0, d) != 1) {  // Pack
-        send_buf = uninitialized<T>(piece * std::size_t(P));
-        if (!even) std::fill(send_buf.get(), send_buf.get() + piece * std::size_t(P), T(0));
-        for (index_t j = 0; j < P; ++j) take_piece<T, Rank>(in.data(), e, d, P, j, send_buf.get() + std::size_t(j) * piece, slot);
-        send = send_buf.get();
-      }
-      if (!even) recv_buf = uninitialized<T>(piece);
-      T* recv = even ? out.data() : recv_buf.get();
-      reduce_scatter<T>(g, {send, piece * std::size_t(P)}, {recv, piece});  // Communicate
-      if (!even)  // Unpack: the real part of this rank's slot
-        copy_box(recv, slot.data(), shape<Rank>{}.data(), out.data(), eo.data(), shape<Rank>{}.data(), eo.data(), Rank);
-      return out;
-    }
+    case step_kind::reduce_scatter: return reduce_scatter_step<T, Rank>(m, s, in, e, eo);
     case step_kind::zero_partial: {  // replicated on x |-> partial{x}: coordinate 0 keeps the value
       local_tensor<T, Rank> out(eo);
       if (m.coord(s.axis) != 0) out.setZero();
@@ -247,9 +252,6 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       return out;
     }
     case step_kind::permute: {  // same blocks, other ranks
-      if (!layout_even<Rank>(before, global, m) || !layout_even<Rank>(after, global, m))
-        // The blocks are equal only where the dims divide: else step by step.
-        return execute_reshard<T, Rank>(m, plan_reshard(before, after, m.naxes(), m.sizes(), false), in, global);
       const axis_group& g = m.all_axes();
       const int source = permute_source(m, before, after, m.coords());
       int dest = -1;
@@ -266,8 +268,9 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
 // Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
 // work in place, the other steps write a fresh shard.
 template <class T, int Rank>
-GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, local_tensor<T, Rank>&& local,
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, local_tensor<T, Rank>&& local,
                                       const shape<Rank>& global, int first = 0) {
+  const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
   for (int i = first; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
     if (s.kind == step_kind::all_reduce) {
@@ -283,9 +286,10 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
 
 // Runs a plan on a shard it only reads: the first step writes a fresh shard.
 template <class T, int Rank>
-GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& p, const local_tensor<T, Rank>& local,
+GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, const local_tensor<T, Rank>& local,
                                       const shape<Rank>& global) {
-  if (p.n == 0) return local;
+  if (planned.n == 0) return local;
+  const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
   return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
 }
 

@@ -32,17 +32,12 @@ std::string describe_steps(const reshard_steps& p, const std::array<name_t, N>& 
     if (d >= int(labels.size())) n += std::to_string(d);
     return n;
   };
+  if (m && global) {  // the steps that run (plan_to_run): a permute whose blocks differ, step by step
+    const reshard_steps run = plan_to_run(p, global, rank, m->naxes(), m->sizes());
+    if (!(run == p)) return describe_steps(run, names, rank, dtype, labels, global, m, elem_bytes, first);
+  }
   for (int i = 0; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
-    if (s.kind == step_kind::permute && m && global) {
-      bool even = true;
-      for (int d = 0; d < rank; ++d)
-        even = even && dim_even(p.state[i], d, global[d], m->sizes()) && dim_even(p.state[i + 1], d, global[d], m->sizes());
-      if (!even)  // the blocks differ, so the executor goes step by step (a permute is a plan's only step)
-        return out + describe_steps(plan_reshard(p.state[i], p.state[i + 1], m->naxes(), m->sizes(), false), names, rank,
-                                    dtype, labels, global, m, elem_bytes, first + i);
-
-    }
     out += "  " + std::to_string(first + i) + ". " + std::string(name_of(s.kind));
     if (s.kind == step_kind::permute) out += " over the whole mesh";
     else {
