@@ -229,7 +229,8 @@ void describe(const options& o, const costs::machine& mc) {
   std::printf("machine per rank: GEMM %.1f GFLOP/s, stream %.1f GB/s, softmax %.2f/ns, Adam %.2f/ns; network alpha %.3g s, %.3g GB/s\n",
               mc.gemm_flops * 1e-9, mc.elementwise_bytes_per_s * 1e-9, mc.exp_per_s * 1e-9, mc.adam_elements_per_s * 1e-9,
               mc.all_to_all.alpha, mc.all_to_all.beta * 1e-9);
-  std::printf("per rank and step: %.3g TFLOP of model FLOPs; collectives:\n", w.model_flops * 1e-12);
+  std::printf("per rank and step (the busiest rank's, where an extent does not divide): %.3g TFLOP of model FLOPs; collectives:\n",
+              w.model_flops * 1e-12);
   for (std::size_t i = 0; i < w.collectives.size(); ++i) {
     const auto& x = w.collectives[i];
     std::printf("  %-15s over %-18s %6d calls %12s %10.3f s  (%s)\n", std::string(name_of(x.kind)).c_str(),

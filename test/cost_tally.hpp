@@ -44,11 +44,12 @@ inline std::string text(const collective_tally& s) {
   return t;
 }
 
-// The cost model's mesh_sizes of a (data, expert[, model]) mesh.
+// The cost model's mesh_sizes of a (data, expert[, model]) mesh, counting
+// this rank.
 template <class Mesh>
 model::cost::mesh_sizes cost_mesh(const Mesh& m) {
   const bool three = m.naxes() == 3;
-  return {m.size(0), m.size(1), three ? m.size(2) : 1, three};
+  return {m.size(0), m.size(1), three ? m.size(2) : 1, three, {m.coord(0), m.coord(1), three ? m.coord(2) : 0}};
 }
 
 // "" when the parameters declare the weights the cost model lists (names,

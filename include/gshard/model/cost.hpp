@@ -37,11 +37,19 @@ namespace gshard::model::cost {
 inline constexpr int data_axis = 0, expert_axis = 1, model_axis = 2;
 inline constexpr std::uint32_t data_bit = 1u << data_axis, expert_bit = 1u << expert_axis, model_bit = 1u << model_axis;
 
+// The mesh's sizes, and the rank whose step is counted, by its coordinates
+// on (data, expert, model). Where an extent does not divide by its axes,
+// blocks differ between ranks (gshard/layout/shard_geometry.hpp's rule), and
+// so do a step's FLOPs, bytes and state; the rank at coordinate 0 of every
+// axis holds the largest block of every dim, so the default counts the
+// busiest rank, whose time is the step's.
 struct mesh_sizes {
   index_t data = 1, expert = 1, model = 1;
   bool has_model_axis = false;  // a "model" axis (of any size, 1 too: its collectives still run)
+  std::array<index_t, 3> at{};  // the counted rank's coordinates
   index_t ranks() const { return data * expert * model; }
   const index_t* sizes() const { return &data; }
+  const index_t* coords() const { return at.data(); }
   int naxes() const { return has_model_axis ? 3 : 2; }
 };
 
@@ -143,10 +151,15 @@ inline std::vector<weight> weights(const seq2seq_config& c, bool model_axis_in_m
   return std::move(w.w);
 }
 
-// Elements of a layout's shard.
+// Extent of dim d of a layout's shard on the counted rank.
+inline index_t local_extent(const detail::rlayout& l, int d, index_t global, const mesh_sizes& m) {
+  return detail::dim_block(l, d, global, m.sizes(), m.coords()).extent;
+}
+
+// Elements of a layout's shard on the counted rank.
 inline index_t local_elements(const detail::rlayout& l, const std::vector<index_t>& extents, const mesh_sizes& m) {
   index_t n = 1;
-  for (std::size_t d = 0; d < extents.size(); ++d) n *= extents[d] / detail::dim_parts(l, int(d), m.sizes());
+  for (std::size_t d = 0; d < extents.size(); ++d) n *= local_extent(l, int(d), extents[d], m);
   return n;
 }
 
@@ -226,14 +239,20 @@ inline void add(std::vector<collective_work>& cs, collective kind, std::uint32_t
   cs.push_back({kind, axes, calls, bytes, what});
 }
 
-// The collectives of a reshard plan on a tensor of `extents`, its input in `from`.
+// The collectives of a reshard plan on a tensor of `extents`, its input in
+// `from`, as the executor runs them: each call's bytes are the counted
+// rank's elements, padded where a step cuts a dim whose pieces differ
+// (step_elements).
 inline void add_plan(std::vector<collective_work>& cs, const rlayout& from, const rlayout& to, const std::vector<index_t>& extents,
-                     const mesh_sizes& m, int element_bytes, const std::string& what) {
-  const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
+                     const mesh_sizes& m, int element_bytes, const std::string& what, int calls = 1) {
+  const int r = int(extents.size());
+  const auto plan = gshard::detail::plan_to_run(gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes()), extents.data(), r,
+                                                m.naxes(), m.sizes());
   for (int i = 0; i < plan.n; ++i) {
     const auto& s = plan.step[i];
     if (!is_collective(s.kind)) continue;
-    add(cs, collective_of(s.kind), s.mask, 1, double(local_elements(plan.state[i], extents, m)) * element_bytes, what);
+    const index_t n = gshard::detail::step_elements(s, plan.state[i], plan.state[i + 1], extents.data(), r, m.sizes(), m.coords());
+    add(cs, collective_of(s.kind), s.mask, calls, double(n) * element_bytes, what);
   }
 }
 
@@ -298,7 +317,10 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
   };
   auto reduce = [&](const weight& x, const rlayout& from, const rlayout& to, const std::string& what) {
     const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
-    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan)) return add_plan(cs, from, to, x.extents, m, f, what);
+    // Buckets take only plans whose blocks are equal on every rank (as the tape's and the update's do).
+    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan) ||
+        !gshard::detail::plan_even(plan, x.extents.data(), int(x.extents.size()), m.sizes()))
+      return add_plan(cs, from, to, x.extents, m, f, what);
     auto it = std::find_if(open.begin(), open.end(), [&](const bucket& b) { return gshard::detail::same_steps(b.plan, plan) && b.what == what; });
     if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0});
     it->members.push_back({&x, plan});
@@ -332,10 +354,10 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
     // without its second-to-last, in double; each mean that runs along a
     // split dim is all_reduced over that dim's axes (with each stack's Σ R
     // beside the column sums).
-    const double local = double(local_elements(target, x.extents, m));
-    const double cols = double(x.extents[std::size_t(r - 1)] / gshard::detail::dim_parts(target, r - 1, m.sizes()));
-    const double rows = double(x.extents[std::size_t(r - 2)] / gshard::detail::dim_parts(target, r - 2, m.sizes()));
-    const double lead = local / (rows * cols);
+    const double cols = double(local_extent(target, r - 1, x.extents[std::size_t(r - 1)], m));
+    const double rows = double(local_extent(target, r - 2, x.extents[std::size_t(r - 2)], m));
+    double lead = 1;
+    for (int d = 0; d < r - 2; ++d) lead *= double(local_extent(target, d, x.extents[std::size_t(d)], m));
     w.optimizer_bytes += 8 * lead * (rows + cols);
     const auto live = [&](const gshard::detail::rdim& d) {
       std::uint32_t mask = 0;
@@ -366,15 +388,18 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
 // element-wise work and the activations kept. Not counted:
 // rematerialisation's recomputed forward and attention's recomputed logits.
 inline step_work count(const network_shape& n, const mesh_sizes& m, const step_options& o) {
-  const index_t d = m.data, e = m.expert, mm = m.model;
   const index_t B = o.batch, M = n.model, N = n.heads, K = n.head_dim, V = n.vocab, E = n.experts;
-  if (B % (d * e) != 0 || N % mm != 0 || (E > 0 && E % e != 0))
-    throw shape_error("gshard::model::cost: batch " + std::to_string(B) + ", heads " + std::to_string(N) + " and experts " +
-                      std::to_string(E) + " do not divide over data " + std::to_string(d) + " x expert " + std::to_string(e) +
-                      " x model " + std::to_string(mm));
   const int f = o.element_bytes, k = n.top_k;
-  const index_t Bl = B / (d * e), Nl = N / mm;
-  const index_t Gd = B / d;  // groups at the experts: G over data only
+  // The counted rank's block of an extent split over `axes` (major first).
+  auto local = [&](index_t global, std::initializer_list<int> axes) {
+    rlayout l;
+    for (int a : axes)
+      if (a < m.naxes()) l.push(0, a);
+    return local_extent(l, 0, global, m);
+  };
+  const index_t Bl = local(B, {data_axis, expert_axis}), Nl = local(N, {model_axis});
+  const index_t Gd = local(B, {data_axis}), El = local(E, {expert_axis});  // at the experts: G over data only, E over expert
+  const auto hidden = [&](index_t h) { return local(h, {model_axis}); };
   const double P = double(m.ranks());
   const int ffn_inputs = n.ffn == ffn_kind::swiglu ? 2 : 1;
   step_work w;
@@ -408,20 +433,20 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     attention(blk.len, blk.len, 3);
     if (blk.cross > 0) attention(blk.len, blk.cross, 1);
     if (!blk.moe) {  // a dense FFN (a dense model's "slot" FFNs of their own width)
-      const label h_{'H', blk.hidden, blk.hidden / mm};
+      const label h_{'H', blk.hidden, hidden(blk.hidden)};
       einsum("BLM,MH->BLH", ffn_inputs, {b_, l_, m_, h_});
       einsum("BLH,HM->BLM", 1, {b_, l_, m_, h_});
       continue;
     }
     const index_t C = blk.capacity;
-    const label g_{'G', B, Bl}, s_{'S', blk.len, blk.len}, e_{'E', E, E}, ee_{'E', E, E / e}, gd_{'G', B, Gd}, c_{'C', C, C},
-        h_{'H', blk.hidden, blk.hidden / mm};
+    const label g_{'G', B, Bl}, s_{'S', blk.len, blk.len}, e_{'E', E, E}, ee_{'E', E, El}, gd_{'G', B, Gd}, c_{'C', C, C},
+        h_{'H', blk.hidden, hidden(blk.hidden)};
     einsum("GSM,ME->GSE", 1, {g_, s_, m_, e_});
     einsum("EGCM,EMH->EGCH", ffn_inputs, {ee_, gd_, c_, m_, h_});
     einsum("EGCH,EHM->EGCM", 1, {ee_, gd_, c_, m_, h_});
     if (n.shared_experts > 0) {
       const index_t Hs = blk.hidden * n.shared_experts;
-      const label hs_{'H', Hs, Hs / mm};
+      const label hs_{'H', Hs, hidden(Hs)};
       einsum("GSM,MH->GSH", ffn_inputs, {g_, s_, m_, hs_});
       einsum("GSH,HM->GSM", 1, {g_, s_, m_, hs_});
     }
@@ -438,14 +463,23 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     // counted whole: their FLOPs are the chunks' sum.)
     const index_t C = blk.capacity;
     const int chunks = int(std::min<index_t>(std::max<index_t>(n.overlap_degree, 1), std::max<index_t>(C, 1)));
-    const double xe = double(E * Bl * C * M) * f;  // [E,G{data,expert},C,M] = [E{expert},G{data},C,M] per rank
-    add(cs, collective::all_to_all, expert_bit, 4 * chunks, 4.0 * xe, "MoE dispatch and combine, forward and backward");
+    // [E,G{data,expert},C,M] -> [E{expert},G{data},C,M] and back, each as
+    // its transpose: the same bytes, padded where E or G does not divide.
+    rlayout grouped, expert;
+    grouped.push(1, data_axis), grouped.push(1, expert_axis);
+    expert.push(0, expert_axis), expert.push(1, data_axis);
+    for (int i = 0; i < 4; ++i)
+      add_plan(cs, grouped, expert, {E, B, C, M}, m, f, "MoE dispatch and combine, forward and backward", chunks);
     // The gating counters, aux loss and z-loss: 2E + 2k + 6 doubles (with the padded positions and a check of the paddings).
     add(cs, collective::all_reduce, batch, 1, double(2 * E + 2 * k + 6) * 8, "MoE statistics");
     if (n.dropless) add(cs, collective::all_reduce, batch, 1, 8, "dropless capacity");
-    if (m.has_model_axis)
-      add(cs, collective::all_reduce, model_bit, 2 * chunks, 2.0 * double((E / e) * Gd * C * M) * f,
-          "expert FFN outputs and inputs' gradients");
+    // The experts' outputs, summed over "model" after the all_to_all back
+    // (at the tokens: [E,G{data,expert},C,M]); their inputs' gradients, at
+    // the experts ([E{expert},G{data},C,M]). Equal unless E or G does not divide.
+    if (m.has_model_axis) {
+      add(cs, collective::all_reduce, model_bit, chunks, double(E * Bl * C * M) * f, "expert FFN outputs and inputs' gradients");
+      add(cs, collective::all_reduce, model_bit, chunks, double(El * Gd * C * M) * f, "expert FFN outputs and inputs' gradients");
+    }
   }
   add(cs, collective::all_reduce, batch, 1, (n.smoothed ? 3 : 2) * 8, "cross-entropy's sum and count");
   if (m.has_model_axis) {  // after each model-split contraction, and its input's gradient
@@ -492,18 +526,18 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     const double gated = ffn_inputs == 2 ? 1.0 : 0.0;
     if (blk.moe) {
       const index_t C = blk.capacity;
-      const double slots = double((E / e) * Gd * C), Hl = double(blk.hidden / mm), xe = double(E * Bl * C * M);
+      const double slots = double(El * Gd * C), Hl = double(hidden(blk.hidden)), xe = double(E * Bl * C * M);
       stream += 2 * (xe + 4 * double(k) * act + 4 * xe + (2 + 3 * gated) * slots * Hl);  // dispatch, combine, packing, activation
       exps += double(Tl * E) + 2 * gated * slots * Hl;
       keep += 2 * xe + ffn_inputs * slots * Hl + slots * double(M);
       if (n.shared_experts > 0) {  // the shared experts: a dense FFN of shared_experts · H hidden units over every token
-        const double Hs = double(blk.hidden * n.shared_experts / mm);
+        const double Hs = double(hidden(blk.hidden * n.shared_experts));
         stream += 2 * (2 + 3 * gated) * double(Tl) * Hs;
         exps += 2 * gated * double(Tl) * Hs;
         keep += ffn_inputs * double(Tl) * Hs + act;
       }
     } else {
-      const double Hl = double(blk.hidden / mm);
+      const double Hl = double(hidden(blk.hidden));
       stream += 2 * (2 + 3 * gated) * double(Tl) * Hl;
       exps += 2 * gated * double(Tl) * Hl;
       keep += ffn_inputs * double(Tl) * Hl + act;
