@@ -905,7 +905,7 @@ TEST_CASE("autodiff: the attention block and the MoE layer, derived, match finit
                           variant{ffn_kind::swiglu, 2, 0, false, 3}}) {
     INFO("k = " << v.k << ", " << v.shared << " shared experts, " << (v.ffn == ffn_kind::relu ? "relu" : "swiglu")
                 << (v.binding ? ", binding capacity, random routing" : "") << ", overlap_degree " << v.overlap);
-    const index_t E = P == 3 ? 6 : 8, G = 2 * P, S = 8, M = 5, H = 7;
+    const index_t E = 8, G = 2 * P, S = 8, M = 5, H = 7;
     parameters ps(m, 11);
     const moe::layer<double, grid_de> layer(ps, "moe.", M, H, E,
                                           moe::layer_options{v.ffn, v.shared, moe::balance_mode::aux, v.overlap});

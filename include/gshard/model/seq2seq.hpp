@@ -23,6 +23,7 @@
 #include "gshard/ad/nn.hpp"
 #include "gshard/ad/ops.hpp"
 #include "gshard/ad/remat.hpp"
+#include "gshard/layout/shard_geometry.hpp"
 #include "gshard/moe/layer.hpp"
 #include "gshard/runtime/roles.hpp"
 #include "gshard/state/parameters.hpp"
@@ -325,9 +326,17 @@ class seq2seq {
       throw error("gshard::model::seq2seq: beam alpha " + std::to_string(o.alpha) + "; a finite number >= 0");
     const index_t W = o.width, B = src.extent(0), Bl = src.local_extents()[0], S = src.extent(1);
     const index_t steps = std::min(o.max_steps, c_.max_len);
-    // Each source repeated for its beams: rows b·W + w.
-    tokens_type srcw(src.mesh(), {B * W, S});
-    lengths_type lenw(src.mesh(), {B * W});
+    // Each source repeated for its beams: rows b·W + w. So that a source's
+    // beams stay on its rank where B does not divide, every rank's block
+    // holds `cap` sources, the longest block of the sources' split: a
+    // shorter block's extra rows are empty (length 0, no tokens) and never
+    // extended. Where B divides, cap = Bl.
+    const index_t* sizes = src.mesh().sizes();
+    const index_t cap = detail::max_block(tokens_type::resolved, 0, B, sizes);
+    tokens_type srcw(src.mesh(), {cap * detail::dim_parts(tokens_type::resolved, 0, sizes) * W, S});
+    lengths_type lenw(src.mesh(), {srcw.extent(0)});
+    std::fill_n(srcw.data(), srcw.local().size(), c_.eos);
+    std::fill_n(lenw.data(), lenw.local().size(), 0);
     for (index_t b = 0; b < Bl; ++b)
       for (index_t w = 0; w < W; ++w) {
         std::copy_n(src.data() + b * S, S, srcw.data() + (b * W + w) * S);
@@ -339,9 +348,9 @@ class seq2seq {
       bs.alive.resize(std::size_t(W));
       for (index_t w = 1; w < W; ++w) bs.alive[std::size_t(w)].logp = -std::numeric_limits<double>::infinity();  // one start
     }
-    tokens_type next(src.mesh(), {B * W, 1});
+    tokens_type next(src.mesh(), {srcw.extent(0), 1});
     std::fill_n(next.data(), next.local().size(), c_.bos);
-    std::vector<index_t> parent(static_cast<std::size_t>(Bl * W));
+    std::vector<index_t> parent(static_cast<std::size_t>(cap * W));
     for (index_t s = 0; s < steps; ++s) {
       const logits_type logits = decode_step(st, next);
       bool live = false;
@@ -354,6 +363,7 @@ class seq2seq {
           next.data()[b * W + w] = h.tokens.empty() ? c_.eos : h.tokens.back();
         }
       }
+      for (index_t r = Bl * W; r < cap * W; ++r) parent[std::size_t(r)] = r, next.data()[r] = c_.eos;  // the empty rows
       reorder(st, parent);
       if (!any_rank(src, live)) break;
     }

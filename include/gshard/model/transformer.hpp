@@ -97,7 +97,7 @@ class transformer {
   // Declares every parameter in `ps` (names "embed", "block0.wq", ...,
   // "final_norm", "unembed": those of gshard's checkpoints).
   transformer(parameters<Mesh>& ps, const config& c)
-      : c_(checked(ps.mesh(), c)),
+      : c_(checked(c)),
         embed_(ps, "embed", {c.vocab, c.model}, init::normal(1.0)),
         learned_positions_(c.positions == position_kind::learned
                                ? std::optional<weight<"PM">>(std::in_place, ps, "positions", shape<2>{c.max_len, c.model},
@@ -202,7 +202,7 @@ class transformer {
     return v.value().local()();
   }
 
-  static const config& checked(const Mesh& m, const config& c) {
+  static const config& checked(const config& c) {
     if (c.experts < 0 || c.slot_hidden < 0 || (c.slot_hidden > 0 && c.experts > 0))
       throw error("gshard::model::transformer: config.experts = " + std::to_string(c.experts) + " and config.slot_hidden = " +
                   std::to_string(c.slot_hidden) + ": experts is >= 0, and slot_hidden (>= 0) is for a dense model (experts = 0)");
@@ -215,14 +215,6 @@ class transformer {
       if (l < 0 || l >= c.layers)
         throw error("gshard::model::transformer: config.remat names block " + std::to_string(l) + " of a model with " +
                     std::to_string(c.layers) + " blocks (0 to " + std::to_string(c.layers - 1) + ")");
-    index_t parts = 1;
-    for (int a = 0; a < m.naxes(); ++a)
-      if ((roles::model_mask >> a) & 1u) parts *= m.size(a);
-    for (const auto& [name, v] : {std::pair{"heads", c.heads}, std::pair{"hidden", c.hidden}, std::pair{"slot_hidden", c.slot_hidden}})
-      if (v % parts != 0)  // name the setting, not just the tensor, that does not divide
-        throw shape_error(std::string("gshard::model::transformer: config.") + name + " = " + std::to_string(v) +
-                          " is not divisible by the model axes (" + std::to_string(parts) + " ranks) of " + m.describe() +
-                          ": the heads and the FFNs' hidden units are split over them");
     return c;
   }
 
