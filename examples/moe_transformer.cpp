@@ -1,5 +1,5 @@
 // examples/moe_transformer.cpp — a byte-level MoE Transformer language model
-// partitioned over whatever mesh fits the world (1, 2, 4 or 8 ranks): prints
+// partitioned over the examples' mesh for the world's ranks (examples/meshes.hpp): prints
 // the sharding plan of one MoE block, then runs forward passes over text and
 // prints the loss, each MoE layer's expert load and dropped tokens, and the
 // time per forward.
@@ -102,7 +102,7 @@ int run(const Mesh& m, const std::string& text, int forwards) {
 int main(int argc, char** argv) {
   mpi::environment env(argc, argv);
   const auto args = examples::positional(argc, argv, "moe_transformer", {"text file or directory", "forwards"},
-                                         "usage: mpirun -np P moe_transformer [text file or directory] [forwards]   (P = 1, 2, 4 or 8)\n"
+                                         "usage: mpirun -np P moe_transformer [text file or directory] [forwards]   (any P)\n"
                                          "  the sharding plan of one MoE block, then `forwards` (3) forward passes over the text\n"
                                          "  (default: /usr/share/common-licenses/GPL-3), with each MoE layer's expert loads\n");
   if (!args) return 0;

@@ -1,8 +1,7 @@
 // examples/reshard_tour.cpp — a tensor f32[G,S,M] moving through shardings on
-// a mesh of the world's ranks (the examples' meshes at 1, 2, 4 and 8 ranks,
-// (data, expert) = (1, P) at any other count, where G = 8 and M = 16 split
-// into unequal shards), printing each step's plan and the collectives it
-// ran. Every step is checked against the global tensor.
+// the examples' mesh for the world's ranks (examples/meshes.hpp; at 3, 5,
+// 6 or 7 ranks G = 8 and M = 16 split into unequal shards), printing each
+// step's plan and the collectives it ran. Every step is checked against the global tensor.
 //   mpirun -np 4 build/examples/reshard_tour
 #include <gshard/gshard.hpp>
 
@@ -65,7 +64,5 @@ int main(int argc, char** argv) {
                             "usage: mpirun -np P reshard_tour   (any P)\n"
                             "  every kind of reshard on a small tensor, each checked against the global tensor\n"))
     return 0;
-  const int P = env.size();
-  if (P == 1 || P == 2 || P == 4 || P == 8) return examples::on_fitting_mesh([](const auto& m) { return tour(m); });
-  return tour(examples::mesh2(MPI_COMM_WORLD, {1, P}));
+  return examples::on_fitting_mesh([](const auto& m) { return tour(m); });
 }

@@ -64,7 +64,7 @@ struct options {
 };
 
 constexpr const char* usage =
-    "usage: mpirun -np P train [text file] [options]   (P = 1, 2, 4 or 8)\n"
+    "usage: mpirun -np P train [text file] [options]   (any P)\n"
     "  text               a file (.gz, .dz: decompressed; .dict: a dictionary's entries) or a directory of\n"
     "                     files (default: /usr/share/dictd/gcide.dict.dz, else /usr/share/common-licenses);\n"
     "                     a tenth held out (a dictionary's headwords, else every 10th file; fewer than 10: the last 10%)\n"
@@ -384,23 +384,6 @@ std::pair<std::string, double> costliest_option(const options& o, const model::c
   return best;
 }
 
-// The options the mesh splits, named when they do not divide: the batch
-// over data x expert, the experts over expert, the FFNs' hidden units over
-// model. "" or what is wrong; the same on every rank.
-std::string splits_over(const options& o, const model::config& c, const model::cost::mesh_sizes& ms, const std::string& mesh) {
-  const auto check = [&](const char* option, index_t v, index_t parts, const char* over) -> std::string {
-    if (v % parts == 0) return "";
-    return std::string(option) + " " + std::to_string(v) + " does not split over the " + std::to_string(parts) + " ranks of " +
-           over + " of " + mesh + "; give a multiple of " + std::to_string(parts);
-  };
-  for (const std::string& p : {check("--batch", o.batch, ms.data * ms.expert, "data x expert"),
-                               check("--experts", c.experts, ms.expert, "'expert'"),
-                               check("--hidden", c.hidden, ms.model, "'model'"),
-                               check("--slot-hidden", c.slot_hidden, ms.model, "'model'")})
-    if (!p.empty()) return p;
-  return "";
-}
-
 // Everything about the options that can be checked before step 1, on rank 0
 // (where the files are written): "" or what is wrong.
 // `ms`: the mesh's sizes, as the cost model takes them.
@@ -482,7 +465,6 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
   const std::size_t split = corpus.split;
   constexpr int model_axis = Mesh::index_of("model");
   const model::cost::mesh_sizes ms{m.size(0), m.size(1), model_axis >= 0 ? m.size(model_axis) : 1, model_axis >= 0};
-  if (const std::string p = splits_over(o, c, ms, m.describe()); !p.empty()) throw error("gshard train: " + p);
   if (const std::string p = broadcast_text(m.all_axes(), root ? preflight(o, c, ms, text, split) : ""); !p.empty())
     throw error("gshard train: " + p);
   parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})

@@ -177,9 +177,6 @@ def main() -> int:
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
         ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),
         (["-s", "3"], "unknown option -s (--help lists them)"),
-        # Options the mesh splits, named (2 ranks: data 1 x expert 2).
-        (["--batch", "3"], "--batch 3 does not split over the 2 ranks of data x expert of mesh(data=1, expert=2); give a multiple of 2"),
-        (["--experts", "3"], "--experts 3 does not split over the 2 ranks of 'expert' of mesh(data=1, expert=2); give a multiple of 2"),
     ]
     short_bytes = open(short, "rb").read()
     problems += run_refusals(base, refused)

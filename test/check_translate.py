@@ -52,9 +52,6 @@ def main() -> int:
         (["--save", metrics, "--metrics", metrics], f"--metrics {metrics} is also --save's file; give each its own"),
         (["--save", os.path.join(work, "no", "dir", "c.ckpt")], os.path.join(work, "no", "dir", "c.ckpt")),
     ]
-    if ranks > 1:
-        refused += [(["--batch", "3"], f"must be multiples of the {ranks} ranks"),
-                    (["--experts", "3"], f"--experts 3 must be a multiple of the {ranks} ranks")]
     problems += run_refusals(base, refused)
 
     # A run: four languages, evaluated at steps 20 and 40, metrics and a checkpoint.
