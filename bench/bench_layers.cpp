@@ -1,6 +1,6 @@
 // bench/bench_layers.cpp — the MoE layer and attention alone: forward (layer,
 // block, attention, dispatch), forward plus backward (moe_layer,
-// moe_layer_bf16, attention_forms, moe_overlap) and decoding (decode), each against a
+// moe_layer_uneven, moe_layer_bf16, attention_forms, moe_overlap) and decoding (decode), each against a
 // baseline run in the same iterations; the comment above each says what it
 // measures.
 //   scripts/mpirun -np 2 build/bench/bench_layers --benchmark_filter=moe_layer
@@ -40,7 +40,7 @@ void layer(benchmark::State& state) {
   const moe::layer<float, grid> p(ps, "moe.", M, H, E);
   named<float, "GSM", grid, moe::layer<float, grid>::at_tokens> x(m, {G, S, M});
   fill_normal(x, 1.0, 2, 3);
-  const index_t C = moe::capacity(S, E, gc), El = E / P;
+  const index_t C = moe::capacity(S, E, gc), El = p.expert_ffn.w1.value().local_extents()[0];  // this rank's experts
   // The baseline: the expert FFN's two GEMMs per local expert on contiguous buffers.
   const index_t rows = G * C;  // slots per expert after the all_to_all
   std::vector<float> a(std::size_t(rows * M), 0.5f), wi(std::size_t(M * H), 0.01f), h(std::size_t(rows * H)),
@@ -158,14 +158,14 @@ void dispatch(benchmark::State& state, bool einsum_form) {
 struct moe_layer_run {
   const grid& m = gshard::bench::world_mesh<grid>();
   using L = moe::layer<float, grid>;
-  static constexpr index_t S = 1024, M = 512, H = 2048, E = 8;
-  index_t P = m.nranks(), G = 4 * P;
+  static constexpr index_t S = 1024, M = 512, H = 2048;
+  index_t E = 8, P = m.nranks(), G = 4 * P;
   moe::gating_config gc;
   parameters<grid> ps{m, 1};
   L layer{ps, "moe.", M, H, E};
   named<float, "GSM", grid, L::at_tokens> x{m, {G, S, M}};
   std::uint64_t s = 0;
-  moe_layer_run() { fill_normal(x, 1.0, 2, 3); }
+  explicit moe_layer_run(index_t experts = 8) : E(experts), layer(ps, "moe.", M, H, experts) { fill_normal(x, 1.0, 2, 3); }
   void operator()() {
     tape t(ps);
     auto out = layer(t.constant(x), gc, s++);
@@ -173,10 +173,13 @@ struct moe_layer_run {
     auto l = reshard<replicate>(einsum<"GSM,GSM->">(relabel<"">(std::move(out.y)), t.constant(relabel<"">(x))));
     t.backward(l);
   }
-  index_t local_experts() const { return E / P; }
+  // This rank's experts: E / P, or where P does not divide E, 3, 3 or 2 of 8 on 3 ranks.
+  index_t local_experts() const { return layer.expert_ffn.w1.value().local_extents()[0]; }
   index_t slot_rows() const { return G * moe::capacity(S, E, gc); }  // per expert on a rank
   // The experts' FFN FLOPs on a rank: forward 2 GEMMs, backward 4.
   double expert_flop() const { return 3.0 * 4.0 * double(local_experts() * slot_rows() * M * H); }
+  // The same averaged over the ranks: the work the step needs, with no rank idle.
+  double mean_expert_flop() const { return 3.0 * 4.0 * double(E * slot_rows() * M * H) / double(P); }
 };
 
 // moe_layer: the MoE layer alone, forward plus backward: expert-FFN
@@ -216,6 +219,27 @@ void moe_layer(benchmark::State& state) {
   state.counters["of_gemm_rate"] = c.median_ratio[1];  // the layer's expert GFLOP/s over the direct GEMMs'
   state.counters["peak_share"] = expert_flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
   state.counters["page_faults/iter"] = faults;
+}
+
+// moe_layer_uneven: the cost of experts that do not divide over the
+// ranks. The layer with 8 experts, and with P·ceil(8/P) (the same expert
+// work in all, spread evenly: 9 at 3 ranks, 12 at 6), interleaved in the
+// same iterations. Where 8 does not divide, the busiest rank holds
+// ceil(8/P) experts, more than the mean 8/P, and the others wait for it:
+// vs_even, the median ratio of the 8 experts' time to the even layer's,
+// against busiest_over_mean, the ratio of the busiest rank's expert FLOPs
+// to the mean's that the rule predicts (1 where P divides 8). useful_gflops:
+// the mean expert FLOPs a rank needs over the 8-expert layer's time.
+void moe_layer_uneven(benchmark::State& state) {
+  const index_t P = gshard::bench::world_mesh<grid>().nranks();
+  moe_layer_run uneven(8), even(P * ((8 + P - 1) / P));
+  const auto c = gshard::bench::compare(state, {std::ref(uneven), std::ref(even)}, 0);
+  const double busiest = gshard::bench::max_over_ranks(uneven.expert_flop());
+  state.counters["vs_even"] = 1.0 / c.median_ratio[1];
+  state.counters["busiest_over_mean"] = busiest / uneven.mean_expert_flop();
+  state.counters["even_experts"] = double(even.E);
+  state.counters["useful_gflops"] = uneven.mean_expert_flop() / c.median_time[0] * 1e-9;
+  state.counters["even_gflops"] = even.mean_expert_flop() / c.median_time[1] * 1e-9;
 }
 
 // moe_layer_bf16: moe_layer's forward plus backward with fp32 GEMMs and
@@ -404,6 +428,7 @@ const int registered = [] {
     benchmark::RegisterBenchmark(e ? "dispatch/einsum" : "dispatch/index", dispatch, e)
         ->Arg(256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("moe_layer_uneven", moe_layer_uneven)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer_bf16", moe_layer_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("attention_forms", attention_forms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
