@@ -221,18 +221,20 @@ void moe_layer(benchmark::State& state) {
   state.counters["page_faults/iter"] = faults;
 }
 
-// moe_layer_uneven: the cost of experts that do not divide over the
-// ranks. The layer with 8 experts, and with P·ceil(8/P) (the same expert
-// work in all, spread evenly: 9 at 3 ranks, 12 at 6), interleaved in the
-// same iterations. Where 8 does not divide, the busiest rank holds
-// ceil(8/P) experts, more than the mean 8/P, and the others wait for it:
-// vs_even, the median ratio of the 8 experts' time to the even layer's,
-// against busiest_over_mean, the ratio of the busiest rank's expert FLOPs
-// to the mean's that the rule predicts (1 where P divides 8). useful_gflops:
-// the mean expert FLOPs a rank needs over the 8-expert layer's time.
+// moe_layer_uneven/E: the cost of experts that do not divide over the
+// ranks. The layer with E experts, and with P·ceil(E/P) (the same expert
+// work in all, spread evenly: for E = 8, 9 at 3 ranks and 12 at 6; for
+// E = 5, 6 at 2 ranks), interleaved in the same iterations. Where E does
+// not divide, the busiest rank holds ceil(E/P) experts, more than the mean
+// E/P, and the others wait for it: vs_even, the median ratio of the E
+// experts' time to the even layer's, against busiest_over_mean, the ratio
+// of the busiest rank's expert FLOPs to the mean's that the rule predicts
+// (1 where P divides E). useful_gflops: the mean expert FLOPs a rank needs
+// over the E-expert layer's time. Meaningful with a core per rank: ranks
+// sharing cores hand a waiting rank's core to the busy ones.
 void moe_layer_uneven(benchmark::State& state) {
-  const index_t P = gshard::bench::world_mesh<grid>().nranks();
-  moe_layer_run uneven(8), even(P * ((8 + P - 1) / P));
+  const index_t P = gshard::bench::world_mesh<grid>().nranks(), E = state.range(0);
+  moe_layer_run uneven(E), even(P * ((E + P - 1) / P));
   const auto c = gshard::bench::compare(state, {std::ref(uneven), std::ref(even)}, 0);
   const double busiest = gshard::bench::max_over_ranks(uneven.expert_flop());
   state.counters["vs_even"] = 1.0 / c.median_ratio[1];
@@ -428,7 +430,7 @@ const int registered = [] {
     benchmark::RegisterBenchmark(e ? "dispatch/einsum" : "dispatch/index", dispatch, e)
         ->Arg(256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("moe_layer_uneven", moe_layer_uneven)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("moe_layer_uneven", moe_layer_uneven)->Arg(8)->Arg(5)->MinTime(6)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer_bf16", moe_layer_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("attention_forms", attention_forms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
