@@ -23,7 +23,7 @@ CASES = [
                "--weight-update", "sharded"], r"loss ([0-9.]+)"),
     ("moe_transformer", [TEXT, "2"], r"forward \d+: loss ([0-9.]+) \(cross-entropy ([0-9.]+), aux ([0-9.]+)\)"),
     ("custom_layer", ["20"], r"mse ([0-9.]+)"),
-    ("seq2seq", ["30"], r"cross-entropy ([0-9.]+)  aux ([0-9.]+)"),
+    ("seq2seq", ["30"], r"(?:cross-entropy ([0-9.]+)  aux ([0-9.]+))|(?:greedy (\d+)/32 exact, beam 4 (\d+)/32 exact)"),
     ("translate", ["--languages", "kha,srp", "--steps", "4", "--log-every", "1", "--batch", "16", "--eval-every", "0",
                    "--eval-sentences", "8", "--show", "0"],
      r"(?:loss ([0-9.]+))|(?:^  (?:kha|srp) +([0-9.]+) +([0-9.]+)% +([0-9.]+)% +([0-9.]+) +([0-9.]+)$)"),
