@@ -1263,7 +1263,12 @@ TEST_CASE("encoder–decoder: decoding with a cache gives the full forward's log
                                  error, "needs config.decoder_order = placement::by_token");
     }
     const auto [w1, a1, greedy1, beam1_1, beam3_1] = logits_both(self);
-    for (const auto& sizes : {std::array<std::ptrdiff_t, 2>{1, P}, std::array<std::ptrdiff_t, 2>{P, 1}}) {
+    // At 6 ranks (2,3) cuts 13 sources 7 | 6, then 3, 3, 1 | 2, 2, 2: the
+    // beams' rows are not W times the sources' offsets, and random routing
+    // must still draw by the 1-rank rows.
+    std::vector<std::array<std::ptrdiff_t, 2>> meshes{{1, P}, {P, 1}};
+    if (P % 2 == 0 && P > 2) meshes.push_back({2, P / 2});
+    for (const auto& sizes : meshes) {
       grid2 m(MPI_COMM_WORLD, sizes);
       const auto [worst, a2a, greedy, beam1, beam3] = logits_both(m);
       INFO("mesh (" << sizes[0] << "," << sizes[1] << "), " << sizeof(T) * 8 << "-bit: incremental against full logits " << worst);
@@ -1355,6 +1360,11 @@ TEST_CASE("encoder–decoder: one training step runs exactly the collectives, FL
   GSHARD_REQUIRE_THROWS_WITH(model::cost::count_step(small_seq2seq<double>(), {1, P, 1, false}, none), shape_error,
                              "gshard::model::cost: an encoder–decoder step needs sources and targets of 1 position or more; "
                              "step_options.source = 0, seq = 9");
+  model::cost::step_options some{B, L};
+  some.source = S;
+  GSHARD_REQUIRE_THROWS_WITH(model::cost::count_step(small_seq2seq<double>(), {1, P, 1, false, {0, P, 0}}, some), shape_error,
+                             "gshard::model::cost: mesh_sizes.at = (0, " + std::to_string(P) + ", 0) is not a rank of data 1 x expert " +
+                                 std::to_string(P) + " x model 1");
 }
 
 TEST_CASE("Transformer: the loss at every world size equals the 1-rank loss", "[moe][model]") {

@@ -324,31 +324,23 @@ class seq2seq {
     if (o.width < 1) throw error("gshard::model::seq2seq: beam width " + std::to_string(o.width) + "; at least 1");
     if (!(o.alpha >= 0) || !std::isfinite(o.alpha))
       throw error("gshard::model::seq2seq: beam alpha " + std::to_string(o.alpha) + "; a finite number >= 0");
-    const index_t W = o.width, B = src.extent(0), Bl = src.local_extents()[0], S = src.extent(1);
+    const index_t W = o.width, B = src.extent(0), Bl = src.local_extents()[0];
     const index_t steps = std::min(o.max_steps, c_.max_len);
-    // Each source repeated for its beams: rows b·W + w. So that a source's
-    // beams stay on its rank where B does not divide, every rank's block
-    // holds `cap` sources, the longest block of the sources' split: a
-    // shorter block's extra rows are empty (length 0, no tokens) and never
-    // extended. Where B divides, cap = Bl.
+    // The encoder runs once per source; the decoder, on each source's W
+    // beams, rows b·W + w. So that a source's beams stay on its rank where
+    // B does not divide, every rank's block holds `cap` sources, the
+    // longest block of the sources' split: a shorter block's extra rows are
+    // empty and never extended. Where B divides, cap = Bl.
     const index_t* sizes = src.mesh().sizes();
     const index_t cap = detail::max_block(tokens_type::resolved, 0, B, sizes);
-    tokens_type srcw(src.mesh(), {cap * detail::dim_parts(tokens_type::resolved, 0, sizes) * W, S});
-    lengths_type lenw(src.mesh(), {srcw.extent(0)});
-    std::fill_n(srcw.data(), srcw.local().size(), c_.eos);
-    std::fill_n(lenw.data(), lenw.local().size(), 0);
-    for (index_t b = 0; b < Bl; ++b)
-      for (index_t w = 0; w < W; ++w) {
-        std::copy_n(src.data() + b * S, S, srcw.data() + (b * W + w) * S);
-        lenw.data()[b * W + w] = src_lengths.data()[b];
-      }
-    decode_state st = start_decoding(srcw, lenw, steps, step);
+    decode_state st = beams_of(start_decoding(src, src_lengths, steps, step), W, cap,
+                               cap * detail::dim_parts(tokens_type::resolved, 0, sizes) * W, src.offsets()[0] * W);
     std::vector<beam_set> sources(static_cast<std::size_t>(Bl));
     for (beam_set& bs : sources) {
       bs.alive.resize(std::size_t(W));
       for (index_t w = 1; w < W; ++w) bs.alive[std::size_t(w)].logp = -std::numeric_limits<double>::infinity();  // one start
     }
-    tokens_type next(src.mesh(), {srcw.extent(0), 1});
+    tokens_type next(src.mesh(), {st.src_lengths.extent(0), 1});
     std::fill_n(next.data(), next.local().size(), c_.bos);
     std::vector<index_t> parent(static_cast<std::size_t>(cap * W));
     for (index_t s = 0; s < steps; ++s) {
@@ -378,6 +370,39 @@ class seq2seq {
   }
 
  private:
+  // The decoding state of st's sources widened to W beams each: every
+  // cache's row b repeated at rows b·W + w of a block of cap·W rows (the
+  // rows past Bl·W empty, of length 0), Bw rows in all; each MoE block's
+  // routing for those rows, its random draws keyed by first_row + r (a
+  // 1-rank run's rows of the same sources).
+  decode_state beams_of(decode_state st, index_t W, index_t cap, index_t Bw, index_t first_row) const {
+    const auto& m = st.src_lengths.mesh();
+    const index_t Bl = st.src_lengths.local_extents()[0], rows = cap * W;
+    auto widen = [&](const keys_type& k, bool copy) {
+      const auto e = k.extents();
+      keys_type out(m, shape<4>{Bw, e[1], e[2], e[3]});
+      const index_t width = out.local().size() / rows;
+      std::fill_n(out.data(), out.local().size(), T(0));
+      if (copy)
+        for (index_t b = 0; b < Bl; ++b)
+          for (index_t w = 0; w < W; ++w) std::copy_n(k.data() + b * width, width, out.data() + (b * W + w) * width);
+      return out;
+    };
+    decode_state wide{{}, {}, {}, {}, {}, lengths_type(m, {Bw}), st.position, st.max_steps, st.step};
+    for (std::size_t i = 0; i < st.self_k.size(); ++i) {
+      wide.self_k.push_back(widen(st.self_k[i], false)), wide.self_v.push_back(widen(st.self_v[i], false));
+      wide.cross_k.push_back(widen(st.cross_k[i], true)), wide.cross_v.push_back(widen(st.cross_v[i], true));
+    }
+    for (std::size_t i = 0; i < st.routing.size(); ++i) {
+      wide.routing.push_back(moe::start_routing(c_.decoder_gating(), c_.experts, st.max_steps, rows));
+      wide.routing.back().first_group = first_row;
+    }
+    std::fill_n(wide.src_lengths.data(), rows, 0);
+    for (index_t b = 0; b < Bl; ++b)
+      for (index_t w = 0; w < W; ++w) wide.src_lengths.data()[b * W + w] = st.src_lengths.data()[b];
+    return wide;
+  }
+
   struct hypothesis {
     std::vector<std::int32_t> tokens;
     double logp = 0;

@@ -94,7 +94,8 @@ auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value
   if (paddings)
     for (index_t i = 0; i < Gl * S; ++i) bad_paddings += paddings[i] != T(0) && paddings[i] != T(1) ? 1.0 : 0.0;
   auto route = std::make_shared<routing<T>>();
-  const gating_stats local = route_local_groups<T>(lg.data(), Gl, S, E, lg.offsets()[0], stream, cfg, bias, training,
+  const index_t first_group = state && state->first_group >= 0 ? state->first_group : lg.offsets()[0];
+  const gating_stats local = route_local_groups<T>(lg.data(), Gl, S, E, first_group, stream, cfg, bias, training,
                                                    groups, *route, paddings, state);
   using weights_t = typename gate_output<X>::weights_type;
   using scalar_t = tensor<double, 0, Mesh, replicate>;

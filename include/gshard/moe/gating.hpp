@@ -127,6 +127,10 @@ struct routing_state {
   bool dropless = false;         // no capacity: nothing drops
   index_t position = 0;          // the first position of the next call
   std::vector<index_t> filled;   // [local groups · E]: choices placed so far
+  // The global index random routing keys this rank's first group by; -1:
+  // its offset in the batch. (Beam search sets it to the rows a 1-rank run
+  // of the same sources would route, whatever the ranks' blocks.)
+  index_t first_group = -1;
 };
 
 // The state for `groups` local groups of sequences of `length` positions:
