@@ -389,6 +389,11 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
 // rematerialisation's recomputed forward and attention's recomputed logits.
 inline step_work count(const network_shape& n, const mesh_sizes& m, const step_options& o) {
   const index_t B = o.batch, M = n.model, N = n.heads, K = n.head_dim, V = n.vocab, E = n.experts;
+  for (int a = 0; a < 3; ++a)
+    if (m.at[std::size_t(a)] < 0 || m.at[std::size_t(a)] >= m.sizes()[a])
+      throw shape_error("gshard::model::cost: mesh_sizes.at = (" + std::to_string(m.at[0]) + ", " + std::to_string(m.at[1]) +
+                        ", " + std::to_string(m.at[2]) + ") is not a rank of data " + std::to_string(m.data) + " x expert " +
+                        std::to_string(m.expert) + " x model " + std::to_string(m.model));
   const int f = o.element_bytes, k = n.top_k;
   // The counted rank's block of an extent split over `axes` (major first).
   auto local = [&](index_t global, std::initializer_list<int> axes) {
@@ -473,9 +478,10 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     // The gating counters, aux loss and z-loss: 2E + 2k + 6 doubles (with the padded positions and a check of the paddings).
     add(cs, collective::all_reduce, batch, 1, double(2 * E + 2 * k + 6) * 8, "MoE statistics");
     if (n.dropless) add(cs, collective::all_reduce, batch, 1, 8, "dropless capacity");
-    // The experts' outputs, summed over "model" after the all_to_all back
-    // (at the tokens: [E,G{data,expert},C,M]); their inputs' gradients, at
-    // the experts ([E{expert},G{data},C,M]). Equal unless E or G does not divide.
+    // The experts' outputs, summed over "model" at the experts
+    // ([E{expert},G{data},C,M]); their inputs' gradients, after the
+    // all_to_all back (at the tokens: [E,G{data,expert},C,M]). Equal unless
+    // E or G does not divide.
     if (m.has_model_axis) {
       add(cs, collective::all_reduce, model_bit, chunks, double(E * Bl * C * M) * f, "expert FFN outputs and inputs' gradients");
       add(cs, collective::all_reduce, model_bit, chunks, double(El * Gd * C * M) * f, "expert FFN outputs and inputs' gradients");
