@@ -233,8 +233,7 @@ class tape {
         ps.set_has_grad(i, true);
       };
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-        if (ps.bucket_bytes() > 0 && detail::stackable(plan) &&
-            detail::plan_even(plan, p.value().extents().data(), X::rank, m.sizes())) {
+        if (ps.bucket_bytes() > 0 && detail::bucketable(plan, p.value().extents().data(), X::rank, m.sizes())) {
           gradient_buckets<T>(m, ps.bucket_bytes(), ps.template bucket_memory<T>()).add(
               plan, std::span<const T>(pending->first.data(), std::size_t(pending->first.size())), done);
           return;

@@ -317,9 +317,7 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
   };
   auto reduce = [&](const weight& x, const rlayout& from, const rlayout& to, const std::string& what) {
     const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
-    // Buckets take only plans whose blocks are equal on every rank (as the tape's and the update's do).
-    if (o.bucket_bytes == 0 || !gshard::detail::stackable(plan) ||
-        !gshard::detail::plan_even(plan, x.extents.data(), int(x.extents.size()), m.sizes()))
+    if (o.bucket_bytes == 0 || !gshard::detail::bucketable(plan, x.extents.data(), int(x.extents.size()), m.sizes()))
       return add_plan(cs, from, to, x.extents, m, f, what);
     auto it = std::find_if(open.begin(), open.end(), [&](const bucket& b) { return gshard::detail::same_steps(b.plan, plan) && b.what == what; });
     if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0});

@@ -38,6 +38,14 @@ constexpr bool stackable(const reshard_steps& p) {
   return p.collectives() > 0;
 }
 
+// Whether a tensor of `global` extents takes plan `p` through a bucket: its
+// steps stack, and its blocks are equal on every rank, so every rank cuts
+// the bucket's collectives alike. The tape's gradients, the sharded
+// update's gathers and the cost model ask this one rule.
+constexpr bool bucketable(const reshard_steps& p, const index_t* global, int rank, const index_t* sizes) {
+  return stackable(p) && plan_even(p, global, rank, sizes);
+}
+
 // The same steps (kind, axes, dims), whatever the layouts between them: a
 // bucket's members may differ in rank and in their other dims.
 constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {

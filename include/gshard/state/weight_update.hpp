@@ -187,8 +187,7 @@ std::unique_ptr<set_entry> zero_factor(std::string name, const mesh_base& m, con
 inline void gather_block(sharded_entry& block, set_entry& weight, const mesh_base& m, buckets<float>& f32, buckets<double>& f64,
                          bool bucketed) {
   const std::vector<index_t> extents = block.extents();
-  if (!bucketed || !stackable(block.gather_plan()) ||
-      !plan_even(block.gather_plan(), extents.data(), int(extents.size()), m.sizes())) {
+  if (!bucketed || !bucketable(block.gather_plan(), extents.data(), int(extents.size()), m.sizes())) {
     block.gather_into(weight);
     return;
   }
