@@ -207,6 +207,36 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
   }
 }
 
+// wire::bf16 on a float shard: to the bit, the plan run in bf16 on the
+// rounded shard and widened back (rounded even where the plan sends
+// nothing), with the plan's collectives carrying 2-byte elements.
+template <int R>
+void check_wire_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
+  const auto g = global_tensor<R>(ge);
+  const std::vector<rlayout> layouts = all_layouts(R, m.naxes());
+  for (const rlayout& from : layouts) {
+    local_tensor<float, R> src = as<float, R>(shard_of<R>(g, from, m));
+    for (index_t i = 0; i < src.size(); ++i) src.data()[i] *= 1.0f + 0x1p-12f;  // not exact in bf16
+    const local_tensor<bf16, R> narrow = src.template cast<bf16>();
+    for (const rlayout& to : layouts) {
+      ++t.pairs;
+      const std::string what = show(from, m, R) + " -> " + show(to, m, R) + " on " + m.describe() + " with bf16 on the wire";
+      const detail::reshard_steps plan = detail::plan_reshard(from, to, m.naxes(), m.sizes());
+      const local_tensor<float, R> want = detail::execute_reshard<bf16, R>(m, plan, narrow, ge).template cast<float>();
+      collective_recorder rec;
+      const auto got = detail::execute_reshard_on<float, R>(wire::bf16, m, plan, src, ge);
+      const auto events = rec.events();
+      bool same = detail::dims_of<R>(got) == detail::dims_of<R>(want);
+      for (index_t i = 0; same && i < got.size(); ++i) same = got.data()[i] == want.data()[i];
+      bool rounded = true;  // and something did round: the values differ from fp32's
+      for (index_t i = 0; i < std::min(got.size(), src.size()); ++i) rounded = rounded && got.data()[i] == float(bf16(got.data()[i]));
+      if (!same || !rounded) t.fail(what + ": not the bf16 plan's values");
+      if (events != gshard::testing::planned_collectives(plan, m, ge.data(), R, sizeof(bf16)))
+        t.fail(what + ": collectives differ from the plan in 2-byte elements");
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("every reshard pair of rank-1..3 tensors on every mesh matches the global tensor", "[reshard][exhaustive]") {
@@ -236,7 +266,7 @@ TEST_CASE("every reshard pair of rank-1..3 tensors on every mesh matches the glo
   GSHARD_REQUIRE(all_layouts(3, 1).size() == 5 && all_layouts(3, 2).size() == 28 && all_layouts(1, 2).size() == 10);
 }
 
-TEST_CASE("every reshard pair moves bf16 exactly and sums it in fp32, rounded once per summing step",
+TEST_CASE("every reshard pair moves bf16 exactly, sums it in fp32 rounded once per summing step, and sends fp32 as bf16 on the wire",
           "[reshard][exhaustive][bf16]") {
   const auto meshes = gshard::testing::meshes_for_world(false, false);
   for (const auto& mc : meshes) {
@@ -248,6 +278,11 @@ TEST_CASE("every reshard pair moves bf16 exactly and sums it in fp32, rounded on
     check_all_pairs<3, bf16>(m, {W, 2 * W, 3 * W}, t);
     INFO("mesh " << mc.name << ": " << t.pairs << " pairs");
     GSHARD_REQUIRE_MSG(t.first_failure.empty(), t.first_failure);
+    tally tw;  // fp32 tensors with bf16 on the wire, extents that divide and that do not
+    check_wire_pairs<2>(m, {2 * W, W}, tw);
+    check_wire_pairs<2>(m, {W + 1, 3}, tw);
+    GSHARD_REQUIRE_MSG(tw.first_failure.empty(), tw.first_failure);
+    GSHARD_REQUIRE(std::size_t(tw.pairs) == 2 * all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size());
     GSHARD_REQUIRE(std::size_t(t.pairs) == all_layouts(1, m.naxes()).size() * all_layouts(1, m.naxes()).size() +
                                                all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size() +
                                                all_layouts(3, m.naxes()).size() * all_layouts(3, m.naxes()).size());

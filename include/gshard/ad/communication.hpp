@@ -90,21 +90,23 @@ auto einsum(const A&, const B&) {
 
 // ---------------------------------------------------------------------------
 // Resharding a var: reshard<To or rules>(v) and the one-collective forms.
+// With wire::bf16 the forward's messages and the gradient's carry bf16: the
+// value and its gradient are each rounded to bf16 once.
 
 template <class ToOrRules, class V>
   requires var_type<V>
-auto reshard(V&& v) {
+auto reshard(V&& v, wire w = wire::same) {
   using X = detail::tensor_of<V>;
   tape& t = v.on_tape();
   const int xs = v.slot();
-  auto y = reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  auto y = reshard<ToOrRules>(detail::value_of(std::forward<V>(v)), w);
   using Y = decltype(y);
   auto out = t.output(std::move(y), xs >= 0);
   if (out.tracked())
-    t.record([tp = &t, ys = out.slot(), xs] {
+    t.record([tp = &t, ys = out.slot(), xs, w] {
       // The forward's collectives transposed, planned from dy's pending
       // layout: a pending dy of an all_gather becomes one reduce_scatter.
-      auto dx = tp->slot<Y>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      auto dx = tp->slot<Y>(ys).template take<gradient_sharding<typename X::sharding_type>>(w);
       if (dx) tp->slot<X>(xs).add(std::move(*dx));
     });
   return out;
@@ -121,7 +123,7 @@ auto reshard(V&& v) {
 template <class Y, class X>
 class [[nodiscard]] var_in_flight {
  public:
-  var_in_flight(tape& t, int xs, reshard_request<Y>&& r) : t_(&t), xs_(xs), f_(std::make_shared<flight>()) {
+  var_in_flight(tape& t, int xs, reshard_request<Y>&& r, wire w) : t_(&t), xs_(xs), w_(w), f_(std::make_shared<flight>()) {
     f_->forward.emplace(std::move(r));
     if (xs >= 0)
       t.record([tp = &t, xs, f = f_] {
@@ -142,7 +144,7 @@ class [[nodiscard]] var_in_flight {
     f_->forward.reset();
     auto out = t_->output(std::move(y), xs_ >= 0);
     if (out.tracked())
-      t_->record([tp = t_, ys = out.slot(), f = f_, mesh = &out.mesh(), extents = out.extents()] {
+      t_->record([tp = t_, ys = out.slot(), f = f_, mesh = &out.mesh(), extents = out.extents(), w = w_] {
         // Planned from dy's pending layout, as reshard's rule: a pending dy
         // of an all_gather becomes one reduce_scatter; a plan that ends in
         // an all_to_all leaves it in flight.
@@ -151,7 +153,7 @@ class [[nodiscard]] var_in_flight {
         using mesh_t = typename X::mesh_type;
         constexpr detail::rlayout to = detail::bind_layout<mesh_t, X::rank, gradient_sharding<typename X::sharding_type>>::value;
         const auto plan = detail::plan_reshard(dy->second, to, mesh->naxes(), mesh->sizes());
-        f->backward.emplace(*mesh, extents, plan, std::move(dy->first));
+        f->backward.emplace(*mesh, extents, plan, std::move(dy->first), w);
       });
     return out;
   }
@@ -164,18 +166,19 @@ class [[nodiscard]] var_in_flight {
   };
   tape* t_;
   int xs_;
+  wire w_;
   std::shared_ptr<flight> f_;  // shared with the two rules
 };
 
 template <class ToOrRules, class V>
   requires var_type<V>
-[[nodiscard]] auto start_reshard(V&& v) {
+[[nodiscard]] auto start_reshard(V&& v, wire w = wire::same) {
   using X = detail::tensor_of<V>;
   tape& t = v.on_tape();
   const int xs = v.slot();
-  auto r = start_reshard<ToOrRules>(detail::value_of(std::forward<V>(v)));
+  auto r = start_reshard<ToOrRules>(detail::value_of(std::forward<V>(v)), w);
   using Y = decltype(r.wait());
-  return var_in_flight<Y, X>(t, xs, std::move(r));
+  return var_in_flight<Y, X>(t, xs, std::move(r), w);
 }
 
 // The one-collective forms on the tape: the same targets (and checks) as

@@ -99,11 +99,12 @@ class grad_slot final : public grad_slot_base {
   // The sum of the contributions in layout `to` (reduced by the planner's
   // steps from the pending layout), or nothing if none arrived. The slot is
   // empty afterwards.
-  std::optional<local_tensor<T, R>> take(const rlayout& to) {
+  // With wire::bf16 its messages carry bf16 (reshard's `wire`).
+  std::optional<local_tensor<T, R>> take(const rlayout& to, wire w = wire::same) {
     auto p = take_pending();
     if (!p) return std::nullopt;
     const reshard_steps plan = plan_reshard(p->second, to, mesh_->naxes(), mesh_->sizes());
-    return execute_reshard<T, R>(*mesh_, plan, std::move(p->first), extents_);
+    return execute_reshard_on<T, R>(w, *mesh_, plan, std::move(p->first), extents_);
   }
   // The sum of the contributions as they are, still pending (its layout:
   // the value's gradient sharding with the pending axes), or nothing if
@@ -118,8 +119,8 @@ class grad_slot final : public grad_slot_base {
     return out;
   }
   template <class S>
-  std::optional<tensor<T, R, Mesh, S>> take() {
-    auto t = take(bind_layout<Mesh, R, S>::value);
+  std::optional<tensor<T, R, Mesh, S>> take(wire w = wire::same) {
+    auto t = take(bind_layout<Mesh, R, S>::value, w);
     if (!t) return std::nullopt;
     return tensor<T, R, Mesh, S>(*mesh_, extents_, std::move(*t));
   }

@@ -293,6 +293,30 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
   return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
 }
 
+// The shard's values rounded to bf16 (to nearest even; a double through
+// fp32) and widened back, in place: what wire::bf16 makes of a value.
+template <class T, int Rank>
+local_tensor<T, Rank> round_to_bf16(local_tensor<T, Rank>&& x) {
+  if constexpr (!std::is_same_v<T, bf16>) x = x.template cast<bf16>().template cast<T>();
+  return std::move(x);
+}
+
+// Runs a plan with `w` on the wire. wire::bf16: the shard rounded to bf16,
+// the plan run on bf16 (its sums in fp32, rounded once), the result widened
+// back — rounded even where the plan sends nothing, so that every rank
+// count computes the same values. wire::same, or a bf16 shard: the plan.
+template <class T, int Rank, class Local>
+local_tensor<T, Rank> execute_reshard_on(wire w, const mesh_base& m, const reshard_steps& p, Local&& local,
+                                         const shape<Rank>& global) {
+  if constexpr (!std::is_same_v<T, bf16>)
+    if (w == wire::bf16) {
+      if (p.n == 0) return round_to_bf16<T, Rank>(local_tensor<T, Rank>(std::forward<Local>(local)));
+      local_tensor<bf16, Rank> narrow = local.template cast<bf16>();
+      return execute_reshard<bf16, Rank>(m, p, std::move(narrow), global).template cast<T>();
+    }
+  return execute_reshard<T, Rank>(m, p, std::forward<Local>(local), global);
+}
+
 // Plans at run time with the mesh's real sizes, then executes: for layouts
 // that exist only at run time (the exhaustive tests).
 template <class T, int Rank>

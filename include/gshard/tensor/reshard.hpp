@@ -47,12 +47,13 @@ struct reshard_of {
 }  // namespace detail
 
 // The same global tensor with sharding To — a sharding, or a rules table
-// applied to the tensor's labels. Communication as the plan says. Given an
-// rvalue, reuses its storage where a step allows (an all_reduce then runs in
-// place).
+// applied to the tensor's labels. Communication as the plan says, with `w`
+// on the wire (wire::bf16: every value rounded to bf16, at any rank count,
+// and its messages half of fp32's bytes). Given an rvalue, reuses its
+// storage where a step allows (an all_reduce then runs in place).
 template <class ToOrRules, class X>
   requires sharded_tensor<X>
-auto reshard(X&& x) {
+auto reshard(X&& x, wire w = wire::same) {
   using R = detail::reshard_of<ToOrRules, X>;
   using Y = typename R::Y;
   using out_t = typename R::out_t;
@@ -61,9 +62,9 @@ auto reshard(X&& x) {
   const auto& mesh = x.mesh();
   const auto extents = x.extents();
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>) {
-    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, std::move(x.local()), extents));
+    return out_t(mesh, extents, detail::execute_reshard_on<T, Y::rank>(w, mesh, plan::steps, std::move(x.local()), extents));
   } else {
-    return out_t(mesh, extents, detail::execute_reshard<T, Y::rank>(mesh, plan::steps, x.local(), extents));
+    return out_t(mesh, extents, detail::execute_reshard_on<T, Y::rank>(w, mesh, plan::steps, x.local(), extents));
   }
 }
 
@@ -74,6 +75,8 @@ auto reshard(X&& x) {
 // (start_all_to_all, packed), which travels while the rank computes;
 // wait() unpacks it. Any other plan runs whole when it starts and wait()
 // hands its result out: the same values and the same collectives either way.
+// With wire::bf16 the shard is rounded to bf16 first, travels so, and
+// wait() widens it back.
 template <class Out>
 class [[nodiscard]] reshard_request {
   using T = typename Out::value_type;
@@ -83,80 +86,113 @@ class [[nodiscard]] reshard_request {
   // Runs plan `p` (of Out's mesh; its last state is Out's layout) on `in`,
   // the shard in its first state.
   template <class Local>
-  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in)
-      : mesh_(&m), extents_(global), s_(std::make_unique<state>()) {
-    const int last = p.n - 1;
-    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
-      s_->out = detail::execute_reshard<T, R>(m, p, std::forward<Local>(in), global);
-      return;
-    }
-    if (last > 0) {  // the steps before the all_to_all, now
-      detail::reshard_steps head = p;
-      head.n = last;
-      post(m, p, last, detail::execute_reshard<T, R>(m, head, std::forward<Local>(in), global), global);
-    } else {
-      post(m, p, last, std::forward<Local>(in), global);
-    }
+  reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in,
+                  wire w = wire::same)
+      : mesh_(&m), extents_(global) {
+    if constexpr (!std::is_same_v<T, bf16>)
+      if (w == wire::bf16) {
+        if (p.n == 0) {  // nothing travels: the values rounded all the same
+          wide_ = start<T>(m, p, detail::round_to_bf16<T, R>(local_tensor<T, R>(std::forward<Local>(in))), global);
+        } else {
+          local_tensor<bf16, R> narrow = in.template cast<bf16>();
+          narrow_ = start<bf16>(m, p, std::move(narrow), global);
+        }
+        return;
+      }
+    wide_ = start<T>(m, p, std::forward<Local>(in), global);
   }
 
   // Moves it on without blocking; true once its data has arrived.
-  bool test() { return !s_ || s_->request.test(); }
+  bool test() {
+    if (wide_) return wide_->request.test();
+    return !narrow_ || narrow_->request.test();
+  }
 
   // The tensor in To; once.
   Out wait() {
-    if (!s_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
-    s_->request.wait();
-    if (s_->unpack) s_->unpack->unpack(s_->recv.data(), s_->out.data());
-    Out out(*mesh_, extents_, std::move(s_->out));
-    s_.reset();
-    return out;
+    if (!wide_ && !narrow_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
+    if (narrow_) {
+      local_tensor<T, R> out = finish(std::move(narrow_)).template cast<T>();
+      return Out(*mesh_, extents_, std::move(out));
+    }
+    return Out(*mesh_, extents_, finish(std::move(wide_)));
   }
 
  private:
-  // Packs `in` (in state i of the plan) and posts step i, an all_to_all.
-  template <class Local>
-  void post(const typename Out::mesh_type& m, const detail::reshard_steps& p, int i, Local&& in, const shape<R>& global) {
-    const detail::all_to_all_geometry<T, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
-    const T* send = in.data();
-    if (geo.packs()) {
-      s_->send.resize(geo.n);
-      geo.pack(in.data(), s_->send.data());
-      send = s_->send.data();
-    } else {
-      s_->in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
-      send = s_->in.data();
-    }
-    s_->out = local_tensor<T, R>(geo.eo);
-    if (geo.unpacks()) {
-      s_->recv.resize(geo.n);
-      s_->unpack.emplace(geo);
-    }
-    T* recv = geo.unpacks() ? s_->recv.data() : s_->out.data();
-    s_->request = start_all_to_all<T>(m.group(1u << p.step[i].axis), {send, geo.n}, {recv, geo.n});
-  }
-
-  struct state {  // on the heap: the request may move while MPI writes into it
-    local_tensor<T, R> in;
-    std::vector<T> send, recv;
-    local_tensor<T, R> out;
-    std::optional<detail::all_to_all_geometry<T, R>> unpack;
+  template <class W>
+  struct flight {  // on the heap: the request may move while MPI writes into it
+    local_tensor<W, R> in;
+    std::vector<W> send, recv;
+    local_tensor<W, R> out;
+    std::optional<detail::all_to_all_geometry<W, R>> unpack;
     collective_request request;  // last: destroyed (finished) before the buffers it uses
   };
+
+  // Runs the plan's steps before a last all_to_all (or all of them) and
+  // posts that all_to_all.
+  template <class W, class Local>
+  static std::unique_ptr<flight<W>> start(const typename Out::mesh_type& m, const detail::reshard_steps& p, Local&& in,
+                                          const shape<R>& global) {
+    auto f = std::make_unique<flight<W>>();
+    const int last = p.n - 1;
+    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
+      f->out = detail::execute_reshard<W, R>(m, p, std::forward<Local>(in), global);
+    } else if (last > 0) {  // the steps before the all_to_all, now
+      detail::reshard_steps head = p;
+      head.n = last;
+      post(*f, m, p, last, detail::execute_reshard<W, R>(m, head, std::forward<Local>(in), global), global);
+    } else {
+      post(*f, m, p, last, std::forward<Local>(in), global);
+    }
+    return f;
+  }
+
+  // Packs `in` (in state i of the plan) and posts step i, an all_to_all.
+  template <class W, class Local>
+  static void post(flight<W>& f, const typename Out::mesh_type& m, const detail::reshard_steps& p, int i, Local&& in,
+                   const shape<R>& global) {
+    const detail::all_to_all_geometry<W, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
+    const W* send = in.data();
+    if (geo.packs()) {
+      f.send.resize(geo.n);
+      geo.pack(in.data(), f.send.data());
+      send = f.send.data();
+    } else {
+      f.in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
+      send = f.in.data();
+    }
+    f.out = local_tensor<W, R>(geo.eo);
+    if (geo.unpacks()) {
+      f.recv.resize(geo.n);
+      f.unpack.emplace(geo);
+    }
+    W* recv = geo.unpacks() ? f.recv.data() : f.out.data();
+    f.request = start_all_to_all<W>(m.group(1u << p.step[i].axis), {send, geo.n}, {recv, geo.n});
+  }
+
+  template <class W>
+  static local_tensor<W, R> finish(std::unique_ptr<flight<W>> f) {
+    f->request.wait();
+    if (f->unpack) f->unpack->unpack(f->recv.data(), f->out.data());
+    return std::move(f->out);
+  }
+
   const typename Out::mesh_type* mesh_;
   shape<R> extents_;
-  std::unique_ptr<state> s_;
+  std::unique_ptr<flight<T>> wide_;
+  std::unique_ptr<flight<bf16>> narrow_;  // wire::bf16
 };
 
 // reshard<To>(x), started: the same checks and plan, the collectives posted
 // now (reshard_request). The caller computes, then wait()s.
 template <class ToOrRules, class X>
   requires sharded_tensor<X>
-[[nodiscard]] auto start_reshard(X&& x) {
+[[nodiscard]] auto start_reshard(X&& x, wire w = wire::same) {
   using R = detail::reshard_of<ToOrRules, X>;
   if constexpr (std::is_rvalue_reference_v<X&&> && !std::is_const_v<std::remove_reference_t<X>>)
-    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()));
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, std::move(x.local()), w);
   else
-    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, x.local());
+    return reshard_request<typename R::out_t>(x.mesh(), x.extents(), R::plan::steps, x.local(), w);
 }
 
 namespace detail {
