@@ -165,7 +165,9 @@ struct moe_layer_run {
   L layer{ps, "moe.", M, H, E};
   named<float, "GSM", grid, L::at_tokens> x{m, {G, S, M}};
   std::uint64_t s = 0;
-  explicit moe_layer_run(index_t experts = 8) : E(experts), layer(ps, "moe.", M, H, experts) { fill_normal(x, 1.0, 2, 3); }
+  explicit moe_layer_run(index_t experts = 8, moe::layer_options o = {}) : E(experts), layer(ps, "moe.", M, H, experts, o) {
+    fill_normal(x, 1.0, 2, 3);
+  }
   void operator()() {
     tape t(ps);
     auto out = layer(t.constant(x), gc, s++);
@@ -244,23 +246,29 @@ void moe_layer_uneven(benchmark::State& state) {
   state.counters["even_gflops"] = even.mean_expert_flop() / c.median_time[1] * 1e-9;
 }
 
-// moe_layer_bf16: moe_layer's forward plus backward with fp32 GEMMs and
-// with matmul_precision::bf16 (the router still fp32), interleaved in the
-// same iterations: bf16_speedup, the fp32 time over the bf16 one; each
+// moe_layer_bf16: moe_layer's forward plus backward with fp32 GEMMs, with
+// matmul_precision::bf16 (the router still fp32), and with bf16 GEMMs and
+// bf16 all_to_alls (layer_options::all_to_alls = wire::bf16), interleaved
+// in the same iterations: bf16_speedup, the fp32 time over the bf16 GEMMs'
+// one, and wire_speedup over the bf16 GEMMs and all_to_alls' one; each
 // one's expert GFLOP/s, against the fp32 FMA peak and the bf16
 // dot-product peak measured in the run (0 where this build does not
 // target AVX512_BF16). Where the GEMM has no bf16 units, bf16 GEMMs run
 // in fp32 and bf16_speedup is 1 but for noise (GSHARD_GEMM=openblas shows
-// it). At least 4 s: the median needs several iterations.
+// it); the all_to_alls still halve their bytes. At least 4 s: the median
+// needs several iterations.
 void moe_layer_bf16(benchmark::State& state) {
-  moe_layer_run f32, bf16;
-  auto in_bf16 = [&] {
-    const matmul_precision_scope s(matmul_precision::bf16);
-    bf16();
+  moe_layer_run f32, bf16, bf16_wire(8, moe::layer_options{.all_to_alls = wire::bf16});
+  auto in_bf16 = [&](moe_layer_run& run) {
+    return [&] {
+      const matmul_precision_scope s(matmul_precision::bf16);
+      run();
+    };
   };
-  const auto c = gshard::bench::compare(state, {std::ref(f32), in_bf16}, 1);
+  const auto c = gshard::bench::compare(state, {std::ref(f32), in_bf16(bf16), in_bf16(bf16_wire)}, 1);
   const double flop = f32.expert_flop();
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[1];
+  state.counters["wire_speedup"] = 1.0 / c.median_ratio[2];
   state.counters["f32_expert_gflops"] = flop / c.median_time[0] * 1e-9;
   state.counters["bf16_expert_gflops"] = flop / c.median_time[1] * 1e-9;
   state.counters["f32_fma_peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();

@@ -68,6 +68,7 @@ inline std::string machine_line(const machine_peak& m, gshard::matmul_precision 
   if (m.bf16_gemms) add(m.bf16 > 0 ? " in bf16 (fp32 sums; MFU against the bf16 peak)"
                                    : " in bf16 (fp32 sums; a build without AVX512_BF16 measures no bf16 peak: MFU against fp32's)");
   else if (p == gshard::matmul_precision::bf16) add(" in fp32 (--precision bf16, but it has no bf16 units to run on here)");
+  if (p == gshard::matmul_precision::bf16) add(", MoE all_to_alls in bf16");
   return line;
 }
 

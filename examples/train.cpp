@@ -113,8 +113,9 @@ constexpr const char* usage =
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate, warmed up over 50 steps, cosine to a tenth (2e-3; adafactor 3e-3)\n"
     "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
-    "                     units with fp32 sums; weights, optimizer state, the router, norms, softmax and the loss\n"
-    "                     stay fp32 (docs/15_precision.md). Without bf16 units the GEMMs run in fp32. Each GEMM\n"
+    "                     units with fp32 sums, and the MoE all_to_alls in bf16; weights, optimizer state, the\n"
+    "                     router, norms, softmax and the loss stay fp32 (docs/15_precision.md). Without bf16\n"
+    "                     units the GEMMs run in fp32 (the all_to_alls still in bf16). Each GEMM\n"
     "                     rounds its operands anew: it pays for large GEMMs (the MoE layer at M=512, H=2048),\n"
     "                     and is slower at this trainer's sizes (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
@@ -235,6 +236,7 @@ options parse(int argc, char** argv) {
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
+  o.model.all_to_alls = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");

@@ -72,7 +72,8 @@ const char* usage =
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate (2e-3; adafactor 3e-3), warmed up over the first 5% of the steps\n"
     "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
-    "                     units with fp32 sums; the router, norms, softmax, the loss and weights stay fp32; it\n"
+    "                     units with fp32 sums, and the MoE all_to_alls in bf16; the router, norms, softmax,\n"
+    "                     the loss and weights stay fp32; it\n"
     "                     pays for large GEMMs only (docs/10_performance.md) (f32)\n"
     "  --seed N           weights, batches, routing and dropout (1)\n"
     "  --log-every N      steps between progress lines (100)\n"
@@ -407,6 +408,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
   c.vocab = 256 + index_t(langs.size());
   c.model = o.model, c.heads = 4, c.head_dim = std::max<index_t>(1, o.model / 4), c.hidden = o.hidden;
   c.experts = o.experts, c.slot_hidden = o.slot_hidden;
+  c.all_to_alls = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   c.encoder_layers = c.decoder_layers = o.layers;
   c.max_len = o.max_bytes + 2;
   c.gating.capacity_factor = o.capacity_factor;

@@ -194,9 +194,10 @@ def main() -> int:
     if code != 0 or f"text: {dictionary}, 20 dictionary entries ({held_words} held out: a tenth of the headwords)" not in out or \
             "held-out at step" in out or "sample (prompt: " not in out or "temperature 0)" not in out:
         problems.append(f"a dictionary, greedy sampling: exit {code}:\n{out[-1500:]}")
-    # bf16 GEMMs: the machine line says where they run (fp32 where the GEMM has no bf16 units).
+    # bf16 GEMMs: the machine line says where they run (fp32 where the GEMM has no bf16 units),
+    # and that the all_to_alls carry bf16.
     code, out = run(base + [dictionary, "--steps", "2", "--sample-bytes", "0", "--precision", "bf16"] + SMALL)
-    if code != 0 or not re.search(r"machine: fp32 FMA peak .*, gemm \w+ in (bf16 \(fp32 sums|fp32 \(--precision bf16)", out) or \
+    if code != 0 or not re.search(r"machine: fp32 FMA peak .*, gemm \w+ in (bf16 \(fp32 sums|fp32 \(--precision bf16).*, MoE all_to_alls in bf16", out) or \
             "held-out loss" not in out:
         problems.append(f"--precision bf16: exit {code}:\n{out[-1500:]}")
     code, out = run(base + [indexed, "--steps", "2", "--sample-bytes", "0"] + SMALL)

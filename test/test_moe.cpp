@@ -302,6 +302,7 @@ struct layer_run {
   std::string broken;
   index_t capacity_min = 0, capacity_max = 0;
   std::size_t collectives = 0;
+  std::size_t all_to_all_bytes = 0;  // over "expert", this rank's
 };
 template <class T, class Mesh>
 layer_run<T> run_variant(const Mesh& m, shape<3> gsm, index_t H, index_t E, const moe::gating_config& cfg,
@@ -318,6 +319,7 @@ layer_run<T> run_variant(const Mesh& m, shape<3> gsm, index_t H, index_t E, cons
   layer_run<T> r;
   const std::size_t a2a = rec.calls(collective::all_to_all, "expert"), ar = rec.calls(collective::all_reduce, "model");
   r.collectives = a2a + 10 * ar + 100 * (rec.events().size() - a2a - ar);
+  r.all_to_all_bytes = rec.bytes(collective::all_to_all, "expert");
   r.y = gather(out.y.value());
   r.stats = out.stats;
   r.broken = check_invariants(*out.route);
@@ -335,6 +337,16 @@ std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<
   return {std::move(r.y), std::move(r.stats)};
 }
 
+template <class T>
+double l2_rel_diff(const local_tensor<T, 3>& a, const local_tensor<T, 3>& b) {  // ‖a − b‖ / ‖b‖
+  if (a.dimensions() != b.dimensions()) return 1e300;
+  double d = 0, n = 0;
+  for (index_t i = 0; i < a.size(); ++i) {
+    d += std::pow(double(a.data()[i]) - double(b.data()[i]), 2);
+    n += std::pow(double(b.data()[i]), 2);
+  }
+  return std::sqrt(d / n);
+}
 template <class T>
 double max_rel_diff(const local_tensor<T, 3>& a, const local_tensor<T, 3>& b) {
   if (a.dimensions() != b.dimensions()) return 1e300;
@@ -461,6 +473,76 @@ TEST_CASE("MoE layer under matmul_precision bf16: the router is fp32's to the bi
                      << " of " << scale);
   if (detail::gemm_bf16_native()) GSHARD_REQUIRE((worst > 0 && worst < 0x1p-6 * scale));
   else GSHARD_REQUIRE(worst == 0);
+}
+
+TEST_CASE("MoE layer with bf16 all_to_alls: 1 rank's result at every mesh in half the bytes, within bf16 of fp32's",
+          "[moe][layer][bf16]") {
+  const int P = world_size();
+  const index_t G = 2 * P + 1, S = 16, M = 16, H = 24, E = 8;  // groups and experts that need not divide
+  moe::gating_config cfg;
+  cfg.capacity_factor = 1.5;
+  moe::layer_options o16;
+  o16.all_to_alls = wire::bf16;
+  grid2 self(MPI_COMM_SELF, {1, 1});
+  const auto ref = run_variant<float>(self, {G, S, M}, H, E, cfg, moe::dispatch_mode::index, o16);
+  const auto ref32 = run_variant<float>(self, {G, S, M}, H, E, cfg, moe::dispatch_mode::index);
+  // The tokens and the experts' outputs each rounded once: within 2⁻⁸ of
+  // each, and not equal (the rounding is there at 1 rank too).
+  const double rounding = max_rel_diff(ref.y, ref32.y);
+  INFO("1 rank, bf16 all_to_alls against fp32's: " << rounding);
+  GSHARD_REQUIRE((rounding > 0 && rounding < 0x1p-6));
+  GSHARD_REQUIRE(ref.stats.expert_load == ref32.stats.expert_load);  // the router reads x unrounded
+
+  // The gradient of Σ y·c with respect to x, gathered.
+  auto grad_x = [&](const auto& m, const moe::layer_options& o) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    parameters ps(m, 42);
+    const moe::layer<float, Mesh> layer(ps, "moe.", M, H, E, o);
+    using X = named<float, "GSM", Mesh, typename moe::layer<float, Mesh>::at_tokens>;
+    param<X> x(ps, "x", {G, S, M}, init::normal(1.0));
+    X c(m, {G, S, M});
+    fill_normal(c, 1.0, 8, 98);
+    collective_recorder rec;
+    tape t(ps);
+    auto out = layer(t.use(x), cfg, 3);
+    t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))));
+    return std::pair{gather(x.grad()), rec.bytes(collective::all_to_all, "expert")};
+  };
+  const auto [gref, ignored] = grad_x(self, o16);
+  const auto [gref32, ignored32] = grad_x(self, moe::layer_options{});
+
+  auto check = [&](const auto& m, const char* name) {
+    for (int overlap : {1, 3})
+      for (auto mode : {moe::dispatch_mode::index, moe::dispatch_mode::einsum}) {
+        if (overlap > 1 && mode == moe::dispatch_mode::einsum) continue;
+        moe::layer_options o = o16, o32;
+        o.overlap_degree = o32.overlap_degree = overlap;
+        const auto got = run_variant<float>(m, {G, S, M}, H, E, cfg, mode, o);
+        const auto f32 = run_variant<float>(m, {G, S, M}, H, E, cfg, mode, o32);
+        INFO(name << (mode == moe::dispatch_mode::index ? " index" : " einsum") << ", overlap_degree " << overlap
+                  << ": against 1 rank " << max_rel_diff(got.y, ref.y) << "; all_to_all bytes " << got.all_to_all_bytes
+                  << " against fp32's " << f32.all_to_all_bytes);
+        GSHARD_REQUIRE_MSG(got.broken.empty(), got.broken);
+        // Other GEMM blockings may round an expert's output the other way: one bf16 unit at most.
+        GSHARD_REQUIRE(max_rel_diff(got.y, ref.y) < 0x1p-7);
+        GSHARD_REQUIRE(got.stats.expert_load == ref.stats.expert_load);
+        GSHARD_REQUIRE(got.collectives == f32.collectives);  // the same collectives,
+        GSHARD_REQUIRE(2 * got.all_to_all_bytes == f32.all_to_all_bytes);  // their elements 2 bytes, not 4
+      }
+    const auto [g, bytes] = grad_x(m, o16);
+    const auto [g32, bytes32] = grad_x(m, moe::layer_options{});
+    INFO(name << ": x's gradient against 1 rank's " << max_rel_diff(g, gref) << ", against fp32's " << l2_rel_diff(g, g32));
+    GSHARD_REQUIRE(max_rel_diff(g, gref) < 0x1p-7);
+    // Rounded on its two ways back too, and a ReLU whose input the rounding
+    // moves across 0 passes or stops a whole hidden unit's gradient: a few
+    // elements move by far more than 2⁻⁸, the whole by little.
+    GSHARD_REQUIRE(l2_rel_diff(g, g32) < 0x1p-5);
+    GSHARD_REQUIRE(2 * bytes == bytes32);
+    GSHARD_REQUIRE((P == 1 || bytes > 0));
+  };
+  check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
+  check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
+  GSHARD_REQUIRE(max_rel_diff(gref, gref32) > 0);
 }
 
 TEST_CASE("routing variants: top-k, dropless, shared experts and bias balancing reproduce the 1-rank result", "[moe][layer][variants]") {

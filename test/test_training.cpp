@@ -371,6 +371,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   dense.experts = 0, dense.slot_hidden = 16;
   auto piped = tiny();
   piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
+  piped.all_to_alls = wire::bf16;  // ... and those bytes halved: bf16 on the wire
   auto uneven_heads = tiny();
   uneven_heads.heads = 3, uneven_heads.hidden = 13;
   const index_t d = P % 2 == 0 && P > 2 ? 2 : 1, e = P / d;

@@ -41,6 +41,13 @@ struct layer_options {
   // (docs/10_performance.md measures it). Capped at C. dispatch_mode::einsum
   // (the reference form) runs unchunked.
   int overlap_degree = 1;
+  // What the two all_to_alls carry, both ways: wire::bf16 halves their
+  // bytes, rounding the tokens on their way to the experts, the experts'
+  // outputs on their way back and the gradients of both once each (the
+  // router's inputs and the combine weights stay as they are). Under
+  // matmul_precision::bf16 the expert GEMMs round their inputs to bf16
+  // anyway: the dispatch then costs no precision.
+  wire all_to_alls = wire::same;
 };
 
 template <class T, mesh_type Mesh, class Roles = default_roles>
@@ -160,22 +167,26 @@ struct layer {
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
+    const wire w = options.all_to_alls;
     auto y = [&] {  // [E,G{data,expert},C,M]: the experts' outputs, back at the groups
-      if (mode == dispatch_mode::einsum)  // the reference form: one all_to_all each way
-        return reshard<at_tokens>(experts_ffn(einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x)));
+      if (mode == dispatch_mode::einsum) {  // the reference form: one all_to_all each way
+        if (w == wire::same)
+          return reshard<at_tokens>(experts_ffn(einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x)));
+        return reshard<at_tokens>(experts_ffn(reshard<at_experts>(einsum<"GSEC,GSM->EGCM">(dense_dispatch(route), x), w)), w);
+      }
       auto d = dispatch(route, x);  // [E,G{data,expert},C,M]
       const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
-      if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d))));
+      if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d), w)), w);
       // Pipelined: chunk i+1 goes out and chunk i-1 comes back while chunk i's experts compute.
       auto pieces = chunk<2>(std::move(d), k);  // the whole goes: only the chunks stay
-      using going_t = decltype(start_reshard<at_experts>(pieces[0]));
-      using coming_t = decltype(start_reshard<at_tokens>(experts_ffn(std::declval<going_t&>().wait())));
+      using going_t = decltype(start_reshard<at_experts>(pieces[0], w));
+      using coming_t = decltype(start_reshard<at_tokens>(experts_ffn(std::declval<going_t&>().wait()), w));
       std::vector<going_t> going;
       std::vector<coming_t> coming;
-      going.push_back(start_reshard<at_experts>(std::move(pieces[0])));
+      going.push_back(start_reshard<at_experts>(std::move(pieces[0]), w));
       for (index_t i = 0; i < k; ++i) {
-        if (i + 1 < k) going.push_back(start_reshard<at_experts>(std::move(pieces[std::size_t(i + 1)])));
-        coming.push_back(start_reshard<at_tokens>(experts_ffn(going[std::size_t(i)].wait())));
+        if (i + 1 < k) going.push_back(start_reshard<at_experts>(std::move(pieces[std::size_t(i + 1)]), w));
+        coming.push_back(start_reshard<at_tokens>(experts_ffn(going[std::size_t(i)].wait()), w));
       }
       std::vector<decltype(coming[0].wait())> back;
       for (auto& c : coming) back.push_back(c.wait());
