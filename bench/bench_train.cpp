@@ -99,20 +99,24 @@ void step(benchmark::State& state) {
 }
 
 // step_bf16: the trainer's step (sharded update) three ways, interleaved
-// in the same iterations: fp32; fp32 GEMMs with bf16 all_to_alls
-// (model::config::all_to_alls); and the trainer's --precision bf16 —
-// matmul_precision::bf16 and bf16 all_to_alls (the router, norms, softmax,
-// the loss, weights and Adam stay fp32). wire_speedup and bf16_speedup:
-// the fp32 step's time over each other's; tokens/s of each; MFU of the
-// fp32 step against the FMA peak and of the bf16 step against the bf16
-// dot-product peak, both measured in the run (no bf16 MFU where this build
-// does not target AVX512_BF16). Where the GEMM has no bf16 units, every
-// step runs fp32 GEMMs. At least 4 s. Over shared memory the halved bytes
-// hardly show; at a slow link (scripts/multihost --link-rate 1gbit) they do.
+// in the same iterations: fp32; fp32 GEMMs with bf16 on the wire — the MoE
+// all_to_alls (model::config::all_to_alls) and the gradients' reductions
+// (parameters::set_gradient_wire); and those with matmul_precision::bf16
+// (the trainer's --precision bf16 --gradient-wire bf16: the router, norms,
+// softmax, the loss, weights, their gathers and Adam stay fp32).
+// wire_speedup and bf16_speedup: the fp32 step's time over each other's;
+// tokens/s of each; MFU of the fp32 step against the FMA peak and of the
+// bf16 step against the bf16 dot-product peak, both measured in the run
+// (no bf16 MFU where this build does not target AVX512_BF16). Where the
+// GEMM has no bf16 units, every step runs fp32 GEMMs. At least 4 s. Over
+// shared memory the halved bytes hardly show; at a slow link
+// (scripts/multihost --link-rate 1gbit) they do.
 void step_bf16(benchmark::State& state) {
   model::config wire_config = trainer_config();
   wire_config.all_to_alls = wire::bf16;
-  trainer f32(true), wire(wire_config, true), bf16(wire_config, true);
+  trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true);
+  on_wire.ps.set_gradient_wire(wire::bf16);
+  bf16.ps.set_gradient_wire(wire::bf16);
   auto bf16_step = [&] {
     const matmul_precision_scope s(matmul_precision::bf16);
     bf16.step();
@@ -120,7 +124,7 @@ void step_bf16(benchmark::State& state) {
   const double flops0 = model_flops();
   f32.step();
   const double P = double(f32.m.nranks()), step_flops = (model_flops() - flops0) * P;
-  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, [&] { wire.step(); }, bf16_step}, 1);
+  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, [&] { on_wire.step(); }, bf16_step}, 1);
   state.counters["wire_speedup"] = 1.0 / c.median_ratio[1];
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[2];
   state.counters["f32_tokens/s"] = 16 * 128 / c.median_time[0];

@@ -59,6 +59,7 @@ struct options {
   matmul_precision precision = matmul_precision::f32;  // --precision
   double lr = 0;               // --lr; 0: the optimizer's default
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
+  wire gradient_wire = wire::same;  // --gradient-wire
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
@@ -120,6 +121,8 @@ constexpr const char* usage =
     "                     and is slower at this trainer's sizes (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
+    "  --gradient-wire f32|bf16  what the gradients' reductions carry: bf16 halves their bytes, each rank's\n"
+    "                     gradient rounded once and the parts added in fp32 (docs/15_precision.md) (f32)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
     "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n"
     "  --overlap-degree K the MoE layers' all_to_alls pipelined with the experts in K chunks of the capacity:\n"
@@ -200,12 +203,15 @@ options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = examples::number<double>("train", a, next(), 1e-9, 1.0);
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
-             a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision") {
+             a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision" ||
+             a == "--gradient-wire") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
       else if (a == "--precision" && (v == "f32" || v == "bf16"))
         o.precision = v == "f32" ? matmul_precision::f32 : matmul_precision::bf16;
+      else if (a == "--gradient-wire" && (v == "f32" || v == "bf16"))
+        o.gradient_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
@@ -227,7 +233,7 @@ options parse(int argc, char** argv) {
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
                      : a == "--optimizer" ? "adam or adafactor"
-                     : a == "--precision" ? "f32 or bf16"
+                     : a == "--precision" || a == "--gradient-wire" ? "f32 or bf16"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.size() > 1 && a[0] == '-') throw error("gshard train: unknown option " + a + " (--help lists them)");
@@ -472,6 +478,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
   parameters<Mesh> ps = o.sharded_update ? parameters<Mesh>(m, o.seed, shard_weight_update<default_roles::batch>{})
                                           : parameters<Mesh>(m, o.seed);
   if (o.bucket_kib >= 0) ps.set_bucket_bytes(std::size_t(o.bucket_kib) << 10);
+  ps.set_gradient_wire(o.gradient_wire);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
   const auto opt = examples::make_optimizer("train", o.optimizer, o.lr, 50, o.steps, ps);
@@ -526,9 +533,10 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
     bool sharded = false;
     for (auto& g : ps.grads()) sharded = sharded || g->as_sharded() != nullptr;
     if (root)
-      std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)\n",
+      std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)%s\n",
                   o.optimizer == "adam" ? "Adam" : "Adafactor (factored second moments, no first moment)", o.lr,
-                  sharded ? "sharded over the batch axes" : "replicated", here * 1e-6, adam_whole * 1e-6);
+                  sharded ? "sharded over the batch axes" : "replicated", here * 1e-6, adam_whole * 1e-6,
+                  ps.gradient_wire() == wire::bf16 ? ", gradients reduced in bf16" : "");
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());

@@ -174,6 +174,7 @@ def main() -> int:
         (["--top-k"], "--top-k needs a value"),
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
         (["--precision", "fp16"], "--precision is f32 or bf16, not 'fp16'"),
+        (["--gradient-wire", "fp8"], "--gradient-wire is f32 or bf16, not 'fp8'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
         ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),
         (["-s", "3"], "unknown option -s (--help lists them)"),
@@ -195,11 +196,11 @@ def main() -> int:
             "held-out at step" in out or "sample (prompt: " not in out or "temperature 0)" not in out:
         problems.append(f"a dictionary, greedy sampling: exit {code}:\n{out[-1500:]}")
     # bf16 GEMMs: the machine line says where they run (fp32 where the GEMM has no bf16 units),
-    # and that the all_to_alls carry bf16.
-    code, out = run(base + [dictionary, "--steps", "2", "--sample-bytes", "0", "--precision", "bf16"] + SMALL)
+    # and that the all_to_alls carry bf16; the optimizer's line, that the gradients do.
+    code, out = run(base + [dictionary, "--steps", "2", "--sample-bytes", "0", "--precision", "bf16", "--gradient-wire", "bf16"] + SMALL)
     if code != 0 or not re.search(r"machine: fp32 FMA peak .*, gemm \w+ in (bf16 \(fp32 sums|fp32 \(--precision bf16).*, MoE all_to_alls in bf16", out) or \
-            "held-out loss" not in out:
-        problems.append(f"--precision bf16: exit {code}:\n{out[-1500:]}")
+            "held-out loss" not in out or not re.search(r"optimizer: .*, gradients reduced in bf16", out):
+        problems.append(f"--precision bf16 --gradient-wire bf16: exit {code}:\n{out[-1500:]}")
     code, out = run(base + [indexed, "--steps", "2", "--sample-bytes", "0"] + SMALL)
     if code != 0 or f"text: {indexed}, 20 dictionary entries (by its .index) ({held_words} held out" not in out:
         problems.append(f"a dictionary with its index: exit {code}:\n{out[-1500:]}")

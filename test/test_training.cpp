@@ -315,12 +315,14 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   // "model" axis of P ranks: the padded collectives count their padding.
   const int P = world_size();
   const index_t B = 2 * P + 1, L = 6;
-  auto ran_with = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket, auto optimizer_tag) {
+  auto ran_with = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket, auto optimizer_tag,
+                      wire gradients = wire::same) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
     constexpr bool factored = std::is_same_v<decltype(optimizer_tag), adafactor_config>;
     using run_t = trainer<float, Mesh, default_roles, std::conditional_t<factored, adafactor, adam>>;
     run_t run = sharded ? run_t(m, c, 3, optimizer_tag, shard_weight_update<default_roles::batch>{}) : run_t(m, c, 3, optimizer_tag);
     run.ps.set_bucket_bytes(bucket);
+    run.ps.set_gradient_wire(gradients);
     const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
     const double f0 = model_flops();
@@ -329,7 +331,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     const auto ms = gshard::testing::cost_mesh(m);
     const model::cost::step_options opts{B, L, sharded, int(sizeof(float)), bucket,
                                          factored ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam,
-                                         factored && optimizer_tag.beta1 > 0};
+                                         factored && optimizer_tag.beta1 > 0, 0, gradients};
     const auto w = model::cost::count_step(c, ms, opts);
     // The default count, at coordinate 0, is the busiest rank's: the most
     // collective bytes, state and local FLOPs of any rank.
@@ -361,8 +363,9 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
     GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.optimizer_bytes);
   };
+  // A config whose all_to_alls carry bf16 runs with its gradients' reductions in bf16 too.
   auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
-    ran_with(m, c, sharded, bucket, adam_config{});
+    ran_with(m, c, sharded, bucket, adam_config{}, c.all_to_alls);
   };
   auto shared_top1 = tiny(ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
@@ -371,7 +374,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   dense.experts = 0, dense.slot_hidden = 16;
   auto piped = tiny();
   piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
-  piped.all_to_alls = wire::bf16;  // ... and those bytes halved: bf16 on the wire
+  piped.all_to_alls = wire::bf16;  // ... and those bytes halved, and the gradients': bf16 on the wire
   auto uneven_heads = tiny();
   uneven_heads.heads = 3, uneven_heads.hidden = 13;
   const index_t d = P % 2 == 0 && P > 2 ? 2 : 1, e = P / d;
@@ -397,7 +400,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   // projections, shared experts).
   for (std::size_t bucket : {std::size_t(0), std::size_t(1024)})
     for (bool sharded : {false, true})
-      for (const auto& c : {tiny(), shared_top1}) {
+      for (const auto& c : {tiny(), shared_top1, piped}) {
         ran(grid2(MPI_COMM_WORLD, {d, e}), c, sharded, bucket);
         ran(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), c, sharded, bucket);
       }
@@ -485,6 +488,68 @@ TEST_CASE("mixed precision: bf16 GEMMs train as fp32 does, at every rank count; 
   INFO("rematerialised: " << fp32 << " fp32 GEMMs of " << remat_calls.size());
   GSHARD_REQUIRE(fp32 == (native ? 6 * 4 : int(remat_calls.size())));
   for (std::size_t i = 0; i < one.size(); ++i) GSHARD_REQUIRE(std::abs(remat[i] - one[i]) <= 1e-12 * one[i]);
+}
+
+TEST_CASE("gradient reductions in bf16: bucketed or not, the same bits; 1 rank's are fp32's rounded; within bf16 of fp32's",
+          "[train][bf16][buckets]") {
+  // parameters::set_gradient_wire(wire::bf16): each rank's gradient rounded
+  // to bf16, the parts added in fp32 and rounded once — by the buckets
+  // (state/buckets.hpp) or, unbucketed, by the reshard's executor: two
+  // implementations of one rule, so they must agree to the bit.
+  const int P = world_size();
+  const auto c = tiny();
+  const auto tok = some_tokens(2 * P + 1, 6);
+  auto grads = [&](const auto& m, bool sharded, wire w, std::size_t bucket) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    using run_t = trainer<float, Mesh>;
+    run_t run = sharded ? run_t(m, c, 3, adam_config{}, shard_weight_update<default_roles::batch>{}) : run_t(m, c, 3);
+    run.ps.set_bucket_bytes(bucket);
+    run.ps.set_gradient_wire(w);
+    tape t(run.ps);
+    auto loss = run.tr.forward(t, run.tokens(tok), 0).loss;
+    collective_recorder rec;  // the backward's sums over the batch axes: the weights' gradients
+    t.backward(loss);
+    std::pair<std::vector<float>, std::size_t> out{{}, 0};
+    for (const auto& e : rec.events())
+      if ((e.kind == collective::reduce_scatter || e.kind == collective::all_reduce) && e.axes.find("model") == std::string::npos)
+        out.second += e.bytes;
+    for (std::size_t i = 0; i < run.ps.size(); ++i) {
+      const auto g = run.ps.grads()[i].f32();
+      out.first.insert(out.first.end(), g.begin(), g.end());
+    }
+    return out;
+  };
+  {  // 1 rank: nothing to add, every gradient rounded once
+    grid2 self(MPI_COMM_SELF, {1, 1});
+    const auto [g32, ignored] = grads(self, false, wire::same, default_bucket_bytes);
+    const auto [g16, ignored16] = grads(self, false, wire::bf16, default_bucket_bytes);
+    bool rounded = g32.size() == g16.size();
+    for (std::size_t i = 0; rounded && i < g32.size(); ++i) rounded = g16[i] == float(bf16(g32[i]));
+    GSHARD_REQUIRE(rounded);
+  }
+  auto check = [&](const auto& m) {
+    for (bool sharded : {false, true}) {
+      const auto [g32, bytes32] = grads(m, sharded, wire::same, default_bucket_bytes);
+      const auto [alone, bytes_alone] = grads(m, sharded, wire::bf16, 0);
+      const auto [bucketed, bytes] = grads(m, sharded, wire::bf16, default_bucket_bytes);
+      const auto [small, bytes_small] = grads(m, sharded, wire::bf16, 1024);
+      INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << ": gradient bytes reduced " << bytes
+                        << " against fp32's " << bytes32);
+      GSHARD_REQUIRE((alone == bucketed && bucketed == small));
+      GSHARD_REQUIRE(2 * bytes == bytes32);
+      GSHARD_REQUIRE((bytes_alone == bytes && bytes_small == bytes));
+      double worst = 0, scale = 0;
+      for (std::size_t i = 0; i < g32.size(); ++i) {
+        worst = std::max(worst, double(std::abs(bucketed[i] - g32[i])));
+        scale = std::max(scale, double(std::abs(g32[i])));
+      }
+      INFO("worst difference from fp32's " << worst << " of " << scale);
+      // Each part and the sum rounded once: within (P + 1)·2⁻⁹ of the largest.
+      GSHARD_REQUIRE(worst <= (P + 1) * 0x1p-9 * scale);
+    }
+  };
+  check(grid2(MPI_COMM_WORLD, {1, P}));
+  check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
 }
 
 TEST_CASE("axis roles are declared: a mesh named (dp, ep, tp) trains like (data, expert, model)", "[train][roles]") {

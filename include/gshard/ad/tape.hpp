@@ -235,12 +235,12 @@ class tape {
       };
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
         if (ps.bucket_bytes() > 0 && detail::bucketable(plan, p.value().extents().data(), X::rank, m.sizes())) {
-          gradient_buckets<T>(m, ps.bucket_bytes(), ps.template bucket_memory<T>()).add(
+          gradient_buckets<T>(m, ps.bucket_bytes(), ps.template bucket_memory<T>(), ps.gradient_wire()).add(
               plan, std::span<const T>(pending->first.data(), std::size_t(pending->first.size())), done);
           return;
         }
       }
-      const auto g = detail::execute_reshard<T, X::rank>(m, plan, std::move(pending->first), p.value().extents());
+      const auto g = detail::execute_reshard_on<T, X::rank>(ps.gradient_wire(), m, plan, std::move(pending->first), p.value().extents());
       done(std::span<const T>(g.data(), std::size_t(g.size())));
     }});
     return {*this, std::move(view), id};
@@ -323,12 +323,12 @@ class tape {
 
   template <class T>
   detail::buckets<T>& gradient_buckets(const detail::mesh_base& m, std::size_t limit,
-                                      const std::shared_ptr<detail::bucket_memory<T>>& memory) {
+                                      const std::shared_ptr<detail::bucket_memory<T>>& memory, wire w) {
     auto& b = [&]() -> std::optional<detail::buckets<T>>& {
       if constexpr (std::is_same_v<T, float>) return float_buckets_;
       else return double_buckets_;
     }();
-    if (!b) b.emplace(m, limit, memory);
+    if (!b) b.emplace(m, limit, memory, w);
     return *b;
   }
 

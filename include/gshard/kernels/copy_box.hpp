@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include <Eigen/Core>
+
 #include "gshard/core/types.hpp"
 
 namespace gshard::detail {
@@ -51,6 +53,14 @@ void copy_box(const T* src, const index_t* src_ext, const index_t* src_off, T* d
     while (d >= 0 && ++pos[d] == ext[d]) pos[d--] = 0;
     if (d < 0) break;
   }
+}
+
+// to[i] = from[i] converted, for n elements (bf16 <-> fp32 or f64; to bf16
+// rounded to nearest even), in Eigen's vector loops.
+template <class From, class To>
+void convert_elements(const From* from, std::size_t n, To* to) {
+  Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to, Eigen::Index(n)) =
+      Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from, Eigen::Index(n)).template cast<To>();
 }
 
 }  // namespace gshard::detail

@@ -22,6 +22,7 @@
 #include "gshard/core/counters.hpp"
 #include "gshard/core/types.hpp"
 
+#include "gshard/kernels/copy_box.hpp"
 #include "gshard/kernels/onednn.hpp"
 
 #if defined(GSHARD_USE_OPENBLAS)
@@ -151,9 +152,7 @@ inline bool gemm_bf16_native() {
 // fp32; to bf16 rounded to nearest even) into one with leading dim ld_to.
 template <class From, class To>
 void convert_rows(const From* from, index_t rows, index_t cols, index_t ld_from, To* to, index_t ld_to) {
-  for (index_t r = 0; r < rows; ++r)
-    Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to + r * ld_to, cols) =
-        Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from + r * ld_from, cols).template cast<To>();
+  for (index_t r = 0; r < rows; ++r) convert_elements(from + r * ld_from, std::size_t(cols), to + r * ld_to);
 }
 
 // The same, packed (leading dim cols) into `to`, resized to fit.

@@ -223,6 +223,7 @@ struct step_options {
   optimizer_kind optimizer = optimizer_kind::adam;
   bool first_moment = false;      // Adafactor with beta1 > 0
   index_t source = 0;             // an encoder–decoder's source positions (its decoder runs `seq`)
+  wire gradient_wire = wire::same;  // parameters::gradient_wire(): bf16, the gradients' reductions in 2-byte elements
 };
 
 namespace detail_cost {
@@ -304,24 +305,25 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
     gshard::detail::reshard_steps plan{};  // its steps (its first member's plan)
     std::string what;
     std::vector<std::pair<const weight*, gshard::detail::reshard_steps>> members;  // each with its own plan's layouts
-    double bytes = 0;
+    double bytes = 0;       // in the weights' type: where the bucket is cut
+    int wire_bytes = 0;     // of an element on the wire
   };
   std::vector<bucket> open;
   auto run = [&](bucket& b) {
     for (int i = 0; i < b.plan.n; ++i) {
       if (!is_collective(b.plan.step[i].kind) || b.members.empty()) continue;
       double bytes = 0;
-      for (const auto& [x, plan] : b.members) bytes += double(local_elements(plan.state[i], x->extents, m)) * f;
+      for (const auto& [x, plan] : b.members) bytes += double(local_elements(plan.state[i], x->extents, m)) * b.wire_bytes;
       add(cs, collective_of(b.plan.step[i].kind), b.plan.step[i].mask, 1, bytes, b.what);
     }
     b.members.clear(), b.bytes = 0;
   };
-  auto reduce = [&](const weight& x, const rlayout& from, const rlayout& to, const std::string& what) {
+  auto reduce = [&](const weight& x, const rlayout& from, const rlayout& to, const std::string& what, int wire_bytes) {
     const auto plan = gshard::detail::plan_reshard(from, to, m.naxes(), m.sizes());
     if (o.bucket_bytes == 0 || !gshard::detail::bucketable(plan, x.extents.data(), int(x.extents.size()), m.sizes()))
-      return add_plan(cs, from, to, x.extents, m, f, what);
+      return add_plan(cs, from, to, x.extents, m, wire_bytes, what);
     auto it = std::find_if(open.begin(), open.end(), [&](const bucket& b) { return gshard::detail::same_steps(b.plan, plan) && b.what == what; });
-    if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0});
+    if (it == open.end()) it = open.insert(open.end(), bucket{plan, what, {}, 0, wire_bytes});
     it->members.push_back({&x, plan});
     it->bytes += double(local_elements(from, x.extents, m)) * f;
     if (it->bytes >= double(o.bucket_bytes)) run(*it);
@@ -373,12 +375,12 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
   for (std::size_t i = ws.size(); i-- > 0;) {
     rlayout pending = ws[i].layout;
     pending.partial = batch & ~ws[i].layout.split_mask();
-    reduce(ws[i], pending, targets[i], "weight gradients");
+    reduce(ws[i], pending, targets[i], "weight gradients", o.gradient_wire == wire::bf16 ? 2 : f);
   }
   for (auto& b : open) run(b);
   open.clear();
   for (std::size_t i = 0; i < ws.size(); ++i)
-    if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights");
+    if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights", f);
   for (auto& b : open) run(b);
 }
 

@@ -20,6 +20,7 @@
 
 #include "gshard/runtime/nonblocking.hpp"
 #include "gshard/core/error.hpp"
+#include "gshard/kernels/copy_box.hpp"
 #include "gshard/runtime/mesh.hpp"
 #include "gshard/layout/reshard_steps.hpp"
 
@@ -63,19 +64,27 @@ constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
 template <class T>
 class bucket_memory {
  public:
-  std::vector<T> take() {
-    if (free_.empty()) return {};
-    std::vector<T> v = std::move(free_.back());
-    free_.pop_back();
+  std::vector<T> take() { return take_from(free_); }
+  void give(std::vector<T>&& v) { give_to(free_, std::move(v)); }
+  // The buffers of a bucket whose messages carry bf16 (wire::bf16).
+  std::vector<bf16> take_wire() { return take_from(free_wire_); }
+  void give_wire(std::vector<bf16>&& v) { give_to(free_wire_, std::move(v)); }
+
+ private:
+  template <class U>
+  static std::vector<U> take_from(std::vector<std::vector<U>>& free) {
+    if (free.empty()) return {};
+    std::vector<U> v = std::move(free.back());
+    free.pop_back();
     v.clear();
     return v;
   }
-  void give(std::vector<T>&& v) {
-    if (v.capacity() > 0) free_.push_back(std::move(v));
+  template <class U>
+  static void give_to(std::vector<std::vector<U>>& free, std::vector<U>&& v) {
+    if (v.capacity() > 0) free.push_back(std::move(v));
   }
-
- private:
   std::vector<std::vector<T>> free_;
+  std::vector<std::vector<bf16>> free_wire_;
 };
 
 // Tensors waiting to take one stackable plan together. Each member gives
@@ -85,20 +94,27 @@ class bucket_memory {
 // posts the next — or, after the last, hands each member its result — and
 // finish() advances to the end. Where each step starts is the caller's
 // program point (start, advance, finish), never a test's finding, so every
-// rank issues the same collectives in the same order.
+// rank issues the same collectives in the same order. With wire::bf16 each
+// step's message is rounded to bf16 (a sum's parts added in fp32, rounded
+// once) and widened back when the step ends.
 template <class T>
 class bucket {
  public:
   using done_fn = std::function<void(std::span<const T>)>;
 
-  bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory)
-      : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()) {}
+  bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory, wire w = wire::same)
+      : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()),
+        narrow_(!std::is_same_v<T, bf16> && w == wire::bf16) {
+    if (narrow_) wire_in_ = memory.take_wire(), wire_out_ = memory.take_wire();
+  }
   bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes
   bucket& operator=(const bucket&) = delete;
   ~bucket() {
     flight_ = collective_request{};  // finished before its buffers go back
     memory_->give(std::move(data_));
     memory_->give(std::move(scratch_));
+    memory_->give_wire(std::move(wire_in_));
+    memory_->give_wire(std::move(wire_out_));
   }
 
   const reshard_steps& plan() const { return plan_; }
@@ -161,8 +177,10 @@ class bucket {
 
   // Pack and start one step's collective; end_step unpacks once it has finished.
   collective_request begin_step(const reshard_step& s) {
-    if (s.kind == step_kind::all_reduce)  // partial{x} |-> replicated on x, in place
+    if (s.kind == step_kind::all_reduce) {  // partial{x} |-> replicated on x, in place
+      if (narrow_) return start_all_reduce<bf16>(mesh_->group(s.mask), narrowed(data_));
       return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
+    }
     const axis_group& g = mesh_->group(1u << s.axis);
     const std::size_t p = std::size_t(g.size);
     if (s.kind == step_kind::reduce_scatter) {  // partial{x} |-> dim 0 split by x
@@ -180,13 +198,30 @@ class bucket {
       }
       data_.resize(data_.size() / p);
       // Communicate: this rank's parts, member after member
+      if (narrow_) return start_reduce_scatter<bf16>(g, narrowed(scratch_), arriving(data_.size()));
       return start_reduce_scatter<T>(g, std::span<const T>(scratch_), std::span<T>(data_));
     }
     // all_gather: dim 0 split by x |-> replicated on x
     scratch_.resize(data_.size() * p);
+    if (narrow_) return start_all_gather<bf16>(g, narrowed(data_), arriving(scratch_.size()));
     return start_all_gather<T>(g, std::span<const T>(data_), std::span<T>(scratch_));  // every rank's blocks, rank after rank
   }
+  // wire::bf16: the message rounded into wire_in_; what arrives lands in wire_out_.
+  std::span<bf16> narrowed(const std::vector<T>& from) {
+    wire_in_.resize(from.size());
+    convert_elements(from.data(), from.size(), wire_in_.data());
+    return wire_in_;
+  }
+  std::span<bf16> arriving(std::size_t n) {
+    wire_out_.resize(n);
+    return wire_out_;
+  }
   void end_step(const reshard_step& s) {
+    if (narrow_) {  // the result widened: into data_ (all_reduce in place, reduce_scatter), or scratch_ (all_gather)
+      const std::vector<bf16>& from = s.kind == step_kind::all_reduce ? wire_in_ : wire_out_;
+      std::vector<T>& to = s.kind == step_kind::all_gather ? scratch_ : data_;
+      convert_elements(from.data(), to.size(), to.data());
+    }
     if (s.kind == step_kind::all_reduce) return;
     const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size);
     if (s.kind == step_kind::reduce_scatter) {
@@ -210,6 +245,8 @@ class bucket {
   reshard_steps plan_;
   bucket_memory<T>* memory_;
   std::vector<T> data_, scratch_;
+  bool narrow_;                            // wire::bf16 on a T that is not
+  std::vector<bf16> wire_in_, wire_out_;  // the rounded message and what arrives
   std::vector<member> members_;
   int step_ = -1;   // the step in flight; -1: none
   collective_request flight_;  // its collective (finished in ~bucket before the buffers go back)
@@ -235,21 +272,22 @@ class buckets {
   // parameters' own, so they last from step to step); by default the
   // buckets' own. Shared: buckets left open by an exception give their
   // buffers back even when the parameters are gone.
-  buckets(const mesh_base& m, std::size_t limit, std::shared_ptr<bucket_memory<T>> memory = nullptr)
-      : mesh_(&m), limit_(limit), memory_(memory ? std::move(memory) : std::make_shared<bucket_memory<T>>()) {}
+  // `w`: what every bucket's messages carry.
+  buckets(const mesh_base& m, std::size_t limit, std::shared_ptr<bucket_memory<T>> memory = nullptr, wire w = wire::same)
+      : mesh_(&m), limit_(limit), wire_(w), memory_(memory ? std::move(memory) : std::make_shared<bucket_memory<T>>()) {}
   buckets(const buckets&) = delete;  // its buckets point at *memory_
   buckets& operator=(const buckets&) = delete;
 
   void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
     if (!stackable(plan)) throw error("gshard::detail::buckets: a plan whose steps cannot share a bucket");
     auto it = std::find_if(open_.begin(), open_.end(), [&](const bucket<T>& b) { return same_steps(b.plan(), plan); });
-    if (it == open_.end()) it = open_.emplace(open_.end(), *mesh_, plan, *memory_);
+    if (it == open_.end()) it = open_.emplace(open_.end(), *mesh_, plan, *memory_, wire_);
     it->add(block, std::move(done));
     if (it->bytes() < limit_) return;
     for (auto& b : running_) b.advance();
     running_.remove_if([](const bucket<T>& b) { return b.empty(); });  // their buffers go back for the next ones
     it->start();
-    open_.emplace(it, *mesh_, plan, *memory_);            // an empty one keeps the plan's place in flush()'s order
+    open_.emplace(it, *mesh_, plan, *memory_, wire_);     // an empty one keeps the plan's place in flush()'s order
     running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put
   }
   void flush() {
@@ -262,6 +300,7 @@ class buckets {
  private:
   const mesh_base* mesh_;
   std::size_t limit_;
+  wire wire_;
   std::shared_ptr<bucket_memory<T>> memory_;  // declared before the lists: outlives the buckets that give back to it
   std::list<bucket<T>> open_, running_;
 };

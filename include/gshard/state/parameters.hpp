@@ -79,6 +79,13 @@ class parameters_base {
   // collective per weight.
   std::size_t bucket_bytes() const { return bucket_bytes_; }
   void set_bucket_bytes(std::size_t bytes) { bucket_bytes_ = bytes; }
+  // What the gradients' reductions carry: wire::bf16 rounds each rank's
+  // gradient to bf16 once (at every rank count: 1 rank's too), adds the
+  // parts in fp32 and rounds the sum once — half the bytes of fp32, each
+  // gradient element within about 2⁻⁸ of the sum of its parts' magnitudes.
+  // The weights, their gathers and the optimizer stay in their own type.
+  wire gradient_wire() const { return gradient_wire_; }
+  void set_gradient_wire(wire w) { gradient_wire_ = w; }
   // The buckets' buffers, kept from step to step (the tape's gradient
   // buckets and the optimizer's gathers take theirs from here).
   template <class T>
@@ -154,6 +161,7 @@ class parameters_base {
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
+  wire gradient_wire_ = wire::same;
   std::shared_ptr<detail::bucket_memory<float>> f32_bucket_memory_ = std::make_shared<detail::bucket_memory<float>>();
   std::shared_ptr<detail::bucket_memory<double>> f64_bucket_memory_ = std::make_shared<detail::bucket_memory<double>>();
   tensor_set values_, grads_, buffers_;
