@@ -248,7 +248,7 @@ void moe_layer_uneven(benchmark::State& state) {
 
 // moe_layer_bf16: moe_layer's forward plus backward with fp32 GEMMs, with
 // matmul_precision::bf16 (the router still fp32), and with bf16 GEMMs and
-// bf16 all_to_alls (layer_options::all_to_alls = wire::bf16), interleaved
+// bf16 all_to_alls (layer_options::all_to_all_wire = wire::bf16), interleaved
 // in the same iterations: bf16_speedup, the fp32 time over the bf16 GEMMs'
 // one, and wire_speedup over the bf16 GEMMs and all_to_alls' one; each
 // one's expert GFLOP/s, against the fp32 FMA peak and the bf16
@@ -258,7 +258,7 @@ void moe_layer_uneven(benchmark::State& state) {
 // it); the all_to_alls still halve their bytes. At least 4 s: the median
 // needs several iterations.
 void moe_layer_bf16(benchmark::State& state) {
-  moe_layer_run f32, bf16, bf16_wire(8, moe::layer_options{.all_to_alls = wire::bf16});
+  moe_layer_run f32, bf16, bf16_wire(8, moe::layer_options{.all_to_all_wire = wire::bf16});
   auto in_bf16 = [&](moe_layer_run& run) {
     return [&] {
       const matmul_precision_scope s(matmul_precision::bf16);

@@ -100,7 +100,7 @@ void step(benchmark::State& state) {
 
 // step_bf16: the trainer's step (sharded update) three ways, interleaved
 // in the same iterations: fp32; fp32 GEMMs with bf16 on the wire — the MoE
-// all_to_alls (model::config::all_to_alls) and the gradients' reductions
+// all_to_alls (model::config::all_to_all_wire) and the gradients' reductions
 // (parameters::set_gradient_wire); and those with matmul_precision::bf16
 // (the trainer's --precision bf16 --gradient-wire bf16: the router, norms,
 // softmax, the loss, weights, their gathers and Adam stay fp32).
@@ -113,7 +113,7 @@ void step(benchmark::State& state) {
 // (scripts/multihost --link-rate 1gbit) they do.
 void step_bf16(benchmark::State& state) {
   model::config wire_config = trainer_config();
-  wire_config.all_to_alls = wire::bf16;
+  wire_config.all_to_all_wire = wire::bf16;
   trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true);
   on_wire.ps.set_gradient_wire(wire::bf16);
   bf16.ps.set_gradient_wire(wire::bf16);

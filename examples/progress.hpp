@@ -56,9 +56,10 @@ inline machine_peak measure_peak(gshard::matmul_precision p) {
   return m;
 }
 
-// The progress output's machine line: the peaks, the GEMM backend, and
-// what precision its GEMMs multiply in.
-inline std::string machine_line(const machine_peak& m, gshard::matmul_precision p) {
+// The progress output's machine line: the peaks, the GEMM backend, what
+// precision its GEMMs multiply in, and (for an MoE model) what its
+// all_to_alls carry.
+inline std::string machine_line(const machine_peak& m, gshard::matmul_precision p, gshard::wire moe_all_to_alls) {
   char line[384];
   int n = std::snprintf(line, sizeof line, "machine: fp32 FMA peak %.1f GFLOP/s per core (%s, measured)", m.fma,
                         gshard::fma_unit());
@@ -68,7 +69,7 @@ inline std::string machine_line(const machine_peak& m, gshard::matmul_precision 
   if (m.bf16_gemms) add(m.bf16 > 0 ? " in bf16 (fp32 sums; MFU against the bf16 peak)"
                                    : " in bf16 (fp32 sums; a build without AVX512_BF16 measures no bf16 peak: MFU against fp32's)");
   else if (p == gshard::matmul_precision::bf16) add(" in fp32 (--precision bf16, but it has no bf16 units to run on here)");
-  if (p == gshard::matmul_precision::bf16) add(", MoE all_to_alls in bf16");
+  if (moe_all_to_alls == gshard::wire::bf16) add(", MoE all_to_alls in bf16");
   return line;
 }
 

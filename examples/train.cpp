@@ -242,7 +242,7 @@ options parse(int argc, char** argv) {
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
-  o.model.all_to_alls = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
+  o.model.all_to_all_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
@@ -515,7 +515,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
     std::printf("training on %zu bytes (%zu held out), %s; M=%ld, %d blocks (%s), %.2fM parameters, batch %ld x %ld bytes\n",
                 split, text.size() - split, m.describe().c_str(), long(c.model), c.layers, ffn, count * 1e-6, long(o.batch),
                 long(o.seq));
-    std::printf("%s\n", examples::machine_line(peak, o.precision).c_str());
+    std::printf("%s\n", examples::machine_line(peak, o.precision, c.experts > 0 ? c.all_to_all_wire : wire::same).c_str());
     const memory_estimate mem = step_memory(c, ms, o, text.size());
     std::printf("memory per rank: about %.0f MB at its peak (parameters, gradients and %s %.0f MB, activations kept for "
                 "the backward %.0f MB)\n", mem.total() * 1e-6, o.optimizer == "adam" ? "Adam" : "Adafactor", mem.state * 1e-6,

@@ -408,7 +408,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
   c.vocab = 256 + index_t(langs.size());
   c.model = o.model, c.heads = 4, c.head_dim = std::max<index_t>(1, o.model / 4), c.hidden = o.hidden;
   c.experts = o.experts, c.slot_hidden = o.slot_hidden;
-  c.all_to_alls = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
+  c.all_to_all_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   c.encoder_layers = c.decoder_layers = o.layers;
   c.max_len = o.max_bytes + 2;
   c.gating.capacity_factor = o.capacity_factor;
@@ -445,7 +445,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
                 c.experts > 0 ? ("MoE in blocks 1, 3, ...: E " + std::to_string(c.experts) + ", H " + std::to_string(c.hidden)).c_str()
                               : ("dense: H " + std::to_string(c.hidden) + ", blocks 1, 3, ...: H " + std::to_string(c.ffn_hidden(1))).c_str(),
                 count * 1e-6, long(c.vocab), langs.size(), m.describe().c_str());
-    std::printf("%s\n", examples::machine_line(peak, o.precision).c_str());
+    std::printf("%s\n", examples::machine_line(peak, o.precision, c.experts > 0 ? c.all_to_all_wire : wire::same).c_str());
     if (const std::string grace = examples::launcher_grace_note(o.save); !grace.empty()) std::printf("note: %s\n", grace.c_str());
   }
   const int end = o.steps;

@@ -598,9 +598,11 @@ TEST_CASE("autodiff: reshards started and finished later, chunks and concat: the
     tp.backward(lp);
     const auto a2a_bytes = rec.bytes(collective::all_to_all, "data");
     const auto gx = x.grad();
+    const auto gw = w.grad();
     auto lb = on_wire(tb, false);
     tb.backward(lb);
     double d = std::abs(lp.value().local()() - lb.value().local()()), scale = 0, off = 0;
+    for (index_t i = 0; i < gw.local().size(); ++i) d = std::max(d, std::abs(gw.data()[i] - w.grad().data()[i]));
     for (index_t i = 0; i < gx.local().size(); ++i) {
       d = std::max(d, std::abs(gx.data()[i] - x.grad().data()[i]));
       scale = std::max(scale, std::abs(gx64.data()[i]));

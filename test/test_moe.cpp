@@ -482,7 +482,7 @@ TEST_CASE("MoE layer with bf16 all_to_alls: 1 rank's result at every mesh in hal
   moe::gating_config cfg;
   cfg.capacity_factor = 1.5;
   moe::layer_options o16;
-  o16.all_to_alls = wire::bf16;
+  o16.all_to_all_wire = wire::bf16;
   grid2 self(MPI_COMM_SELF, {1, 1});
   const auto ref = run_variant<float>(self, {G, S, M}, H, E, cfg, moe::dispatch_mode::index, o16);
   const auto ref32 = run_variant<float>(self, {G, S, M}, H, E, cfg, moe::dispatch_mode::index);

@@ -226,10 +226,14 @@ void check_wire_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
       collective_recorder rec;
       const auto got = detail::execute_reshard_on<float, R>(wire::bf16, m, plan, src, ge);
       const auto events = rec.events();
+      const auto f32 = detail::execute_reshard<float, R>(m, plan, src, ge);
       bool same = detail::dims_of<R>(got) == detail::dims_of<R>(want);
       for (index_t i = 0; same && i < got.size(); ++i) same = got.data()[i] == want.data()[i];
-      bool rounded = true;  // and something did round: the values differ from fp32's
-      for (index_t i = 0; i < std::min(got.size(), src.size()); ++i) rounded = rounded && got.data()[i] == float(bf16(got.data()[i]));
+      // Every value a bf16 one: where fp32's plan gives a value bf16 cannot hold, a rounded one.
+      bool rounded = f32.size() == got.size();
+      for (index_t i = 0; rounded && i < got.size(); ++i)
+        rounded = got.data()[i] == float(bf16(got.data()[i])) &&
+                  (f32.data()[i] == float(bf16(f32.data()[i])) || got.data()[i] != f32.data()[i]);
       if (!same || !rounded) t.fail(what + ": not the bf16 plan's values");
       if (events != gshard::testing::planned_collectives(plan, m, ge.data(), R, sizeof(bf16)))
         t.fail(what + ": collectives differ from the plan in 2-byte elements");
@@ -283,6 +287,14 @@ TEST_CASE("every reshard pair moves bf16 exactly, sums it in fp32 rounded once p
     check_wire_pairs<2>(m, {W + 1, 3}, tw);
     GSHARD_REQUIRE_MSG(tw.first_failure.empty(), tw.first_failure);
     GSHARD_REQUIRE(std::size_t(tw.pairs) == 2 * all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size());
+    // Token ids would round above 256: integer tensors are refused.
+    const local_tensor<std::int32_t, 1> ids(W);
+    rlayout rows;
+    rows.push(0, 0);
+    const detail::reshard_steps gather_ids = detail::plan_reshard(rows, rlayout{}, m.naxes(), m.sizes());
+    const shape<1> id_extents{W * W};
+    GSHARD_REQUIRE_THROWS_WITH((detail::execute_reshard_on<std::int32_t, 1>(wire::bf16, m, gather_ids, ids, id_extents)), error,
+                               "gshard::reshard: wire::bf16 carries float or double tensors; this one is i32");
     GSHARD_REQUIRE(std::size_t(t.pairs) == all_layouts(1, m.naxes()).size() * all_layouts(1, m.naxes()).size() +
                                                all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size() +
                                                all_layouts(3, m.naxes()).size() * all_layouts(3, m.naxes()).size());

@@ -365,7 +365,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   };
   // A config whose all_to_alls carry bf16 runs with its gradients' reductions in bf16 too.
   auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
-    ran_with(m, c, sharded, bucket, adam_config{}, c.all_to_alls);
+    ran_with(m, c, sharded, bucket, adam_config{}, c.all_to_all_wire);
   };
   auto shared_top1 = tiny(ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
@@ -374,7 +374,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   dense.experts = 0, dense.slot_hidden = 16;
   auto piped = tiny();
   piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
-  piped.all_to_alls = wire::bf16;  // ... and those bytes halved, and the gradients': bf16 on the wire
+  piped.all_to_all_wire = wire::bf16;  // ... and those bytes halved, and the gradients': bf16 on the wire
   auto uneven_heads = tiny();
   uneven_heads.heads = 3, uneven_heads.hidden = 13;
   const index_t d = P % 2 == 0 && P > 2 ? 2 : 1, e = P / d;

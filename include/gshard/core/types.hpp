@@ -31,11 +31,11 @@ template <class T>
 using sum_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
 
 // What a reshard's messages carry (reshard<To>(x, wire::bf16)): the
-// tensor's own elements, or bf16 — half of fp32's bytes, a quarter of
-// double's — each value rounded to nearest even once (to within 2⁻⁹ of
-// itself), its sums taken in fp32 and rounded once.
+// tensor's own elements, or — for float and double tensors — bf16: half
+// of fp32's bytes, a quarter of double's, each value rounded to nearest
+// even (a double through fp32) to within 2⁻⁸ of itself, the parts of a
+// sum added in fp32 and rounded once per summing step.
 enum class wire : std::uint8_t { same, bf16 };
-inline const char* to_string(wire w) { return w == wire::bf16 ? "bf16" : "same"; }
 
 // The element types gshard moves and prints, in one table: a tensor's
 // printed type (f32[...]), its MPI datatype (runtime/mpi.hpp) and the checked mode's

@@ -275,7 +275,7 @@ struct network_shape {
   ffn_kind ffn = ffn_kind::relu;
   int top_k = 2;
   index_t overlap_degree = 1;
-  wire all_to_alls = wire::same;  // bf16: the MoE all_to_alls' elements are 2 bytes
+  wire all_to_all_wire = wire::same;  // bf16: the MoE all_to_alls' elements are 2 bytes
   bool dropless = false;
   attention_memory attention = attention_memory::keep_probabilities;
   bool smoothed = false;  // label smoothing: the loss's all_reduce carries the unsmoothed sum too
@@ -469,7 +469,7 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     // counted whole: their FLOPs are the chunks' sum.)
     const index_t C = blk.capacity;
     const int chunks = int(std::min<index_t>(std::max<index_t>(n.overlap_degree, 1), std::max<index_t>(C, 1)));
-    const int wire_bytes = n.all_to_alls == wire::bf16 ? 2 : f;
+    const int wire_bytes = n.all_to_all_wire == wire::bf16 ? 2 : f;
     // [E,G{data,expert},C,M] -> [E{expert},G{data},C,M] and back, each as
     // its transpose: the same bytes, padded where E or G does not divide.
     rlayout grouped, expert;
@@ -566,7 +566,7 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
 inline step_work count_step(const config& c, const mesh_sizes& m, const step_options& o) {
   detail_cost::network_shape n{.model = c.model, .heads = c.heads, .head_dim = c.head_dim, .vocab = c.vocab,
                                .experts = c.experts, .shared_experts = c.shared_experts, .ffn = c.ffn,
-                               .top_k = c.gating.top_k, .overlap_degree = c.overlap_degree, .all_to_alls = c.all_to_alls,
+                               .top_k = c.gating.top_k, .overlap_degree = c.overlap_degree, .all_to_all_wire = c.all_to_all_wire,
                                .dropless = c.gating.dropless,
                                .attention = c.attention, .smoothed = false, .blocks = {}, .embedded = o.seq, .out = o.seq,
                                .memory = 0, .weights = weights(c, m.has_model_axis)};
@@ -588,7 +588,7 @@ inline step_work count_step(const seq2seq_config& c, const mesh_sizes& m, const 
                       "step_options.source = " + std::to_string(S) + ", seq = " + std::to_string(L));
   detail_cost::network_shape n{.model = c.model, .heads = c.heads, .head_dim = c.head_dim, .vocab = c.vocab,
                                .experts = c.experts, .shared_experts = 0, .ffn = c.ffn, .top_k = c.gating.top_k,
-                               .overlap_degree = 1, .all_to_alls = c.all_to_alls, .dropless = c.gating.dropless, .attention = c.attention,
+                               .overlap_degree = 1, .all_to_all_wire = c.all_to_all_wire, .dropless = c.gating.dropless, .attention = c.attention,
                                .smoothed = c.label_smoothing > 0, .blocks = {}, .embedded = S + L, .out = L, .memory = S,
                                .weights = weights(c, m.has_model_axis)};
   const index_t Cs = c.experts > 0 ? moe::capacity(S, c.experts, c.gating) : 0;

@@ -52,7 +52,7 @@ struct seq2seq_config {
   // as training does; GShard's by_choice is the paper's.
   moe::placement decoder_order = moe::placement::by_token;
   ffn_kind ffn = ffn_kind::relu;
-  wire all_to_alls = wire::same;  // what the MoE layers' all_to_alls carry (moe::layer_options)
+  wire all_to_all_wire = wire::same;  // what the MoE layers' all_to_alls carry (moe::layer_options)
   attention_memory attention = attention_memory::keep_probabilities;
   // Regularisation while training (on a tape that records; never when
   // evaluating or decoding). GShard's M4 setup: dropout 0.1 — here on the
@@ -529,7 +529,7 @@ class seq2seq {
       if (decoder) norm_cross.emplace(ps, b + "norm_cross", shape<1>{M}, init::ones()), cross.emplace(attn(b + "cross_"));
       weight<"M"> norm2(ps, b + "norm2", {M}, init::ones());
       block_params bp{norm1, self, norm_cross, cross, norm2, std::nullopt, std::nullopt};
-      if (c.is_moe(l)) bp.moe.emplace(ps, b, M, c.hidden, c.experts, moe::layer_options{c.ffn, 0, c.gating.balance, 1, c.all_to_alls});
+      if (c.is_moe(l)) bp.moe.emplace(ps, b, M, c.hidden, c.experts, moe::layer_options{c.ffn, 0, c.gating.balance, 1, c.all_to_all_wire});
       else bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"},
                           shape<2>{M, c.ffn_hidden(l)}, shape<2>{c.ffn_hidden(l), M});
       blocks.push_back(std::move(bp));

@@ -51,7 +51,7 @@ struct config {
   ffn_kind ffn = ffn_kind::relu;  // the dense FFNs' and the experts' (relu or SwiGLU)
   int shared_experts = 0;       // per MoE layer, beside the routed ones
   int overlap_degree = 1;       // the MoE layers' all_to_alls pipelined with the experts in this many chunks (moe::layer_options)
-  wire all_to_alls = wire::same;  // what the MoE layers' all_to_alls carry (moe::layer_options)
+  wire all_to_all_wire = wire::same;  // what the MoE layers' all_to_alls carry (moe::layer_options)
   // What causal attention keeps for the backward: the probabilities
   // [B, N, L, T], or two numbers per row from which the backward computes
   // them again (less memory at long L, one more QKᵀ GEMM per block).
@@ -235,7 +235,7 @@ class transformer {
       block_params bp{norm1, attn, norm2, std::nullopt, std::nullopt};
       const index_t H = c.ffn_hidden(l);
       if (c.is_moe(l)) {
-        bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance, c.overlap_degree, c.all_to_alls});
+        bp.moe.emplace(ps, b, M, H, c.experts, moe::layer_options{c.ffn, c.shared_experts, c.gating.balance, c.overlap_degree, c.all_to_all_wire});
       } else {
         bp.ffn.emplace(ps, c.ffn, std::array<std::string, 3>{b + "w1", b + "w1_up", b + "w2"}, shape<2>{M, H}, shape<2>{H, M});
       }

@@ -47,7 +47,7 @@ struct layer_options {
   // router's inputs and the combine weights stay as they are). Under
   // matmul_precision::bf16 the expert GEMMs round their inputs to bf16
   // anyway: the dispatch then costs no precision.
-  wire all_to_alls = wire::same;
+  wire all_to_all_wire = wire::same;
 };
 
 template <class T, mesh_type Mesh, class Roles = default_roles>
@@ -167,13 +167,10 @@ struct layer {
     if (bias && training)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
-    const wire w = options.all_to_alls;
+    const wire w = options.all_to_all_wire;
     auto y = [&] {  // [E,G{data,expert},C,M]: the experts' outputs, back at the groups
-      if (mode == dispatch_mode::einsum) {  // the reference form: one all_to_all each way
-        if (w == wire::same)
-          return reshard<at_tokens>(experts_ffn(einsum<"GSEC,GSM->EGCM", at_experts>(dense_dispatch(route), x)));
+      if (mode == dispatch_mode::einsum)  // the reference form: one all_to_all each way
         return reshard<at_tokens>(experts_ffn(reshard<at_experts>(einsum<"GSEC,GSM->EGCM">(dense_dispatch(route), x), w)), w);
-      }
       auto d = dispatch(route, x);  // [E,G{data,expert},C,M]
       const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
       if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d), w)), w);

@@ -293,12 +293,32 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
   return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
 }
 
-// The shard's values rounded to bf16 (to nearest even; a double through
-// fp32) and widened back, in place: what wire::bf16 makes of a value.
-template <class T, int Rank>
-local_tensor<T, Rank> round_to_bf16(local_tensor<T, Rank>&& x) {
-  if constexpr (!std::is_same_v<T, bf16>) x = x.template cast<bf16>().template cast<T>();
-  return std::move(x);
+// x's elements converted to To (to bf16: rounded to nearest even; a double
+// through fp32), in one flat loop whatever the rank.
+template <class To, class From, int Rank>
+local_tensor<To, Rank> converted(const local_tensor<From, Rank>& x) {
+  local_tensor<To, Rank> y(x.dimensions());
+  convert_elements(x.data(), std::size_t(x.size()), y.data());
+  return y;
+}
+
+// Whether `w` sends a tensor of T as bf16: for float and double; bf16
+// travels as itself; any other type (token ids: integers above 256 would
+// round) is refused, the same on every rank.
+template <class T>
+bool narrows(wire w) {
+  if (w != wire::bf16 || std::is_same_v<T, bf16>) return false;
+  if constexpr (!std::is_floating_point_v<T>)
+    throw error(std::string("gshard::reshard: wire::bf16 carries float or double tensors; this one is ") +
+                std::string(name_of(element_of<T>())));
+  return true;
+}
+// An rvalue's storage freed once its values were converted: it is not
+// held to the end of the caller's expression.
+template <class Local>
+void release(Local&& x) {
+  if constexpr (std::is_rvalue_reference_v<Local&&> && !std::is_const_v<std::remove_reference_t<Local>>)
+    x = std::remove_cvref_t<Local>();
 }
 
 // Runs a plan with `w` on the wire. wire::bf16: the shard rounded to bf16,
@@ -308,12 +328,12 @@ local_tensor<T, Rank> round_to_bf16(local_tensor<T, Rank>&& x) {
 template <class T, int Rank, class Local>
 local_tensor<T, Rank> execute_reshard_on(wire w, const mesh_base& m, const reshard_steps& p, Local&& local,
                                          const shape<Rank>& global) {
-  if constexpr (!std::is_same_v<T, bf16>)
-    if (w == wire::bf16) {
-      if (p.n == 0) return round_to_bf16<T, Rank>(local_tensor<T, Rank>(std::forward<Local>(local)));
-      local_tensor<bf16, Rank> narrow = local.template cast<bf16>();
-      return execute_reshard<bf16, Rank>(m, p, std::move(narrow), global).template cast<T>();
-    }
+  if (narrows<T>(w)) {
+    auto narrow = converted<bf16>(local);
+    release(std::forward<Local>(local));
+    if (p.n == 0) return converted<T>(narrow);
+    return converted<T>(execute_reshard<bf16, Rank>(m, p, std::move(narrow), global));
+  }
   return execute_reshard<T, Rank>(m, p, std::forward<Local>(local), global);
 }
 

@@ -68,6 +68,65 @@ auto reshard(X&& x, wire w = wire::same) {
   }
 }
 
+namespace detail {
+// One started reshard of a rank-R shard of W: the steps before a last
+// all_to_all run at once and that all_to_all is posted (start); finish()
+// waits and unpacks. Per element type and rank only, as the executor.
+template <class W, int R>
+struct reshard_flight {  // on the heap: the request may move while MPI writes into it
+  local_tensor<W, R> in;
+  std::vector<W> send, recv;
+  local_tensor<W, R> out;
+  std::optional<all_to_all_geometry<W, R>> unpack;
+  collective_request request;  // last: destroyed (finished) before the buffers it uses
+
+  template <class Local>
+  static GSHARD_NOINLINE std::unique_ptr<reshard_flight> start(const mesh_base& m, const reshard_steps& p, Local&& in,
+                                                               const shape<R>& global) {
+    auto f = std::make_unique<reshard_flight>();
+    const int last = p.n - 1;
+    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
+      f->out = execute_reshard<W, R>(m, p, std::forward<Local>(in), global);
+    } else if (last > 0) {  // the steps before the all_to_all, now
+      reshard_steps head = p;
+      head.n = last;
+      f->post(m, p, last, execute_reshard<W, R>(m, head, std::forward<Local>(in), global), global);
+    } else {
+      f->post(m, p, last, std::forward<Local>(in), global);
+    }
+    return f;
+  }
+
+  // Packs `x` (in state i of the plan) and posts step i, an all_to_all.
+  template <class Local>
+  void post(const mesh_base& m, const reshard_steps& p, int i, Local&& x, const shape<R>& global) {
+    const all_to_all_geometry<W, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
+    const W* s = x.data();
+    if (geo.packs()) {
+      send.resize(geo.n);
+      geo.pack(x.data(), send.data());
+      s = send.data();
+    } else {
+      in = std::forward<Local>(x);  // moved from an rvalue, else copied: it must outlive the collective
+      s = in.data();
+    }
+    out = local_tensor<W, R>(geo.eo);
+    if (geo.unpacks()) {
+      recv.resize(geo.n);
+      unpack.emplace(geo);
+    }
+    W* r = geo.unpacks() ? recv.data() : out.data();
+    request = start_all_to_all<W>(m.group(1u << p.step[i].axis), {s, geo.n}, {r, geo.n});
+  }
+
+  local_tensor<W, R> finish() {
+    request.wait();
+    if (unpack) unpack->unpack(recv.data(), out.data());
+    return std::move(out);
+  }
+};
+}  // namespace detail
+
 // A reshard started now and finished later (start_reshard<To>(t)); wait()
 // gives the tensor in To. A plan that ends in an all_to_all — a split moved
 // from one dim to another, as the MoE layer's dispatch and combine, after
@@ -81,6 +140,8 @@ template <class Out>
 class [[nodiscard]] reshard_request {
   using T = typename Out::value_type;
   static constexpr int R = Out::rank;
+  using wide_flight = detail::reshard_flight<T, R>;
+  using narrow_flight = detail::reshard_flight<bf16, R>;
 
  public:
   // Runs plan `p` (of Out's mesh; its last state is Out's layout) on `in`,
@@ -89,17 +150,16 @@ class [[nodiscard]] reshard_request {
   reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in,
                   wire w = wire::same)
       : mesh_(&m), extents_(global) {
-    if constexpr (!std::is_same_v<T, bf16>)
-      if (w == wire::bf16) {
-        if (p.n == 0) {  // nothing travels: the values rounded all the same
-          wide_ = start<T>(m, p, detail::round_to_bf16<T, R>(local_tensor<T, R>(std::forward<Local>(in))), global);
-        } else {
-          local_tensor<bf16, R> narrow = in.template cast<bf16>();
-          narrow_ = start<bf16>(m, p, std::move(narrow), global);
-        }
-        return;
-      }
-    wide_ = start<T>(m, p, std::forward<Local>(in), global);
+    if (detail::narrows<T>(w)) {
+      auto narrow = detail::converted<bf16>(in);
+      detail::release(std::forward<Local>(in));
+      if (p.n == 0)  // nothing travels: the values rounded all the same
+        wide_ = wide_flight::start(m, p, detail::converted<T>(narrow), global);
+      else
+        narrow_ = narrow_flight::start(m, p, std::move(narrow), global);
+      return;
+    }
+    wide_ = wide_flight::start(m, p, std::forward<Local>(in), global);
   }
 
   // Moves it on without blocking; true once its data has arrived.
@@ -112,75 +172,20 @@ class [[nodiscard]] reshard_request {
   Out wait() {
     if (!wide_ && !narrow_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
     if (narrow_) {
-      local_tensor<T, R> out = finish(std::move(narrow_)).template cast<T>();
+      local_tensor<T, R> out = detail::converted<T>(narrow_->finish());
+      narrow_.reset();
       return Out(*mesh_, extents_, std::move(out));
     }
-    return Out(*mesh_, extents_, finish(std::move(wide_)));
+    Out out(*mesh_, extents_, wide_->finish());
+    wide_.reset();
+    return out;
   }
 
  private:
-  template <class W>
-  struct flight {  // on the heap: the request may move while MPI writes into it
-    local_tensor<W, R> in;
-    std::vector<W> send, recv;
-    local_tensor<W, R> out;
-    std::optional<detail::all_to_all_geometry<W, R>> unpack;
-    collective_request request;  // last: destroyed (finished) before the buffers it uses
-  };
-
-  // Runs the plan's steps before a last all_to_all (or all of them) and
-  // posts that all_to_all.
-  template <class W, class Local>
-  static std::unique_ptr<flight<W>> start(const typename Out::mesh_type& m, const detail::reshard_steps& p, Local&& in,
-                                          const shape<R>& global) {
-    auto f = std::make_unique<flight<W>>();
-    const int last = p.n - 1;
-    if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
-      f->out = detail::execute_reshard<W, R>(m, p, std::forward<Local>(in), global);
-    } else if (last > 0) {  // the steps before the all_to_all, now
-      detail::reshard_steps head = p;
-      head.n = last;
-      post(*f, m, p, last, detail::execute_reshard<W, R>(m, head, std::forward<Local>(in), global), global);
-    } else {
-      post(*f, m, p, last, std::forward<Local>(in), global);
-    }
-    return f;
-  }
-
-  // Packs `in` (in state i of the plan) and posts step i, an all_to_all.
-  template <class W, class Local>
-  static void post(flight<W>& f, const typename Out::mesh_type& m, const detail::reshard_steps& p, int i, Local&& in,
-                   const shape<R>& global) {
-    const detail::all_to_all_geometry<W, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
-    const W* send = in.data();
-    if (geo.packs()) {
-      f.send.resize(geo.n);
-      geo.pack(in.data(), f.send.data());
-      send = f.send.data();
-    } else {
-      f.in = std::forward<Local>(in);  // moved from an rvalue, else copied: it must outlive the collective
-      send = f.in.data();
-    }
-    f.out = local_tensor<W, R>(geo.eo);
-    if (geo.unpacks()) {
-      f.recv.resize(geo.n);
-      f.unpack.emplace(geo);
-    }
-    W* recv = geo.unpacks() ? f.recv.data() : f.out.data();
-    f.request = start_all_to_all<W>(m.group(1u << p.step[i].axis), {send, geo.n}, {recv, geo.n});
-  }
-
-  template <class W>
-  static local_tensor<W, R> finish(std::unique_ptr<flight<W>> f) {
-    f->request.wait();
-    if (f->unpack) f->unpack->unpack(f->recv.data(), f->out.data());
-    return std::move(f->out);
-  }
-
   const typename Out::mesh_type* mesh_;
   shape<R> extents_;
-  std::unique_ptr<flight<T>> wide_;
-  std::unique_ptr<flight<bf16>> narrow_;  // wire::bf16
+  std::unique_ptr<wide_flight> wide_;
+  std::unique_ptr<narrow_flight> narrow_;  // wire::bf16
 };
 
 // reshard<To>(x), started: the same checks and plan, the collectives posted
