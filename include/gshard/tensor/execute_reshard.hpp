@@ -322,7 +322,7 @@ void release(Local&& x) {
 }
 
 // Runs a plan with `w` on the wire. wire::bf16: the shard rounded to bf16,
-// the plan run on bf16 (its sums in fp32, rounded once), the result widened
+// the plan run on bf16 (each summing step adds in fp32 and rounds once), the result widened
 // back — rounded even where the plan sends nothing, so that every rank
 // count computes the same values. wire::same, or a bf16 shard: the plan.
 template <class T, int Rank, class Local>
