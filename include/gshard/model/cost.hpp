@@ -229,6 +229,9 @@ struct step_options {
 namespace detail_cost {
 using gshard::detail::rlayout;
 
+// The bytes of an element of `element_bytes` as `w` sends it.
+inline int bytes_on(wire w, int element_bytes) { return w == wire::bf16 ? 2 : element_bytes; }
+
 // Adds calls and bytes to the (kind, axes, what) entry, or a new one.
 inline void add(std::vector<collective_work>& cs, collective kind, std::uint32_t axes, int calls, double bytes,
                 const std::string& what) {
@@ -375,7 +378,7 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
   for (std::size_t i = ws.size(); i-- > 0;) {
     rlayout pending = ws[i].layout;
     pending.partial = batch & ~ws[i].layout.split_mask();
-    reduce(ws[i], pending, targets[i], "weight gradients", o.gradient_wire == wire::bf16 ? 2 : f);
+    reduce(ws[i], pending, targets[i], "weight gradients", bytes_on(o.gradient_wire, f));
   }
   for (auto& b : open) run(b);
   open.clear();
@@ -469,7 +472,7 @@ inline step_work count(const network_shape& n, const mesh_sizes& m, const step_o
     // counted whole: their FLOPs are the chunks' sum.)
     const index_t C = blk.capacity;
     const int chunks = int(std::min<index_t>(std::max<index_t>(n.overlap_degree, 1), std::max<index_t>(C, 1)));
-    const int wire_bytes = n.all_to_all_wire == wire::bf16 ? 2 : f;
+    const int wire_bytes = bytes_on(n.all_to_all_wire, f);
     // [E,G{data,expert},C,M] -> [E{expert},G{data},C,M] and back, each as
     // its transpose: the same bytes, padded where E or G does not divide.
     rlayout grouped, expert;
