@@ -8,6 +8,8 @@ example target. Each consumer runs at 1 and 2 ranks and must print
 "consumer ok" once.
 
 usage: check_consumers.py SOURCE_ROOT WORKDIR -- MPIEXEC [ARGS...]"""
+import concurrent.futures
+import json
 import os
 import shutil
 import subprocess
@@ -43,54 +45,59 @@ def main() -> int:
             problems.append(f"not installed: {prefix}/{f}")
 
     # 1. pkg-config: the .pc's flags alone, no -std given by the user.
-    env = {"PKG_CONFIG_PATH": os.path.join(prefix, "share", "pkgconfig")}
-    code, flags = sh(["pkg-config", "--cflags", "--libs", "gshard"], env=env)
-    if code != 0 or "-std=c++20" not in flags or "-isystem" not in flags:
-        problems.append(f"pkg-config --cflags --libs gshard: {flags}")
-    else:
-        # At -O2 and -O3: GCC's flow-dependent warnings (-Wmaybe-uninitialized,
-        # -Wrestrict) appear only when optimising.
+    # The three consumers build two at a time: each is one compile of one file.
+    def with_pkg_config():
+        env = {"PKG_CONFIG_PATH": os.path.join(prefix, "share", "pkgconfig")}
+        code, flags = sh(["pkg-config", "--cflags", "--libs", "gshard"], env=env)
+        if code != 0 or "-std=c++20" not in flags or "-isystem" not in flags:
+            return f"pkg-config --cflags --libs gshard: {flags}", None
         for level in ["-O3", "-O2"]:
             exe = os.path.join(work, "consumer-pkgconfig")
             code, out = sh(["c++", level, "-Wall", "-Wextra", os.path.join(consumer, "consumer.cpp"), "-o", exe] + flags.split())
             if code != 0 or "warning" in out:
-                problems.append(f"compiling with pkg-config's flags at {level}: exit {code}:\n{out[-3000:]}")
-                break
-        else:
-            binaries["pkg-config"] = exe
+                return f"compiling with pkg-config's flags at {level}: exit {code}:\n{out[-3000:]}", None
+        return None, exe
 
-    # 2. CMake: find_package(gshard) and the imported target.
-    cbuild = os.path.join(work, "cmake-build")
-    code, out = sh(["cmake", "-S", consumer, "-B", cbuild, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"])
-    if code == 0:  # the configure's output too: a warning from gshardConfig.cmake counts
-        code, built = sh(["cmake", "--build", cbuild])
-        out += built
-    if code != 0 or "warning" in out.lower().replace("-wno-", ""):
-        problems.append(f"CMake consumer: exit {code}:\n{out[-3000:]}")
-    else:
-        binaries["CMake"] = os.path.join(cbuild, "consumer")
+    def with_cmake():
+        cbuild = os.path.join(work, "cmake-build")
+        code, out = sh(["cmake", "-S", consumer, "-B", cbuild, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"])
+        if code == 0:  # the configure's output too: a warning from gshardConfig.cmake counts
+            code, built = sh(["cmake", "--build", cbuild])
+            out += built
+        if code != 0 or "warning" in out.lower().replace("-wno-", ""):
+            return f"CMake consumer: exit {code}:\n{out[-3000:]}", None
+        return None, os.path.join(cbuild, "consumer")
 
-    # 3. Meson subproject: gshard in subprojects/, only the library configured.
-    mdir = os.path.join(work, "meson-consumer")
-    os.makedirs(os.path.join(mdir, "subprojects"))
-    for f in ["meson.build", "consumer.cpp"]:
-        shutil.copy(os.path.join(consumer, f), mdir)
-    os.symlink(src, os.path.join(mdir, "subprojects", "gshard"))
-    mbuild = os.path.join(mdir, "build")
-    code, out = sh(["meson", "setup", mbuild, mdir, "--buildtype=release"])
-    if code == 0:
-        code, targets = sh(["meson", "introspect", "--targets", mbuild])
-        names = [t["name"] for t in __import__("json").loads(targets)] if code == 0 else []
-        if names != ["consumer"]:
-            problems.append(f"the subproject configured more than the library: targets {names}")
-        code, tests = sh(["meson", "introspect", "--tests", mbuild])
-        if code != 0 or tests.strip() != "[]":
-            problems.append(f"the subproject registered tests: {tests[:300]}")
-        code, out = sh(["ninja", "-C", mbuild])
-    if code != 0 or "warning" in out:
-        problems.append(f"Meson subproject consumer: exit {code}:\n{out[-3000:]}")
-    else:
-        binaries["Meson subproject"] = os.path.join(mbuild, "consumer")
+    def as_subproject():
+        mdir = os.path.join(work, "meson-consumer")
+        os.makedirs(os.path.join(mdir, "subprojects"))
+        for f in ["meson.build", "consumer.cpp"]:
+            shutil.copy(os.path.join(consumer, f), mdir)
+        os.symlink(src, os.path.join(mdir, "subprojects", "gshard"))
+        mbuild = os.path.join(mdir, "build")
+        code, out = sh(["meson", "setup", mbuild, mdir, "--buildtype=release"])
+        if code == 0:
+            code, targets = sh(["meson", "introspect", "--targets", mbuild])
+            names = [t["name"] for t in json.loads(targets)] if code == 0 else []
+            if names != ["consumer"]:
+                return f"the subproject configured more than the library: targets {names}", None
+            code, tests = sh(["meson", "introspect", "--tests", mbuild])
+            if code != 0 or tests.strip() != "[]":
+                return f"the subproject registered tests: {tests[:300]}", None
+            code, out = sh(["ninja", "-C", mbuild])
+        if code != 0 or "warning" in out:
+            return f"Meson subproject consumer: exit {code}:\n{out[-3000:]}", None
+        return None, os.path.join(mbuild, "consumer")
+
+    ways = {"pkg-config": with_pkg_config, "CMake": with_cmake, "Meson subproject": as_subproject}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        built = {how: pool.submit(build) for how, build in ways.items()}
+        for how, future in built.items():
+            problem, exe = future.result()
+            if problem:
+                problems.append(problem)
+            else:
+                binaries[how] = exe
 
     for how, exe in binaries.items():
         for np in ["1", "2"]:

@@ -19,6 +19,7 @@
 A block without its marker is a failure, so nothing new goes unchecked.
 
 usage: check_doc_programs.py SOURCE_ROOT BUILD_ROOT WORKDIR -- COMPILER [FLAGS...] -- MPIEXEC [ARGS...]"""
+import concurrent.futures
 import glob
 import os
 import re
@@ -66,19 +67,24 @@ def split_flags(compiler):
     return flags, libs
 
 
-def programs(root, work, compiler, mpi, found, problems):
+def programs(work, compiler, mpi, found, problems, pool):
+    """Compiles the whole programs on `pool`, then runs each at the rank counts its marker names."""
     flags, libs = split_flags(compiler)
-    ran = 0
-    for i, (md, line, marker, ranks_expect, _, code) in enumerate(found):
+    built = []
+    for md, line, marker, ranks_expect, _, code in found:
         where = f"{md}, program at line {line}"
         m = TEST.match(ranks_expect) if marker == "test" else None
         if not m:
             problems.append(f"{where}: no <!-- test: np=... --> marker before it")
             continue
-        ranks, expect = m.group(1), m.group(2)
         base = os.path.join(work, re.sub(r"\W", "_", md) + f"_{line}")
         open(base + ".cpp", "w").write(f'#line {line + 1} "{md}"\n' + code)
-        p = subprocess.run(flags + [base + ".cpp", "-o", base] + libs, capture_output=True, text=True, timeout=300)
+        compiling = pool.submit(subprocess.run, flags + [base + ".cpp", "-o", base] + libs, capture_output=True,
+                                text=True, timeout=300)
+        built.append((where, m.group(1), m.group(2), base, compiling))
+    ran = 0
+    for where, ranks, expect, base, compiling in built:
+        p = compiling.result()
         if p.returncode != 0:
             problems.append(f"{where}: does not compile:\n{(p.stdout + p.stderr)[-3000:]}")
             continue
@@ -91,7 +97,9 @@ def programs(root, work, compiler, mpi, found, problems):
     return ran
 
 
-def fragments(root, work, compiler, found, problems):
+def fragments(root, work, compiler, found, problems, pool):
+    """Compiles every fragment in its context as one unit on `pool`; returns (how many, a function that
+    adds the compile's errors to `problems` once it is done)."""
     ctx_path = os.path.join(root, "test", "doc_contexts.cpp")
     ctx = contexts(ctx_path)
     unit = [f'#line {ctx["prelude"][2]} "{ctx_path}"', ctx["prelude"][0]]
@@ -117,12 +125,16 @@ def fragments(root, work, compiler, found, problems):
     source = os.path.join(work, "fragments.cpp")
     open(source, "w").write("\n".join(unit) + "\n")
     flags, _ = split_flags(compiler)
-    p = subprocess.run(flags + ["-fsyntax-only", source], capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        lines = (p.stdout + p.stderr).split("\n")  # the errors and where in the Markdown they came from
-        errors = list(dict.fromkeys(l for l in lines if "error" in l or ".md:" in l and "required from here" in l))
-        problems.append(f"the documented fragments do not compile ({source}):\n" + "\n".join(errors[:40]))
-    return compiled
+    compiling = pool.submit(subprocess.run, flags + ["-fsyntax-only", source], capture_output=True, text=True,
+                            timeout=600)
+
+    def done():
+        p = compiling.result()
+        if p.returncode != 0:
+            lines = (p.stdout + p.stderr).split("\n")  # the errors and where in the Markdown they came from
+            errors = list(dict.fromkeys(l for l in lines if "error" in l or ".md:" in l and "required from here" in l))
+            problems.append(f"the documented fragments do not compile ({source}):\n" + "\n".join(errors[:40]))
+    return compiled, done
 
 
 def commands(root, build, work, found, problems):
@@ -163,9 +175,11 @@ def main() -> int:
     os.makedirs(work, exist_ok=True)
     found = list(blocks(root))
     problems = []
-    ran = programs(root, work, compiler, mpi, [b for b in found if b[4] == "cpp" and "int main(" in b[5]], problems)
-    compiled = fragments(root, work, compiler, [b for b in found if b[4] == "cpp" and "int main(" not in b[5]],
-                         problems)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two compiles at a time; the runs one at a time
+        compiled, fragments_done = fragments(root, work, compiler,
+                                             [b for b in found if b[4] == "cpp" and "int main(" not in b[5]], problems, pool)
+        ran = programs(work, compiler, mpi, [b for b in found if b[4] == "cpp" and "int main(" in b[5]], problems, pool)
+        fragments_done()
     shell = commands(root, build, work, [b for b in found if b[4] == "sh"], problems)
     for md, line, marker, spec, lang, _ in found:
         if lang not in ("cpp", "sh", "") and marker != "not checked":

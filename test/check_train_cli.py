@@ -120,6 +120,8 @@ def main() -> int:
     os.makedirs(empty_dir, exist_ok=True)
     ckpt = os.path.join(work, "run.ckpt")
     base = mpi + [trainer]
+    # Where the corpus is beside the point, the short text: reading the default dictionary takes a second.
+    small = [short] + SMALL
 
     # Refused before step 1, on every rank (each message printed by rank 0 and rank 1).
     refused = [
@@ -206,7 +208,7 @@ def main() -> int:
         problems.append(f"a dictionary with its index: exit {code}:\n{out[-1500:]}")
     # A dense model: no routing in its lines, and a note for a routing option.
     code, out = run(base + ["--experts", "0", "--slot-hidden", "64", "--top-k", "1", "--steps", "2", "--log-every", "1",
-                            "--sample-bytes", "0"] + SMALL)
+                            "--sample-bytes", "0"] + small)
     if code != 0 or "dense: H=256, blocks 1, 3, ...: H=64" not in out or "aux" in out or "dropped" in out or \
             "--top-k (and every routing option) has no effect with --experts 0" not in out or "step     2" not in out:
         problems.append(f"a dense model (--experts 0 --slot-hidden 64): exit {code}:\n{out[-1500:]}")
@@ -215,7 +217,7 @@ def main() -> int:
     # and attention's probabilities computed again in the backward.
     losses = []
     for remat in ([], ["--remat", "all"], ["--bucket-kib", "1"], ["--attention", "recompute"]):
-        code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0"] + remat + SMALL)
+        code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0"] + remat + small)
         losses.append(re.findall(r"step +2  loss (\S+)", out))
         if code != 0 or ("--remat" in remat and "rematerialised blocks: 0, 1 (each keeps its input" not in out) or \
                 ("--attention" in remat and "attention: each block's probabilities computed again" not in out):
@@ -225,7 +227,7 @@ def main() -> int:
     # The all_to_alls pipelined with the experts in 3 chunks: the same model to rounding (the experts'
     # GEMMs run on fewer rows at a time, and each chunk adds its share of the weights' gradients).
     code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0",
-                            "--overlap-degree", "3"] + SMALL)
+                            "--overlap-degree", "3"] + small)
     piped = re.findall(r"step +2  loss (\S+)", out)
     if code != 0 or "all_to_alls in up to 3 chunks of the capacity" not in out or not piped or not losses[0] or \
             abs(float(piped[0]) - float(losses[0][0])) > 2e-4:
@@ -238,14 +240,14 @@ def main() -> int:
             problems.append(f"{var}={value}: {wrong}:\n{out[-1500:]}")
 
     # A run to stop: SIGTERM to mpirun after the first progress line.
-    args = SMALL + ["--steps", "3000", "--log-every", "10", "--save", ckpt]
+    args = small + ["--steps", "3000", "--log-every", "10", "--save", ckpt]
     code, out = interrupted(mpi, trainer, args, lambda p: p.send_signal(signal.SIGTERM), env=SIGKILL_WAIT)
     if code in (None, 0) or "stopped by SIGTERM after step" not in out or "saved " + ckpt not in out or \
             "resume with the same options and --resume " + ckpt not in out or not os.path.exists(ckpt):
         problems.append(f"SIGTERM to mpirun: exit {code}:\n{out[-2500:]}")
     stopped = [l for l in out.splitlines() if l.startswith("stopped by")]
     step = int(stopped[0].split("after step ")[1].split()[0]) if stopped else -1
-    code, out = run(base + SMALL + ["--steps", "3000", "--resume", ckpt, "--stop-after", str(step + 2), "--save", ckpt,
+    code, out = run(base + small + ["--steps", "3000", "--resume", ckpt, "--stop-after", str(step + 2), "--save", ckpt,
                                    "--log-every", "1"])
     grace = "note: SIGTERM or Ctrl-C to mpirun leaves the ranks 1 s to stop and save before SIGKILL"
     said = grace in out or "OMPI_MCA_odls_base_sigkill_timeout" in os.environ  # OpenMPI's default: said
@@ -254,12 +256,12 @@ def main() -> int:
 
     # --save-every dividing the last step: saved once there, not twice.
     every = os.path.join(work, "every.ckpt")
-    code, out = run(base + SMALL + ["--steps", "4", "--save-every", "2", "--save", every, "--sample-bytes", "0"])
+    code, out = run(base + small + ["--steps", "4", "--save-every", "2", "--save", every, "--sample-bytes", "0"])
     if code != 0 or out.count(f"saved {every} at step 2") != 1 or out.count(f"saved {every} at step 4") != 1:
         problems.append(f"--save-every 2 --steps 4: exit {code}, wanted one save at steps 2 and 4:\n{out[-1500:]}")
     # A metrics file that cannot be written (a full disk): the checkpoint is saved first, then the run ends.
     full = os.path.join(work, "full.ckpt")
-    code, out = run(base + SMALL + ["--steps", "5", "--metrics", "/dev/full", "--save", full, "--sample-bytes", "0"])
+    code, out = run(base + small + ["--steps", "5", "--metrics", "/dev/full", "--save", full, "--sample-bytes", "0"])
     want = f"--metrics /dev/full: writing failed: No space left on device; saved {full} at step 1"
     if wrong := refusal(code, out.replace("step     1", ""), want):
         problems.append(f"--metrics /dev/full: {wrong}:\n{out[-1500:]}")
@@ -271,7 +273,7 @@ def main() -> int:
     # through a relay thread, so the checkpoint is still written (what mpirun no longer forwards
     # cannot be checked here: the file can).
     every_step = os.path.join(work, "every_step.ckpt")
-    code, out = interrupted(mpi, trainer, SMALL + ["--steps", "100000", "--log-every", "1", "--save", every_step],
+    code, out = interrupted(mpi, trainer, small + ["--steps", "100000", "--log-every", "1", "--save", every_step],
                             lambda p: (time.sleep(0.5), p.send_signal(signal.SIGTERM)), env=SIGKILL_WAIT)
     if code in (None, 0) or not os.path.exists(every_step):
         problems.append(f"SIGTERM to mpirun with --log-every 1: exit {code}, checkpoint written: "
@@ -306,7 +308,7 @@ def main() -> int:
         problems.append(f"SIGTERM during an evaluation of 100000 batches: exit {code}, metrics {lines}:\n{out[-2500:]}")
 
     # Without --save: it says nothing was saved.
-    code, out = interrupted(mpi, trainer, SMALL + ["--steps", "3000", "--log-every", "10"],
+    code, out = interrupted(mpi, trainer, small + ["--steps", "3000", "--log-every", "10"],
                             lambda p: p.send_signal(signal.SIGTERM), env=SIGKILL_WAIT)
     if code in (None, 0) or "nothing saved: no --save FILE was given" not in out:
         problems.append(f"SIGTERM without --save: exit {code}:\n{out[-2500:]}")
@@ -338,25 +340,25 @@ def main() -> int:
             problems.append(f"no checkpoint {ckpt} to damage")
             break
         with_step(ckpt, bad, **kw)
-        code, out = run(base + SMALL + ["--resume", bad, "--steps", "10"])
+        code, out = run(base + small + ["--resume", bad, "--steps", "10"])
         if wrong := refusal(code, out, want):
             problems.append(f"checkpoint with a {name} step: {wrong}:\n{out[-1500:]}")
     # Another optimizer than the checkpoint's: refused, naming both; Adafactor
     # saves and resumes its own state.
     if os.path.exists(ckpt):
-        code, out = run(base + SMALL + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"])
+        code, out = run(base + small + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"])
         want = f"{ckpt} holds the state of --optimizer adam, but this run uses --optimizer adafactor; resume with --optimizer adam"
         if wrong := refusal(code, out, want):
             problems.append(f"an Adam checkpoint resumed with --optimizer adafactor: {wrong}:\n{out[-1500:]}")
     factored = os.path.join(work, "adafactor.ckpt")
-    code, out = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--stop-after", "2", "--save", factored,
+    code, out = run(base + small + ["--optimizer", "adafactor", "--steps", "4", "--stop-after", "2", "--save", factored,
                                     "--sample-bytes", "0"])
-    code2, out2 = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0"])
-    code3, out3 = run(base + SMALL + ["--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    code2, out2 = run(base + small + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    code3, out3 = run(base + small + ["--steps", "4", "--resume", factored, "--sample-bytes", "0"])
     # Resumed with another --seed and --steps, and one block with experts: said.
-    code4, out4 = run(base + SMALL + ["--optimizer", "adafactor", "--steps", "5", "--seed", "7", "--resume", factored,
+    code4, out4 = run(base + small + ["--optimizer", "adafactor", "--steps", "5", "--seed", "7", "--resume", factored,
                                       "--sample-bytes", "0"])
-    code5, out5 = run(base + SMALL + ["--layers", "1", "--top-k", "1", "--steps", "1", "--sample-bytes", "0"])
+    code5, out5 = run(base + small + ["--layers", "1", "--top-k", "1", "--steps", "1", "--sample-bytes", "0"])
     for c, o, note in [(code4, out4, "note: the checkpoint was trained with --seed 1; this run uses --seed 7"),
                        (code4, out4, "note: the checkpoint was trained with --steps 4; this run uses --steps 5"),
                        (code5, out5, "note: --layers 1 has no MoE block (blocks 1, 3, ... hold the MoE layers): the model is "

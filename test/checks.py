@@ -43,10 +43,10 @@ def refusal(code, out, *wants):
 
 
 def run_refusals(base, cases, timeout=90):
-    """Runs base + args for each (args, want) of `cases` (want: a text or a tuple of texts), four at a time (each run waits mostly on
+    """Runs base + args for each (args, want) of `cases` (want: a text or a tuple of texts), eight at a time (each run waits mostly on
     mpirun's start and end); returns a problem for each that was not refused as refusal() says."""
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda case: run(base + case[0], timeout=timeout), cases))
     return [f"{' '.join(args)}: {wrong}:\n{out[-1500:]}" for (args, want), (code, out) in zip(cases, results)
             if (wrong := refusal(code, out, *([want] if isinstance(want, str) else want)))]
