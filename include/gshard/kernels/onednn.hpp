@@ -62,7 +62,7 @@ struct onednn_state {
   struct entry {
     bool made = false;  // false: oneDNN cannot run this on this CPU
     dnnl::matmul prim;
-    dnnl::memory::desc a, b, c;
+    dnnl::memory a, b, c;  // made once; each call points them at its operands
   };
   std::unordered_map<onednn_key, entry, onednn_key_hash> primitives;
   static constexpr std::size_t max_primitives = 4096;  // then the cache starts over
@@ -88,9 +88,8 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
     onednn_state::entry e;
     try {
       // op(A) is m×k: stored k×m (strides 1, lda) when transposed.
-      e.a = dnnl::memory::desc(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1});
-      e.b = dnnl::memory::desc(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1});
-      e.c = dnnl::memory::desc(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
+      const dnnl::memory::desc ad(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1}),
+          bd(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1}), cd(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
       // dst = alpha·(A·B) + beta·dst: the output scale, then the sum post-op.
       dnnl::primitive_attr attr;
       if (alpha != 1) attr.set_output_scales(0, {alpha});
@@ -99,8 +98,10 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
         po.append_sum(beta);
         attr.set_post_ops(po);
       }
-      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, s.engine);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, s.engine);
       e.prim = dnnl::matmul(pd);
+      e.a = dnnl::memory(ad, s.engine, DNNL_MEMORY_NONE), e.b = dnnl::memory(bd, s.engine, DNNL_MEMORY_NONE);
+      e.c = dnnl::memory(cd, s.engine, DNNL_MEMORY_NONE);
       e.made = true;
     } catch (const dnnl::error&) {
       e.made = false;  // not supported here (bf16 without AVX-512)
@@ -109,8 +110,11 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
   }
   onednn_state::entry& e = it->second;
   if (!e.made) return false;
-  dnnl::memory am(e.a, s.engine, const_cast<In*>(a)), bm(e.b, s.engine, const_cast<In*>(b)), cm(e.c, s.engine, c);
-  e.prim.execute(s.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  // Through the C interface: the C++ one builds a map of the arguments, and three memory
+  // objects, on every call.
+  e.a.set_data_handle(const_cast<In*>(a)), e.b.set_data_handle(const_cast<In*>(b)), e.c.set_data_handle(c);
+  const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, e.a.get()}, {DNNL_ARG_WEIGHTS, e.b.get()}, {DNNL_ARG_DST, e.c.get()}};
+  dnnl::error::wrap_c_api(dnnl_primitive_execute(e.prim.get(), s.stream.get(), 3, args), "gshard: oneDNN matmul");
   s.stream.wait();
   return true;
 }

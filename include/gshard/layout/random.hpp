@@ -12,16 +12,26 @@
 
 namespace gshard {
 
+namespace detail {
+inline constexpr std::uint64_t splitmix(std::uint64_t z) {  // SplitMix64's finaliser
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// The keys mixed in order: (seed, stream) once for a whole tensor, then each element's (a, b).
+inline constexpr std::uint64_t random_key(std::uint64_t seed, std::uint64_t stream) { return splitmix(splitmix(seed) ^ stream); }
+inline constexpr std::uint64_t random_bits(std::uint64_t key, std::uint64_t a, std::uint64_t b) {
+  return splitmix(splitmix(key ^ a) ^ b) >> 11;  // 53 bits
+}
+// The least 53-bit draw that counts as ≥ p for p in [0, 1]: random_bits(...) ≥ it exactly when
+// uniform(...) ≥ p (both sides are exact in double: an integer below 2^53 scaled by 2^-53).
+inline std::uint64_t random_threshold(double p) { return std::uint64_t(std::ceil(std::ldexp(p, 53))); }
+}  // namespace detail
+
 // A uniform double in [0, 1) (the SplitMix64 finaliser over the mixed keys).
 inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t a, std::uint64_t b) {
-  auto mix = [](std::uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  const std::uint64_t z = mix(mix(mix(mix(seed) ^ stream) ^ a) ^ b);
-  return double(z >> 11) * 0x1.0p-53;
+  return double(detail::random_bits(detail::random_key(seed, stream), a, b)) * 0x1.0p-53;
 }
 
 // A standard normal keyed by (seed, stream, index) (Box-Muller).
@@ -30,20 +40,35 @@ inline double normal(std::uint64_t seed, std::uint64_t stream, std::uint64_t ind
   return std::sqrt(-2.0 * std::log(u1 + 1e-300)) * std::cos(6.283185307179586 * u2);
 }
 
+// f(i, g, n) for each run of n elements of t's shard that are consecutive
+// both in the local data (from i) and in the global tensor's row-major order
+// (from g): the shard's rows along its last dim.
+template <class X, class F>
+void for_each_global_row(const X& t, F&& f) {
+  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
+  constexpr int R = X::rank;
+  if constexpr (R == 0) {
+    f(index_t(0), std::uint64_t(0), t.local().size());
+  } else {
+    const index_t n = le[std::size_t(R - 1)], rows = n > 0 ? t.local().size() / n : 0;
+    std::array<index_t, std::size_t(R)> pos{};
+    for (index_t r = 0; r < rows; ++r) {
+      index_t global = 0;
+      for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
+      f(r * n, std::uint64_t(global), n);
+      for (int d = R - 2; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
+    }
+  }
+}
+
 // f(i, g) for each element i of t's shard (its place in the local data)
 // with g its row-major index in the global tensor: what keys a random draw
 // so that every rank count draws the same global tensor.
 template <class X, class F>
 void for_each_global_index(const X& t, F&& f) {
-  const auto le = t.local_extents(), off = t.offsets(), ge = t.extents();
-  constexpr int R = X::rank;
-  std::array<index_t, std::size_t(R)> pos{};
-  for (index_t i = 0, n = t.local().size(); i < n; ++i) {
-    index_t global = 0;
-    for (int d = 0; d < R; ++d) global = global * ge[std::size_t(d)] + off[std::size_t(d)] + pos[std::size_t(d)];
-    f(i, std::uint64_t(global));
-    for (int d = R - 1; d >= 0 && ++pos[std::size_t(d)] == le[std::size_t(d)]; --d) pos[std::size_t(d)] = 0;
-  }
+  for_each_global_row(t, [&](index_t i, std::uint64_t g, index_t n) {
+    for (index_t j = 0; j < n; ++j) f(i + j, g + std::uint64_t(j));
+  });
 }
 
 // t[i] = stddev · normal(seed, stream, global index of i): each rank fills
