@@ -207,9 +207,9 @@ void check_all_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
   }
 }
 
-// wire::bf16 on a float shard: to the bit, the plan run in bf16 on the
-// rounded shard and widened back (rounded even where the plan sends
-// nothing), with the plan's collectives carrying 2-byte elements.
+// wire::bf16 on a float shard, blocking and started: to the bit, the plan
+// run in bf16 on the rounded shard and widened back (rounded even where the
+// plan sends nothing), with the plan's collectives carrying 2-byte elements.
 template <int R>
 void check_wire_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) {
   const auto g = global_tensor<R>(ge);
@@ -226,9 +226,14 @@ void check_wire_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
       collective_recorder rec;
       const auto got = detail::execute_reshard_on<float, R>(wire::bf16, m, plan, src, ge);
       const auto events = rec.events();
+      // Started and finished later (start_reshard's work): a plan of no step, one whose last
+      // step is an all_to_all with steps before it, any other.
+      detail::started_reshard<float, R> going(m, ge, plan, src, wire::bf16);
+      const auto arrived = going.wait();
+      const auto events_started = rec.events();
       const auto f32 = detail::execute_reshard<float, R>(m, plan, src, ge);
-      bool same = detail::dims_of<R>(got) == detail::dims_of<R>(want);
-      for (index_t i = 0; same && i < got.size(); ++i) same = got.data()[i] == want.data()[i];
+      bool same = detail::dims_of<R>(got) == detail::dims_of<R>(want) && detail::dims_of<R>(arrived) == detail::dims_of<R>(want);
+      for (index_t i = 0; same && i < got.size(); ++i) same = got.data()[i] == want.data()[i] && arrived.data()[i] == want.data()[i];
       // Every value a bf16 one: where fp32's plan gives a value bf16 cannot hold, a rounded one.
       bool rounded = f32.size() == got.size();
       for (index_t i = 0; rounded && i < got.size(); ++i)
@@ -237,6 +242,9 @@ void check_wire_pairs(const detail::mesh_base& m, const shape<R>& ge, tally& t) 
       if (!same || !rounded) t.fail(what + ": not the bf16 plan's values");
       if (events != gshard::testing::planned_collectives(plan, m, ge.data(), R, sizeof(bf16)))
         t.fail(what + ": collectives differ from the plan in 2-byte elements");
+      if (events_started.size() != 2 * events.size() ||
+          !std::equal(events.begin(), events.end(), events_started.begin() + std::ptrdiff_t(events.size())))
+        t.fail(what + ": started and finished later, other collectives than the blocking reshard's");
     }
   }
 }

@@ -1,12 +1,16 @@
-// gshard/kernels/copy_box.hpp — copy an n-d box between row-major arrays.
-// The one routine behind every slice, pack and unpack: trailing dims that the
-// box covers whole in both arrays merge into one contiguous run (memcpy).
+// gshard/kernels/copy_box.hpp — copy an n-d box between row-major arrays: the
+// one routine behind every slice, pack and unpack (trailing dims that the box
+// covers whole in both arrays merge into one contiguous run, memcpy). And the
+// bf16 wire's conversions: which tensors it narrows, and the converting loop.
 #pragma once
 
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include <Eigen/Core>
 
+#include "gshard/core/error.hpp"
 #include "gshard/core/types.hpp"
 
 namespace gshard::detail {
@@ -61,6 +65,18 @@ template <class From, class To>
 void convert_elements(const From* from, std::size_t n, To* to) {
   Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to, Eigen::Index(n)) =
       Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from, Eigen::Index(n)).template cast<To>();
+}
+
+// Whether `w` sends a tensor of T as bf16: for float and double; bf16
+// travels as itself; any other type (token ids: integers above 256 would
+// round) is refused, the same on every rank.
+template <class T>
+bool narrows(wire w) {
+  if (w != wire::bf16 || std::is_same_v<T, bf16>) return false;
+  if constexpr (!std::is_floating_point_v<T>)
+    throw error(std::string("gshard::reshard: wire::bf16 carries float or double tensors; this one is ") +
+                std::string(name_of(element_of<T>())));
+  return true;
 }
 
 }  // namespace gshard::detail

@@ -104,7 +104,7 @@ class bucket {
 
   bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory, wire w = wire::same)
       : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()),
-        narrow_(!std::is_same_v<T, bf16> && w == wire::bf16) {
+        narrow_(narrows<T>(w)) {
     if (narrow_) wire_in_ = memory.take_wire(), wire_out_ = memory.take_wire();
   }
   bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes

@@ -302,17 +302,6 @@ local_tensor<To, Rank> converted(const local_tensor<From, Rank>& x) {
   return y;
 }
 
-// Whether `w` sends a tensor of T as bf16: for float and double; bf16
-// travels as itself; any other type (token ids: integers above 256 would
-// round) is refused, the same on every rank.
-template <class T>
-bool narrows(wire w) {
-  if (w != wire::bf16 || std::is_same_v<T, bf16>) return false;
-  if constexpr (!std::is_floating_point_v<T>)
-    throw error(std::string("gshard::reshard: wire::bf16 carries float or double tensors; this one is ") +
-                std::string(name_of(element_of<T>())));
-  return true;
-}
 // An rvalue's storage freed once its values were converted: it is not
 // held to the end of the caller's expression.
 template <class Local>

@@ -127,6 +127,54 @@ struct reshard_flight {  // on the heap: the request may move while MPI writes i
 };
 }  // namespace detail
 
+namespace detail {
+// A started reshard of a rank-R shard of T by a plan known at run time:
+// reshard_request's work, without the tensor type it hands out. With
+// wire::bf16 the shard is rounded to bf16 first, travels so, and wait()
+// widens it back; a plan with no step rounds it all the same.
+template <class T, int R>
+class started_reshard {
+  using wide_flight = reshard_flight<T, R>;
+  using narrow_flight = reshard_flight<bf16, R>;
+
+ public:
+  template <class Local>
+  started_reshard(const mesh_base& m, const shape<R>& global, const reshard_steps& p, Local&& in, wire w) {
+    if (narrows<T>(w)) {
+      auto narrow = converted<bf16>(in);
+      release(std::forward<Local>(in));
+      if (p.n == 0)  // nothing travels: the values rounded all the same
+        wide_ = wide_flight::start(m, p, converted<T>(narrow), global);
+      else
+        narrow_ = narrow_flight::start(m, p, std::move(narrow), global);
+      return;
+    }
+    wide_ = wide_flight::start(m, p, std::forward<Local>(in), global);
+  }
+
+  bool test() {
+    if (wide_) return wide_->request.test();
+    return !narrow_ || narrow_->request.test();
+  }
+
+  local_tensor<T, R> wait() {
+    if (!wide_ && !narrow_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
+    if (narrow_) {
+      local_tensor<T, R> out = converted<T>(narrow_->finish());
+      narrow_.reset();
+      return out;
+    }
+    local_tensor<T, R> out = wide_->finish();
+    wide_.reset();
+    return out;
+  }
+
+ private:
+  std::unique_ptr<wide_flight> wide_;
+  std::unique_ptr<narrow_flight> narrow_;  // wire::bf16
+};
+}  // namespace detail
+
 // A reshard started now and finished later (start_reshard<To>(t)); wait()
 // gives the tensor in To. A plan that ends in an all_to_all — a split moved
 // from one dim to another, as the MoE layer's dispatch and combine, after
@@ -140,8 +188,6 @@ template <class Out>
 class [[nodiscard]] reshard_request {
   using T = typename Out::value_type;
   static constexpr int R = Out::rank;
-  using wide_flight = detail::reshard_flight<T, R>;
-  using narrow_flight = detail::reshard_flight<bf16, R>;
 
  public:
   // Runs plan `p` (of Out's mesh; its last state is Out's layout) on `in`,
@@ -149,43 +195,18 @@ class [[nodiscard]] reshard_request {
   template <class Local>
   reshard_request(const typename Out::mesh_type& m, const shape<R>& global, const detail::reshard_steps& p, Local&& in,
                   wire w = wire::same)
-      : mesh_(&m), extents_(global) {
-    if (detail::narrows<T>(w)) {
-      auto narrow = detail::converted<bf16>(in);
-      detail::release(std::forward<Local>(in));
-      if (p.n == 0)  // nothing travels: the values rounded all the same
-        wide_ = wide_flight::start(m, p, detail::converted<T>(narrow), global);
-      else
-        narrow_ = narrow_flight::start(m, p, std::move(narrow), global);
-      return;
-    }
-    wide_ = wide_flight::start(m, p, std::forward<Local>(in), global);
-  }
+      : mesh_(&m), extents_(global), started_(m, global, p, std::forward<Local>(in), w) {}
 
   // Moves it on without blocking; true once its data has arrived.
-  bool test() {
-    if (wide_) return wide_->request.test();
-    return !narrow_ || narrow_->request.test();
-  }
+  bool test() { return started_.test(); }
 
   // The tensor in To; once.
-  Out wait() {
-    if (!wide_ && !narrow_) throw error("gshard::reshard_request: wait() was called before; it hands the tensor out once");
-    if (narrow_) {
-      local_tensor<T, R> out = detail::converted<T>(narrow_->finish());
-      narrow_.reset();
-      return Out(*mesh_, extents_, std::move(out));
-    }
-    Out out(*mesh_, extents_, wide_->finish());
-    wide_.reset();
-    return out;
-  }
+  Out wait() { return Out(*mesh_, extents_, started_.wait()); }
 
  private:
   const typename Out::mesh_type* mesh_;
   shape<R> extents_;
-  std::unique_ptr<wide_flight> wide_;
-  std::unique_ptr<narrow_flight> narrow_;  // wire::bf16
+  detail::started_reshard<T, R> started_;
 };
 
 // reshard<To>(x), started: the same checks and plan, the collectives posted
