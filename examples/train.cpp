@@ -60,6 +60,7 @@ struct options {
   double lr = 0;               // --lr; 0: the optimizer's default
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   wire gradient_wire = wire::same;  // --gradient-wire
+  std::optional<wire> all_to_all_wire;  // --all-to-all-wire; unset: bf16 with --precision bf16
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
@@ -121,6 +122,8 @@ constexpr const char* usage =
     "                     and is slower at this trainer's sizes (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
+    "  --all-to-all-wire f32|bf16  what the MoE all_to_alls carry, forward and backward: bf16 halves their\n"
+    "                     bytes; the router reads the input before it is rounded (bf16 with --precision bf16, else f32)\n"
     "  --gradient-wire f32|bf16  what the gradients' reductions carry: bf16 halves their bytes, each rank's\n"
     "                     gradient rounded once and the parts added in fp32 (docs/15_precision.md) (f32)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
@@ -157,7 +160,8 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
-                          "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree"})
+                          "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree",
+                          "--all-to-all-wire"})
       if (a == r && routing_given.empty()) routing_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;
@@ -204,7 +208,7 @@ options parse(int argc, char** argv) {
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
              a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision" ||
-             a == "--gradient-wire") {
+             a == "--gradient-wire" || a == "--all-to-all-wire") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
@@ -212,6 +216,8 @@ options parse(int argc, char** argv) {
         o.precision = v == "f32" ? matmul_precision::f32 : matmul_precision::bf16;
       else if (a == "--gradient-wire" && (v == "f32" || v == "bf16"))
         o.gradient_wire = v == "f32" ? wire::same : wire::bf16;
+      else if (a == "--all-to-all-wire" && (v == "f32" || v == "bf16"))
+        o.all_to_all_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
@@ -233,7 +239,7 @@ options parse(int argc, char** argv) {
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
                      : a == "--optimizer" ? "adam or adafactor"
-                     : a == "--precision" || a == "--gradient-wire" ? "f32 or bf16"
+                     : a == "--precision" || a == "--gradient-wire" || a == "--all-to-all-wire" ? "f32 or bf16"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.size() > 1 && a[0] == '-') throw error("gshard train: unknown option " + a + " (--help lists them)");
@@ -242,7 +248,7 @@ options parse(int argc, char** argv) {
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
-  o.model.all_to_all_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
+  o.model.all_to_all_wire = o.all_to_all_wire.value_or(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same);
   if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");

@@ -177,6 +177,7 @@ def main() -> int:
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
         (["--precision", "fp16"], "--precision is f32 or bf16, not 'fp16'"),
         (["--gradient-wire", "fp8"], "--gradient-wire is f32 or bf16, not 'fp8'"),
+        (["--all-to-all-wire", "bf8"], "--all-to-all-wire is f32 or bf16, not 'bf8'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
         ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),
         (["-s", "3"], "unknown option -s (--help lists them)"),
@@ -203,6 +204,14 @@ def main() -> int:
     if code != 0 or not re.search(r"machine: fp32 FMA peak .*, gemm \w+ in (bf16 \(fp32 sums|fp32 \(--precision bf16).*, MoE all_to_alls in bf16", out) or \
             "held-out loss" not in out or not re.search(r"optimizer: .*, gradients reduced in bf16", out):
         problems.append(f"--precision bf16 --gradient-wire bf16: exit {code}:\n{out[-1500:]}")
+    # The all_to_alls' wire apart from the GEMMs' precision, both ways.
+    for args, bf16_gemms, bf16_wire in [(["--all-to-all-wire", "bf16"], False, True),
+                                        (["--precision", "bf16", "--all-to-all-wire", "f32"], True, False)]:
+        code, out = run(base + ["--steps", "1", "--sample-bytes", "0", "--eval-every", "0"] + args + small)
+        machine = next((l for l in out.splitlines() if l.startswith("machine: ")), "")
+        if code != 0 or (", MoE all_to_alls in bf16" in machine) != bf16_wire or \
+                bool(re.search(r"gemm \w+ in (bf16|fp32 \(--precision bf16)", machine)) != bf16_gemms:
+            problems.append(f"{' '.join(args)}: exit {code}, machine line '{machine}':\n{out[-1500:]}")
     code, out = run(base + [indexed, "--steps", "2", "--sample-bytes", "0"] + SMALL)
     if code != 0 or f"text: {indexed}, 20 dictionary entries (by its .index) ({held_words} held out" not in out:
         problems.append(f"a dictionary with its index: exit {code}:\n{out[-1500:]}")
