@@ -705,7 +705,7 @@ TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[
 
 TEST_CASE("autodiff: dropout drops the same elements at every rank count, in value and gradient", "[autodiff][grad][dropout]") {
   grid1 m(MPI_COMM_WORLD);
-  const index_t P = m.nranks(), B = 3 * P, L = 5, M = 8;
+  const index_t P = m.nranks(), B = 3 * P, L = 5, M = 13;  // rows of a block of 8 and 5 more
   parameters ps(m, 6);
   param<tensor<double, 3, grid1, rows, "BLM">> x(ps, "x", {B, L, M}, init::normal(1.0));
   const double rate = 0.25;
@@ -724,6 +724,30 @@ TEST_CASE("autodiff: dropout drops the same elements at every rank count, in val
   GSHARD_REQUIRE(same);
   INFO("kept " << kept << " of " << B * L * M);
   GSHARD_REQUIRE(std::abs(double(kept) / double(B * L * M) - (1 - rate)) < 0.1);
+  {  // In float, split on the last dim: shards start inside rows, and do not divide at most rank counts.
+    using by_m = sharding<split<2, "x">>;
+    const index_t Mm = 3 * P + 2;
+    tensor<float, 3, grid1, by_m, "BLM"> xm(m, {2, 3, Mm});
+    fill_normal(xm, 1.0, 5, 1);
+    const auto gxm = reshard<replicate>(xm), gym = reshard<replicate>(dropout(t.constant(xm), rate, seed, stream).value());
+    bool same_m = true;
+    for (index_t i = 0; i < 2 * 3 * Mm; ++i) {
+      const bool keep = uniform(seed, stream, std::uint64_t(i), 0xD50) >= rate;
+      same_m = same_m && gym.data()[i] == (keep ? gxm.data()[i] * float(1.0 / (1.0 - rate)) : 0.0f);
+    }
+    GSHARD_REQUIRE(same_m);
+  }
+  // The keep test in integers is uniform's: at the rates where rounding could tell them apart.
+  for (const double p : {0.0, 0x1p-53, 0x1.8p-53, 0.1, 0.5, std::nextafter(1.0, 0.0)}) {
+    bool agree = true;
+    for (std::uint64_t i = 0; i < 20000; ++i) {
+      const double u = uniform(seed, stream, i, 0xD50);
+      const std::uint64_t bits = detail::random_bits(detail::random_key(seed, stream), i, 0xD50);
+      agree = agree && (u >= p) == (bits >= detail::random_threshold(p)) && (u >= u) == (bits >= detail::random_threshold(u));
+    }
+    INFO("rate " << p);
+    GSHARD_REQUIRE(agree);
+  }
   // The gradient: the same mask, drawn again.
   auto loss = [&](tape& tl) {
     const tensor<double, 3, grid1, rows, "BLM"> c = random_like(x.value(), 3);
