@@ -44,9 +44,8 @@ def main() -> int:
         if not os.path.exists(os.path.join(prefix, f)):
             problems.append(f"not installed: {prefix}/{f}")
 
-    # 1. pkg-config: the .pc's flags alone, no -std given by the user.
     # The three consumers build two at a time: each is one compile of one file.
-    def with_pkg_config():
+    def with_pkg_config():  # the .pc's flags alone, no -std given by the user
         env = {"PKG_CONFIG_PATH": os.path.join(prefix, "share", "pkgconfig")}
         code, flags = sh(["pkg-config", "--cflags", "--libs", "gshard"], env=env)
         if code != 0 or "-std=c++20" not in flags or "-isystem" not in flags:
@@ -58,7 +57,7 @@ def main() -> int:
                 return f"compiling with pkg-config's flags at {level}: exit {code}:\n{out[-3000:]}", None
         return None, exe
 
-    def with_cmake():
+    def with_cmake():  # find_package(gshard) and the imported target
         cbuild = os.path.join(work, "cmake-build")
         code, out = sh(["cmake", "-S", consumer, "-B", cbuild, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"])
         if code == 0:  # the configure's output too: a warning from gshardConfig.cmake counts
@@ -68,7 +67,7 @@ def main() -> int:
             return f"CMake consumer: exit {code}:\n{out[-3000:]}", None
         return None, os.path.join(cbuild, "consumer")
 
-    def as_subproject():
+    def as_subproject():  # gshard in subprojects/, only the library configured
         mdir = os.path.join(work, "meson-consumer")
         os.makedirs(os.path.join(mdir, "subprojects"))
         for f in ["meson.build", "consumer.cpp"]:
@@ -76,18 +75,20 @@ def main() -> int:
         os.symlink(src, os.path.join(mdir, "subprojects", "gshard"))
         mbuild = os.path.join(mdir, "build")
         code, out = sh(["meson", "setup", mbuild, mdir, "--buildtype=release"])
+        wrong = []
         if code == 0:
             code, targets = sh(["meson", "introspect", "--targets", mbuild])
             names = [t["name"] for t in json.loads(targets)] if code == 0 else []
             if names != ["consumer"]:
-                return f"the subproject configured more than the library: targets {names}", None
+                wrong.append(f"the subproject configured more than the library: targets {names}")
             code, tests = sh(["meson", "introspect", "--tests", mbuild])
             if code != 0 or tests.strip() != "[]":
-                return f"the subproject registered tests: {tests[:300]}", None
+                wrong.append(f"the subproject registered tests: {tests[:300]}")
             code, out = sh(["ninja", "-C", mbuild])
         if code != 0 or "warning" in out:
-            return f"Meson subproject consumer: exit {code}:\n{out[-3000:]}", None
-        return None, os.path.join(mbuild, "consumer")
+            wrong.append(f"Meson subproject consumer: exit {code}:\n{out[-3000:]}")
+            return "\n".join(wrong), None
+        return "\n".join(wrong) or None, os.path.join(mbuild, "consumer")
 
     ways = {"pkg-config": with_pkg_config, "CMake": with_cmake, "Meson subproject": as_subproject}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -96,7 +97,7 @@ def main() -> int:
             problem, exe = future.result()
             if problem:
                 problems.append(problem)
-            else:
+            if exe:
                 binaries[how] = exe
 
     for how, exe in binaries.items():
