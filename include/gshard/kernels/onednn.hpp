@@ -110,8 +110,8 @@ bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
   }
   onednn_state::entry& e = it->second;
   if (!e.made) return false;
-  // Through the C interface: the C++ one builds a map of the arguments, and three memory
-  // objects, on every call.
+  // The entry's memory objects pointed at this call's operands (so one thread at a time), and
+  // the arguments passed as an array: the C++ execute() takes them as a std::unordered_map.
   e.a.set_data_handle(const_cast<In*>(a)), e.b.set_data_handle(const_cast<In*>(b)), e.c.set_data_handle(c);
   const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, e.a.get()}, {DNNL_ARG_WEIGHTS, e.b.get()}, {DNNL_ARG_DST, e.c.get()}};
   dnnl::error::wrap_c_api(dnnl_primitive_execute(e.prim.get(), s.stream.get(), 3, args), "gshard: oneDNN matmul");

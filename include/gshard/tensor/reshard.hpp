@@ -125,9 +125,7 @@ struct reshard_flight {  // on the heap: the request may move while MPI writes i
     return std::move(out);
   }
 };
-}  // namespace detail
 
-namespace detail {
 // A started reshard of a rank-R shard of T by a plan known at run time:
 // reshard_request's work, without the tensor type it hands out. With
 // wire::bf16 the shard is rounded to bf16 first, travels so, and wait()
