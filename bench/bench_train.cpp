@@ -102,8 +102,9 @@ void step(benchmark::State& state) {
 // in the same iterations: fp32; fp32 GEMMs with bf16 on the wire — the MoE
 // all_to_alls (model::config::all_to_all_wire) and the gradients' reductions
 // (parameters::set_gradient_wire); and those with matmul_precision::bf16
-// (the trainer's --precision bf16 --gradient-wire bf16: the router, norms,
-// softmax, the loss, weights, their gathers and Adam stay fp32).
+// and bf16 weights with fp32 masters (the trainer's --precision bf16
+// --gradient-wire bf16: the router, norms, softmax, the loss, the masters
+// and Adam stay fp32).
 // wire_speedup and bf16_speedup: the fp32 step's time over each other's;
 // tokens/s of each; MFU of the fp32 step against the FMA peak and of the
 // bf16 step against the bf16 dot-product peak, both measured in the run
@@ -117,6 +118,8 @@ void step_bf16(benchmark::State& state) {
   trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true);
   on_wire.ps.set_gradient_wire(wire::bf16);
   bf16.ps.set_gradient_wire(wire::bf16);
+  bf16.ps.set_weight_wire(wire::bf16);
+  bf16.opt = adam({}, bf16.ps);  // built anew for bf16 weights: with masters
   auto bf16_step = [&] {
     const matmul_precision_scope s(matmul_precision::bf16);
     bf16.step();

@@ -61,6 +61,7 @@ struct options {
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   wire gradient_wire = wire::same;  // --gradient-wire
   std::optional<wire> all_to_all_wire;  // --all-to-all-wire; unset: bf16 with --precision bf16
+  std::optional<wire> weight_wire;      // --weight-wire; unset: bf16 with --precision bf16
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
 };
@@ -115,17 +116,19 @@ constexpr const char* usage =
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate, warmed up over 50 steps, cosine to a tenth (2e-3; adafactor 3e-3)\n"
     "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
-    "                     units with fp32 sums, and the MoE all_to_alls in bf16; weights, optimizer state, the\n"
-    "                     router, norms, softmax and the loss stay fp32 (docs/15_precision.md). Without bf16\n"
-    "                     units the GEMMs run in fp32 (the all_to_alls still in bf16). Each GEMM\n"
-    "                     rounds its operands anew: it pays for large GEMMs (the MoE layer at M=512, H=2048),\n"
-    "                     and is slower at this trainer's sizes (docs/10_performance.md) (f32)\n"
+    "                     units with fp32 sums, the MoE all_to_alls and the weights in bf16; master weights,\n"
+    "                     optimizer state, the router, norms, softmax and the loss stay fp32\n"
+    "                     (docs/15_precision.md). Without bf16 units the GEMMs run in fp32 (the rest as said).\n"
+    "                     Each GEMM rounds its operands anew: it pays for large GEMMs (the MoE layer at\n"
+    "                     M=512, H=2048), and is slower at this trainer's sizes (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --all-to-all-wire f32|bf16  what the MoE all_to_alls carry, forward and backward: bf16 halves their\n"
     "                     bytes; the router reads the input before it is rounded (bf16 with --precision bf16, else f32)\n"
     "  --gradient-wire f32|bf16  what the gradients' reductions carry: bf16 halves their bytes, each rank's\n"
     "                     gradient rounded once and the parts added in fp32 (docs/15_precision.md) (f32)\n"
+    "  --weight-wire f32|bf16  what the weights hold: bf16 copies of fp32 masters the optimizer keeps and\n"
+    "                     checkpoints, the sharded update's all_gathers in bf16 (bf16 with --precision bf16, else f32)\n"
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
     "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n"
     "  --overlap-degree K the MoE layers' all_to_alls pipelined with the experts in K chunks of the capacity:\n"
@@ -208,7 +211,7 @@ options parse(int argc, char** argv) {
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
              a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision" ||
-             a == "--gradient-wire" || a == "--all-to-all-wire") {
+             a == "--gradient-wire" || a == "--all-to-all-wire" || a == "--weight-wire") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
@@ -218,6 +221,8 @@ options parse(int argc, char** argv) {
         o.gradient_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--all-to-all-wire" && (v == "f32" || v == "bf16"))
         o.all_to_all_wire = v == "f32" ? wire::same : wire::bf16;
+      else if (a == "--weight-wire" && (v == "f32" || v == "bf16"))
+        o.weight_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
       else if (a == "--ffn" && (v == "relu" || v == "swiglu")) o.model.ffn = v == "relu" ? ffn_kind::relu : ffn_kind::swiglu;
       else if (a == "--attention" && (v == "keep" || v == "recompute"))
@@ -239,7 +244,8 @@ options parse(int argc, char** argv) {
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
                      : a == "--optimizer" ? "adam or adafactor"
-                     : a == "--precision" || a == "--gradient-wire" || a == "--all-to-all-wire" ? "f32 or bf16"
+                     : a == "--precision" || a == "--gradient-wire" || a == "--all-to-all-wire" || a == "--weight-wire"
+                         ? "f32 or bf16"
                                           : "sharded or replicated") +
                     ", not '" + v + "'");
     } else if (a.size() > 1 && a[0] == '-') throw error("gshard train: unknown option " + a + " (--help lists them)");
@@ -249,6 +255,7 @@ options parse(int argc, char** argv) {
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
   o.model.all_to_all_wire = o.all_to_all_wire.value_or(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same);
+  if (!o.weight_wire) o.weight_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard train: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
@@ -364,7 +371,8 @@ memory_estimate step_memory(const model::config& c, const model::cost::mesh_size
   const auto w = model::cost::count_step(c, ms, {o.batch, o.seq, o.sharded_update, int(sizeof(float)),
                                                  o.bucket_kib >= 0 ? std::size_t(o.bucket_kib) << 10 : default_bucket_bytes,
                                                  o.optimizer == "adafactor" ? model::cost::optimizer_kind::adafactor
-                                                                            : model::cost::optimizer_kind::adam});
+                                                                            : model::cost::optimizer_kind::adam,
+                                                 false, 0, o.gradient_wire, o.weight_wire.value_or(wire::same)});
   return {memory_estimate::process_bytes + double(text_bytes), w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes,
           w.activation_bytes};
 }
@@ -485,6 +493,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
                                           : parameters<Mesh>(m, o.seed);
   if (o.bucket_kib >= 0) ps.set_bucket_bytes(std::size_t(o.bucket_kib) << 10);
   ps.set_gradient_wire(o.gradient_wire);
+  ps.set_weight_wire(*o.weight_wire);
   const model::transformer<float, Mesh> tr(ps, c);
   using tokens_t = typename model::transformer<float, Mesh>::tokens_type;
   const auto opt = examples::make_optimizer("train", o.optimizer, o.lr, 50, o.steps, ps);
@@ -539,10 +548,11 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
     bool sharded = false;
     for (auto& g : ps.grads()) sharded = sharded || g->as_sharded() != nullptr;
     if (root)
-      std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)%s\n",
+      std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)%s%s\n",
                   o.optimizer == "adam" ? "Adam" : "Adafactor (factored second moments, no first moment)", o.lr,
                   sharded ? "sharded over the batch axes" : "replicated", here * 1e-6, adam_whole * 1e-6,
-                  ps.gradient_wire() == wire::bf16 ? ", gradients reduced in bf16" : "");
+                  ps.gradient_wire() == wire::bf16 ? ", gradients reduced in bf16" : "",
+                  ps.weight_wire() == wire::bf16 ? ", bf16 weights with fp32 masters" : "");
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());

@@ -72,8 +72,8 @@ const char* usage =
     "                     moment, decay min(0.99, 1 - t^-0.8), updates clipped at RMS 1 (adam)\n"
     "  --lr X             the peak learning rate (2e-3; adafactor 3e-3), warmed up over the first 5% of the steps\n"
     "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
-    "                     units with fp32 sums, and the MoE all_to_alls in bf16; the router, norms, softmax,\n"
-    "                     the loss and weights stay fp32; it\n"
+    "                     units with fp32 sums, the MoE all_to_alls and the weights in bf16; master weights\n"
+    "                     and optimizer state, the router, norms, softmax and the loss stay fp32; it\n"
     "                     pays for large GEMMs only (docs/10_performance.md) (f32)\n"
     "  --seed N           weights, batches, routing and dropout (1)\n"
     "  --log-every N      steps between progress lines (100)\n"
@@ -415,6 +415,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
   c.gating.seed = o.seed;  // the random second expert
   c.dropout = o.dropout, c.label_smoothing = o.label_smoothing, c.dropout_seed = o.seed ^ 0xD509;
   parameters<grid> ps(m, o.seed);
+  ps.set_weight_wire(c.all_to_all_wire);  // bf16 weights with fp32 masters, with --precision bf16
   const net_t net(ps, c);
   const double lr = o.lr > 0 ? o.lr : o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   const auto opt = examples::make_optimizer("translate", o.optimizer, lr, std::max(1, o.steps / 20), o.steps, ps);

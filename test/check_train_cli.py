@@ -178,6 +178,7 @@ def main() -> int:
         (["--precision", "fp16"], "--precision is f32 or bf16, not 'fp16'"),
         (["--gradient-wire", "fp8"], "--gradient-wire is f32 or bf16, not 'fp8'"),
         (["--all-to-all-wire", "bf8"], "--all-to-all-wire is f32 or bf16, not 'bf8'"),
+        (["--weight-wire", "fp16"], "--weight-wire is f32 or bf16, not 'fp16'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
         ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),
         (["-s", "3"], "unknown option -s (--help lists them)"),
@@ -202,16 +203,20 @@ def main() -> int:
     # and that the all_to_alls carry bf16; the optimizer's line, that the gradients do.
     code, out = run(base + [dictionary, "--steps", "2", "--sample-bytes", "0", "--precision", "bf16", "--gradient-wire", "bf16"] + SMALL)
     if code != 0 or not re.search(r"machine: fp32 FMA peak .*, gemm \w+ in (bf16 \(fp32 sums|fp32 \(--precision bf16).*, MoE all_to_alls in bf16", out) or \
-            "held-out loss" not in out or not re.search(r"optimizer: .*, gradients reduced in bf16", out):
+            "held-out loss" not in out or not re.search(r"optimizer: .*, gradients reduced in bf16, bf16 weights with fp32 masters", out):
         problems.append(f"--precision bf16 --gradient-wire bf16: exit {code}:\n{out[-1500:]}")
-    # The all_to_alls' wire apart from the GEMMs' precision, both ways.
-    for args, bf16_gemms, bf16_wire in [(["--all-to-all-wire", "bf16"], False, True),
-                                        (["--precision", "bf16", "--all-to-all-wire", "f32"], True, False)]:
-        code, out = run(base + ["--steps", "1", "--sample-bytes", "0", "--eval-every", "0"] + args + small)
+    # The all_to_alls' and the weights' wires apart from the GEMMs' precision, both ways.
+    for args, bf16_gemms, bf16_wire, bf16_weights in [
+            (["--all-to-all-wire", "bf16", "--weight-wire", "bf16"], False, True, True),
+            (["--precision", "bf16", "--all-to-all-wire", "f32"], True, False, True),
+            (["--precision", "bf16", "--weight-wire", "f32"], True, True, False)]:
+        code, out = run(base + ["--steps", "2", "--sample-bytes", "0", "--eval-every", "0"] + args + small)
         machine = next((l for l in out.splitlines() if l.startswith("machine: ")), "")
+        optimizer = next((l for l in out.splitlines() if l.startswith("optimizer: ")), "")
         if code != 0 or (", MoE all_to_alls in bf16" in machine) != bf16_wire or \
-                bool(re.search(r"gemm \w+ in (bf16|fp32 \(--precision bf16)", machine)) != bf16_gemms:
-            problems.append(f"{' '.join(args)}: exit {code}, machine line '{machine}':\n{out[-1500:]}")
+                bool(re.search(r"gemm \w+ in (bf16|fp32 \(--precision bf16)", machine)) != bf16_gemms or \
+                (", bf16 weights with fp32 masters" in optimizer) != bf16_weights:
+            problems.append(f"{' '.join(args)}: exit {code}, machine line '{machine}', optimizer line '{optimizer}':\n{out[-1500:]}")
     code, out = run(base + [indexed, "--steps", "2", "--sample-bytes", "0"] + SMALL)
     if code != 0 or f"text: {indexed}, 20 dictionary entries (by its .index) ({held_words} held out" not in out:
         problems.append(f"a dictionary with its index: exit {code}:\n{out[-1500:]}")
@@ -377,6 +382,14 @@ def main() -> int:
     if code != 0 or code2 != 0 or f"resumed {factored} at step 2" not in out2 or "optimizer: Adafactor" not in out2 or \
             code3 in (None, 0) or "holds the state of --optimizer adafactor, but this run uses --optimizer adam" not in out3:
         problems.append(f"Adafactor saved and resumed: exits {code}, {code2}, {code3}:\n{out[-800:]}\n{out2[-800:]}\n{out3[-800:]}")
+    # Weights in fp32 resumed as bf16 (the masters taken from the weights),
+    # and bf16 weights with their masters resumed in fp32.
+    code6, out6 = run(base + small + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0",
+                                      "--weight-wire", "bf16", "--stop-after", "3", "--save", factored])
+    code7, out7 = run(base + small + ["--optimizer", "adafactor", "--steps", "4", "--resume", factored, "--sample-bytes", "0"])
+    if code6 != 0 or code7 != 0 or f"resumed {factored} at step 2" not in out6 or ", bf16 weights with fp32 masters" not in out6 or \
+            f"resumed {factored} at step 3" not in out7 or "bf16 weights" in out7:
+        problems.append(f"fp32 weights resumed as bf16 and back: exits {code6}, {code7}:\n{out6[-800:]}\n{out7[-800:]}")
     return verdict(problems, 2)
 
 

@@ -3,7 +3,8 @@
 // "model", a replicated table) against a double reference of its formulas
 // written here on the global tensors, at every mesh, with the replicated and
 // the sharded weight update; the collectives of one update, exactly; its
-// state through a checkpoint to another rank count; misuse.
+// state through a checkpoint to another rank count; misuse. And the masters
+// Adam and Adafactor keep for bf16 weights, on the same zoo.
 #include <gshard/gshard.hpp>
 
 #include <cmath>
@@ -301,6 +302,121 @@ TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the
   adam other({}, b.ps);
   save_checkpoint(mine, self, {{"param.", &b.ps.values()}, {"adam.m.", &other.moment1()}});
   GSHARD_REQUIRE_THROWS_WITH(load_checkpoint(mine, self, parts(b, bo)), checkpoint_error, "no record 'adafactor.v_row.norm'");
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("bf16 weights: the optimizers' masters are the fp32 weights of the same updates, at every rank count, update "
+          "sharding and through checkpoints; the weights are their rounding, gathered in half the bytes",
+          "[train][adafactor][bf16]") {
+  // The gradients are set, not computed, so the fp32 weights of a run with
+  // weight_wire same and the masters of one with weight_wire bf16 take the
+  // same arithmetic: equal to the bit on one mesh. Adam's update is element
+  // by element, so without clipping it is also bit-identical at 1 rank and
+  // at P; Adafactor's factors and RMS are sums over ranks, in other orders.
+  const int P = world_size();
+  grid3 m(MPI_COMM_WORLD, data_expert_model_sizes(P)), self(MPI_COMM_SELF, {1, 1, 1});
+  const shard_weight_update<default_roles::batch> sharded;
+  adam_config ac;
+  ac.lr = 0.05, ac.warmup_steps = 2, ac.total_steps = 6, ac.weight_decay = 0.1, ac.clip_norm = 0;
+  adafactor_config fc;
+  fc.lr = 0.05, fc.warmup_steps = 2, fc.total_steps = 6, fc.beta1 = 0.5, fc.scale_parameter = true;
+  const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_masters_test_" + std::to_string(P))).string();
+  if (world_rank() == 0) std::filesystem::create_directories(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  using zoo = weight_zoo<grid3, float>;
+  const auto run = [&]<class Opt>(const typename Opt::config_type& cfg, const zoo_sizes& sizes, bool in_blocks) {
+    constexpr bool elementwise = std::is_same_v<Opt, adam>;
+    INFO((elementwise ? "adam" : "adafactor") << (sizes.e == E ? "" : ", extents that do not divide")
+                                              << (in_blocks ? ", sharded update" : ", replicated update"));
+    const auto make = [&](const grid3& g, wire w) {
+      auto z = in_blocks ? std::make_unique<zoo>(g, sizes, sharded) : std::make_unique<zoo>(g, sizes);
+      if (sizes.e != E) z->ps.set_bucket_bytes(64);
+      z->ps.set_weight_wire(w);
+      return z;
+    };
+    auto f32 = make(m, wire::same), b16 = make(m, wire::bf16), one = make(self, wire::bf16);
+    Opt o32(cfg, f32->ps), o16(cfg, b16->ps), o1(cfg, one->ps);
+    // The masters' bytes are the optimizer's: a whole shard for each weight
+    // updated as itself (a sharded update's blocks were there already).
+    std::size_t extra = 0;
+    for (std::size_t i = 0; i < b16->ps.size(); ++i)
+      if (!b16->ps.grads()[i].as_sharded()) extra += b16->ps.values()[i].local_bytes();
+    GSHARD_REQUIRE(o16.state_bytes() == o32.state_bytes() + extra);
+    std::size_t gathered32 = 0, gathered16 = 0;
+    const auto steps = [&](std::vector<std::pair<zoo*, Opt*>> runs, int from, int to) {
+      for (int t = from; t < to; ++t) {
+        if (t == 3)  // the program writes weights: a replicated vector, and a table a sharded update holds in blocks
+          for (auto [z, o] : runs)
+            for (const char* name : {"norm", "table"})
+              for (float& x : z->ps.values().find(name)->f32()) x = 0.75f + 0x1p-12f;
+        for (auto [z, o] : runs) {
+          set_grads(z->ps, t);
+          collective_recorder rec;
+          o->update(z->ps);
+          for (const auto& e : rec.events())
+            if (e.kind == collective::all_gather) (z == f32.get() ? gathered32 : gathered16) += e.bytes;
+        }
+      }
+    };
+    steps({{f32.get(), &o32}, {b16.get(), &o16}, {one.get(), &o1}}, 0, 6);
+    INFO("bytes all_gathered: " << gathered32 << " in fp32, " << gathered16 << " in bf16");
+    GSHARD_REQUIRE(2 * gathered16 == gathered32);
+    if (in_blocks && m.size(0) * m.size(1) > 1) GSHARD_REQUIRE(gathered16 > 0);
+    // Each run's weights are its masters rounded, and its masters the fp32
+    // run's weights: to the bit where the arithmetic is the same.
+    bool finer = false;  // some master holds what its bf16 weight cannot
+    const auto check = [&](zoo& z, Opt& o, bool same_arithmetic, const char* what) {
+      for (std::size_t i = 0; i < z.ps.size(); ++i) {
+        const auto want = global_values(f32->ps.values()[i]), w = global_values(z.ps.values()[i]);
+        const auto master = global_values(*o.masters().find(z.ps.name(i)));
+        bool rounding = world_rank() != 0 || (w.size() == want.size() && master.size() == want.size());
+        double worst = 0;
+        for (std::size_t k = 0; rounding && k < want.size(); ++k) {  // rank 0 holds the global tensors
+          rounding = w[k] == double(float(bf16(float(master[k]))));
+          finer = finer || w[k] != master[k];
+          worst = std::max(worst, std::abs(master[k] - want[k]) / std::max(1e-3, std::abs(want[k])));
+        }
+        INFO(what << ": " << z.ps.name(i) << ": worst relative difference from the fp32 run's weights " << worst);
+        GSHARD_REQUIRE(rounding);
+        GSHARD_REQUIRE(worst <= (same_arithmetic ? 0.0 : 1e-5));
+      }
+    };
+    check(*b16, o16, true, "bf16 weights");
+    check(*one, o1, elementwise, "bf16 weights at 1 rank");
+    GSHARD_REQUIRE((finer || world_rank() != 0));
+    // Through a checkpoint: saved at P ranks, resumed at 1 with the masters;
+    // an fp32 run's checkpoint (no masters) resumed with bf16 weights, whose
+    // masters then take the weights loaded.
+    const auto parts = [](zoo& z, Opt& o) {
+      auto p = o.state_parts();
+      p.push_back({"param.", &z.ps.values()});
+      return p;
+    };
+    save_checkpoint(dir + "/bf16.ckpt", m, parts(*b16, o16), {{"step", 6.0}});
+    save_checkpoint(dir + "/f32.ckpt", m, parts(*f32, o32), {{"step", 6.0}});
+    auto from16 = make(self, wire::bf16), from32 = make(self, wire::bf16);
+    Opt r16(cfg, from16->ps), r32(cfg, from32->ps);
+    r16.step = int(load_checkpoint(dir + "/bf16.ckpt", self, parts(*from16, r16)).at("step"));
+    r32.step = int(load_checkpoint(dir + "/f32.ckpt", self, parts(*from32, r32)).at("step"));
+    MPI_Barrier(MPI_COMM_WORLD);  // every rank has read the files before the next run writes them
+    steps({{f32.get(), &o32}, {from16.get(), &r16}, {from32.get(), &r32}}, 6, 8);
+    check(*from16, r16, elementwise, "resumed with masters at 1 rank");
+    check(*from32, r32, elementwise, "an fp32 run resumed with bf16 weights at 1 rank");
+  };
+  for (const zoo_sizes& sizes : {even_sizes, odd_sizes})
+    for (bool in_blocks : {false, true}) {
+      run.operator()<adam>(ac, sizes, in_blocks);
+      run.operator()<adafactor>(fc, sizes, in_blocks);
+    }
+  // The weight wire is the optimizer's state: changing it after is refused.
+  zoo z(self);
+  adam o({}, z.ps);
+  z.ps.set_weight_wire(wire::bf16);
+  set_grads(z.ps, 0);
+  GSHARD_REQUIRE_THROWS_WITH(o.update(z.ps), error,
+                             "gshard::adam: the parameters' weight wire is wire::bf16 but the optimizer was built when it was "
+                             "wire::same (the masters are its state); set it before building the optimizer");
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -316,13 +316,15 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   const int P = world_size();
   const index_t B = 2 * P + 1, L = 6;
   auto ran_with = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket, auto optimizer_tag,
-                      wire gradients = wire::same) {
+                      wire gradients = wire::same, wire weights = wire::same) {
     using Mesh = std::remove_cvref_t<decltype(m)>;
     constexpr bool factored = std::is_same_v<decltype(optimizer_tag), adafactor_config>;
     using run_t = trainer<float, Mesh, default_roles, std::conditional_t<factored, adafactor, adam>>;
     run_t run = sharded ? run_t(m, c, 3, optimizer_tag, shard_weight_update<default_roles::batch>{}) : run_t(m, c, 3, optimizer_tag);
     run.ps.set_bucket_bytes(bucket);
     run.ps.set_gradient_wire(gradients);
+    run.ps.set_weight_wire(weights);
+    if (weights == wire::bf16) run.opt = decltype(run.opt)(optimizer_tag, run.ps);  // built anew: with masters
     const auto tokens = run.tokens(some_tokens(B, L));
     collective_recorder rec;
     const double f0 = model_flops();
@@ -331,7 +333,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     const auto ms = gshard::testing::cost_mesh(m);
     const model::cost::step_options opts{B, L, sharded, int(sizeof(float)), bucket,
                                          factored ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam,
-                                         factored && optimizer_tag.beta1 > 0, 0, gradients};
+                                         factored && optimizer_tag.beta1 > 0, 0, gradients, weights};
     const auto w = model::cost::count_step(c, ms, opts);
     // The default count, at coordinate 0, is the busiest rank's: the most
     // collective bytes, state and local FLOPs of any rank.
@@ -352,7 +354,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     // The declared weights, and the state's bytes on this rank.
     const std::string weight_diff = gshard::testing::weight_difference(run.ps, model::cost::weights(c, ms.has_model_axis), ms, sizeof(float));
     INFO(m.describe() << (sharded ? ", sharded update" : ", replicated update") << (c.experts == 0 ? ", dense" : "")
-                      << (factored ? ", Adafactor" : ", Adam")
+                      << (factored ? ", Adafactor" : ", Adam") << (weights == wire::bf16 ? ", bf16 weights" : "")
                       << ", buckets of " << bucket << " B"
                       << "\nran: " << text(seen) << "\nwant: " << text(want) << "\nmodel FLOPs " << flops << " counted "
                       << w.model_flops << "\n" << weight_diff);
@@ -363,9 +365,11 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
     GSHARD_REQUIRE(double(run.ps.grads().local_bytes()) == w.gradient_bytes);
     GSHARD_REQUIRE(double(run.opt.state_bytes()) == w.optimizer_bytes);
   };
-  // A config whose all_to_alls carry bf16 runs with its gradients' reductions in bf16 too.
+  // A config whose all_to_alls carry bf16 runs with its gradients' reductions
+  // and its weights in bf16 too (the updated weights gathered in bf16, fp32
+  // masters in Adam's state).
   auto ran = [&](const auto& m, const model::config& c, bool sharded, std::size_t bucket = default_bucket_bytes) {
-    ran_with(m, c, sharded, bucket, adam_config{}, c.all_to_all_wire);
+    ran_with(m, c, sharded, bucket, adam_config{}, c.all_to_all_wire, c.all_to_all_wire);
   };
   auto shared_top1 = tiny(ffn_kind::swiglu);
   shared_top1.shared_experts = 1, shared_top1.gating.top_k = 1;
@@ -374,7 +378,7 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
   dense.experts = 0, dense.slot_hidden = 16;
   auto piped = tiny();
   piped.overlap_degree = 3;  // three all_to_alls (and all_reduces over "model") where one was, the same bytes
-  piped.all_to_all_wire = wire::bf16;  // ... and those bytes halved, and the gradients': bf16 on the wire
+  piped.all_to_all_wire = wire::bf16;  // ... and those bytes halved, and the gradients' and weights': bf16 on the wire
   auto uneven_heads = tiny();
   uneven_heads.heads = 3, uneven_heads.hidden = 13;
   const index_t d = P % 2 == 0 && P > 2 ? 2 : 1, e = P / d;
@@ -394,6 +398,9 @@ TEST_CASE("one training step runs exactly the collectives, FLOPs and state the c
       ran_with(grid2(MPI_COMM_WORLD, {d, e}), tiny(), sharded, default_bucket_bytes, af);
       ran_with(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(), sharded, default_bucket_bytes, af);
     }
+  for (bool sharded : {false, true})  // bf16 weights: Adafactor's masters too
+    ran_with(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), tiny(), sharded, default_bucket_bytes, with_moment,
+             wire::same, wire::bf16);
   // Gradients and gathers one collective per weight (0), and in buckets cut
   // at 1 KiB (a few weights each: the tiny model's are 32 B to 8 KiB), where
   // the order the gradients complete in decides the cuts (SwiGLU's two input

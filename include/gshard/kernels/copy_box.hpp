@@ -1,9 +1,11 @@
 // gshard/kernels/copy_box.hpp — copy an n-d box between row-major arrays: the
 // one routine behind every slice, pack and unpack (trailing dims that the box
 // covers whole in both arrays merge into one contiguous run, memcpy). And the
-// bf16 wire's conversions: which tensors it narrows, and the converting loop.
+// bf16 wire's conversions: which tensors it narrows, the converting loop, and
+// rounding through bf16 in place (what a weight kept as bf16 holds).
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -65,6 +67,33 @@ template <class From, class To>
 void convert_elements(const From* from, std::size_t n, To* to) {
   Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to, Eigen::Index(n)) =
       Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from, Eigen::Index(n)).template cast<To>();
+}
+
+// to[i] = from[i] rounded to bf16 and widened back (`to` may be `from`), in
+// blocks through a buffer on the stack: the values a bf16 copy holds, in T.
+template <class T>
+void round_through_bf16(const T* from, std::size_t n, T* to) {
+  constexpr std::size_t block = 1024;
+  bf16 narrow[block];
+  for (std::size_t at = 0; at < n; at += block) {
+    const std::size_t k = std::min(block, n - at);
+    convert_elements(from + at, k, narrow);
+    convert_elements(narrow, k, to + at);
+  }
+}
+
+// Whether rounding `from` through bf16 gives `to`, bit for bit (a NaN
+// compares by its bits too).
+template <class T>
+bool rounds_to(const T* from, const T* to, std::size_t n) {
+  constexpr std::size_t block = 512;
+  T rounded[block];
+  for (std::size_t at = 0; at < n; at += block) {
+    const std::size_t k = std::min(block, n - at);
+    round_through_bf16(from + at, k, rounded);
+    if (std::memcmp(rounded, to + at, k * sizeof(T)) != 0) return false;
+  }
+  return true;
 }
 
 // Whether `w` sends a tensor of T as bf16: for float and double; bf16

@@ -224,6 +224,7 @@ struct step_options {
   bool first_moment = false;      // Adafactor with beta1 > 0
   index_t source = 0;             // an encoder–decoder's source positions (its decoder runs `seq`)
   wire gradient_wire = wire::same;  // parameters::gradient_wire(): bf16, the gradients' reductions in 2-byte elements
+  wire weight_wire = wire::same;    // parameters::weight_wire(): bf16, fp32 masters kept and the updated weights gathered in 2-byte elements
 };
 
 namespace detail_cost {
@@ -343,7 +344,8 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
     const double g = double(local_elements(target, x.extents, m)) * f;
     w.parameter_bytes += double(local_elements(x.layout, x.extents, m)) * f;
     w.gradient_bytes += g;
-    const double block = target == x.layout ? 0 : g;  // the weight's block a sharded update works on
+    // The weight's block a sharded update works on, or the master of a bf16 weight.
+    const double block = target == x.layout && o.weight_wire != wire::bf16 ? 0 : g;
     if (o.optimizer == optimizer_kind::adam) {
       w.optimizer_bytes += 2 * g + block;  // the moments
       continue;
@@ -383,7 +385,7 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
   for (auto& b : open) run(b);
   open.clear();
   for (std::size_t i = 0; i < ws.size(); ++i)
-    if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights", f);
+    if (!(targets[i] == ws[i].layout)) reduce(ws[i], targets[i], ws[i].layout, "updated weights", bytes_on(o.weight_wire, f));
   for (auto& b : open) run(b);
 }
 

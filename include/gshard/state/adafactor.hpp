@@ -66,7 +66,7 @@ struct adafactor_config {
 class adafactor final : public optimizer {
  public:
   using config_type = adafactor_config;
-  adafactor(const adafactor_config& c, parameters_base& ps) : cfg(c), owner_(&ps) {
+  adafactor(const adafactor_config& c, parameters_base& ps) : cfg(c), owner_(&ps), targets_(ps) {
     check_config(c);
     const detail::mesh_base& m = ps.mesh();
     for (std::size_t i = 0; i < ps.size(); ++i) {
@@ -75,7 +75,6 @@ class adafactor final : public optimizer {
       weights_.push_back({});
       auto& w = weights_.back();
       w.rank = rank;
-      w.block = g.as_sharded() ? g.zeros(g.name()) : nullptr;
       if (c.beta1 > 0) m_.add_entry(g.zeros(g.name()));
       if (rank < 2) {
         rows_.add_entry(g.zeros(g.name()));
@@ -105,13 +104,13 @@ class adafactor final : public optimizer {
   std::vector<checkpoint_part> state_parts() override {
     std::vector<checkpoint_part> p{{"adafactor.v_row.", &rows_}, {"adafactor.v_col.", &cols_}};
     if (cfg.beta1 > 0) p.push_back({"adafactor.m.", &m_});
+    if (masters().size() > 0) p.push_back({"adafactor.master.", &masters(), true});
     return p;
   }
+  // The masters of bf16 weights (parameters::weight_wire), when it keeps them.
+  tensor_set& masters() { return targets_.masters(); }
   std::size_t state_bytes() override {
-    std::size_t b = rows_.local_bytes() + cols_.local_bytes() + m_.local_bytes();
-    for (auto& w : weights_)
-      if (w.block) b += w.block->local_bytes();
-    return b;
+    return rows_.local_bytes() + cols_.local_bytes() + m_.local_bytes() + targets_.bytes();
   }
 
   std::pair<double, double> update(parameters_base& ps) override {
@@ -120,6 +119,7 @@ class adafactor final : public optimizer {
       throw error("gshard::adafactor: beta1 is " + text(cfg.beta1) +
                   " but the optimizer was built with beta1 0 (no first moments); set it before building the optimizer");
     check_config(cfg);
+    targets_.check(ps, name());
     const detail::mesh_base& mesh = ps.mesh();
     const double norm = global_norm(ps.grads(), mesh);
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
@@ -132,8 +132,7 @@ class adafactor final : public optimizer {
     for (std::size_t i = 0; i < weights_.size(); ++i) {
       auto& w = weights_[i];
       auto& g = ps.grads()[i];
-      if (w.block) w.block->as_sharded()->slice_from(ps.values()[i]);
-      detail::set_entry& value = w.block ? *w.block : ps.values()[i];
+      detail::set_entry& value = targets_.target(i, ps);
       const double rep = double(g.replication());
       // By the element type, not by which span holds elements: a block of a
       // split that does not divide may be empty on this rank, and its
@@ -148,13 +147,13 @@ class adafactor final : public optimizer {
       if (w.rank >= 2) ++col;
     }
     all_reduce<double>(mesh.all_axes(), sums);
-    detail::buckets<float> f32(mesh, ps.bucket_bytes(), ps.bucket_memory<float>());
-    detail::buckets<double> f64(mesh, ps.bucket_bytes(), ps.bucket_memory<double>());
+    detail::buckets<float> f32(mesh, ps.bucket_bytes(), ps.bucket_memory<float>(), targets_.weights());
+    detail::buckets<double> f64(mesh, ps.bucket_bytes(), ps.bucket_memory<double>(), targets_.weights());
     col = 0;
     for (std::size_t i = 0; i < weights_.size(); ++i) {
       auto& w = weights_[i];
       auto& g = ps.grads()[i];
-      detail::set_entry& value = w.block ? *w.block : ps.values()[i];
+      detail::set_entry& value = targets_.current(i, ps);
       double n = 1;
       for (index_t e : g.extents()) n *= double(e);
       const double rms_u = std::sqrt(sums[2 * i] / n), rms_w = std::sqrt(sums[2 * i + 1] / n);
@@ -166,9 +165,7 @@ class adafactor final : public optimizer {
       if (g.element_bytes() == 4) apply(value.f32(), g.f32(), cfg.beta1 > 0 ? m_[i].f32() : std::span<float>{});
       else apply(value.f64(), g.f64(), cfg.beta1 > 0 ? m_[i].f64() : std::span<double>{});
       if (w.rank >= 2) ++col;
-      if (!w.block) continue;
-      detail::gather_block(*w.block->as_sharded(), ps.values()[i], ps.mesh(), f32, f64, ps.bucket_bytes() > 0);
-      detail::progress_in_flight();  // a started gather travels while the next weights update
+      targets_.publish(i, ps, f32, f64, ps.bucket_bytes() > 0);
     }
     f32.flush();
     f64.flush();
@@ -181,7 +178,6 @@ class adafactor final : public optimizer {
     index_t rows = 1, cols = 1, local_rows = 1, local_cols = 1;  // the last two dims, global and on this rank
     index_t lead = 1;  // the leading dims' elements on this rank (an expert stack's local experts)
     std::uint32_t row_axes = 0, col_axes = 0;  // the axes (of size > 1) splitting the last dim, and the second-to-last
-    std::unique_ptr<detail::set_entry> block;  // the weight's block when the update is sharded
     std::vector<double> mean_r;                // per leading index on this rank: mean(R), from the factors to the update
   };
 
@@ -339,6 +335,7 @@ class adafactor final : public optimizer {
   const void* owner_;
   std::vector<weight_state> weights_;
   tensor_set rows_, cols_, m_;
+  detail::update_targets targets_;
   std::vector<double> sums_;  // one weight's row sums, then its column sums and Σ R, before their all_reduce
   std::vector<float> inv_c_f32_;
   std::vector<double> inv_c_f64_;

@@ -8,6 +8,7 @@
 //   save_checkpoint(path, mesh, parts, meta);  meta = load_checkpoint(path, mesh, parts);
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -204,8 +205,9 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 }
 
 // Loads into `parts` (which must have the saved names, element types and
-// global shapes; their shardings may differ from the saved ones) and returns
-// the metadata. A record under a part's prefix that no part has is refused
+// global shapes; their shardings may differ from the saved ones; a part
+// marked optional may lack records, whose tensors keep their values) and
+// returns the metadata. A record under a part's prefix that no part has is refused
 // too; records under other prefixes are not read. The root's checks, the
 // one agreement on them and the broadcasts run in this order so that every
 // rank throws the same error or none.
@@ -225,6 +227,7 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
         if (!problem.empty()) break;
         const auto it = records.find(part.prefix + t->name());
         if (it == records.end()) {
+          if (part.optional) continue;
           problem = "no record '" + part.prefix + t->name() + "'";
           break;
         }
@@ -267,9 +270,22 @@ inline std::map<std::string, double> load_checkpoint(const std::string& path, co
     out[lines.substr(pos, eq - pos)] = std::strtod(lines.c_str() + eq + 1, nullptr);
     pos = eol + 1;
   }
+  // Which records of optional parts the file has ('1' each, in the parts'
+  // order), rank 0's answer for all: only those are scattered.
+  std::string present;
+  if (std::any_of(parts.begin(), parts.end(), [](const checkpoint_part& p) { return p.optional; })) {
+    if (root)
+      for (const auto& part : parts)
+        if (part.optional)
+          for (auto& t : *part.set) present += records.count(part.prefix + t->name()) ? '1' : '0';
+    present = broadcast_text(m.all_axes(), present);
+  }
+  std::size_t optional_at = 0;
   for (const auto& part : parts)
-    for (auto& t : *part.set)  // each into this program's sharding
+    for (auto& t : *part.set) {  // each into this program's sharding
+      if (part.optional && present[optional_at++] == '0') continue;
       t->scatter_from_root(root ? file.data() + records.at(part.prefix + t->name()).offset : nullptr);
+    }
   return out;
 }
 

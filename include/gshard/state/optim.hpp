@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "gshard/state/parameters.hpp"
+#include "gshard/state/update_targets.hpp"
 #include "gshard/state/weight_update.hpp"
 #include "gshard/state/buckets.hpp"
 #include "gshard/runtime/collectives.hpp"
@@ -133,27 +134,27 @@ class adam final : public optimizer {
  public:
   using config_type = adam_config;
   adam(const adam_config& c, parameters_base& ps)
-      : cfg(c), owner_(&ps), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()) {
-    for (auto& g : ps.grads()) weight_block_.push_back(g->as_sharded() ? g->zeros(g->name()) : nullptr);
-  }
+      : cfg(c), owner_(&ps), m_(ps.grads().zeros_like()), v_(ps.grads().zeros_like()), targets_(ps) {}
 
   adam_config cfg;
 
   std::string_view name() const override { return "adam"; }
   tensor_set& moment1() { return m_; }
   tensor_set& moment2() { return v_; }
-  std::vector<checkpoint_part> state_parts() override { return {{"adam.m.", &m_}, {"adam.v.", &v_}}; }
-  // This rank's bytes of Adam's state: both moments, and the weight blocks
-  // a sharded update works on.
-  std::size_t state_bytes() override {
-    std::size_t b = m_.local_bytes() + v_.local_bytes();
-    for (auto& w : weight_block_)
-      if (w) b += w->local_bytes();
-    return b;
+  // The masters of bf16 weights (parameters::weight_wire), when it keeps them.
+  tensor_set& masters() { return targets_.masters(); }
+  std::vector<checkpoint_part> state_parts() override {
+    std::vector<checkpoint_part> p{{"adam.m.", &m_}, {"adam.v.", &v_}};
+    if (masters().size() > 0) p.push_back({"adam.master.", &masters(), true});
+    return p;
   }
+  // This rank's bytes of Adam's state: both moments, and the weight blocks
+  // a sharded update works on or the masters of bf16 weights.
+  std::size_t state_bytes() override { return m_.local_bytes() + v_.local_bytes() + targets_.bytes(); }
 
   std::pair<double, double> update(parameters_base& ps) override {
     check_owner(ps, owner_, m_.size());
+    targets_.check(ps, name());
     const double norm = global_norm(ps.grads(), ps.mesh());
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
     const double lr = cfg.lr_at(step);
@@ -161,19 +162,16 @@ class adam final : public optimizer {
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
     // A sharded update runs on this rank's block of the weight and
     // all_gathers the updated blocks — in buckets of weights whose gathers
-    // take the same steps (gshard/state/buckets.hpp); otherwise on the whole local shard.
-    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<float>());
-    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<double>());
+    // take the same steps (gshard/state/buckets.hpp); otherwise on the whole
+    // local shard, or on its master (gshard/state/update_targets.hpp).
+    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<float>(), targets_.weights());
+    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<double>(), targets_.weights());
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
-      auto* block = weight_block_[i] ? weight_block_[i]->as_sharded() : nullptr;
-      if (block) block->slice_from(ps.values()[i]);
-      detail::set_entry& w = block ? static_cast<detail::set_entry&>(*block) : ps.values()[i];
+      detail::set_entry& w = targets_.target(i, ps);
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
-      if (!block) continue;
-      detail::gather_block(*block, ps.values()[i], ps.mesh(), f32, f64, ps.bucket_bytes() > 0);
-      detail::progress_in_flight();  // a started gather travels while the next weights update
+      targets_.publish(i, ps, f32, f64, ps.bucket_bytes() > 0);
     }
     f32.flush();
     f64.flush();
@@ -213,7 +211,7 @@ class adam final : public optimizer {
 
   const void* owner_;
   tensor_set m_, v_;
-  std::vector<std::unique_ptr<detail::set_entry>> weight_block_;  // per parameter: its block when the update is sharded
+  detail::update_targets targets_;
 };
 
 }  // namespace gshard

@@ -83,9 +83,20 @@ class parameters_base {
   // gradient to bf16 once (at every rank count: 1 rank's too), adds the
   // parts in fp32 and rounds the sum once — half the bytes of fp32, each
   // gradient element within about 2⁻⁸ of the sum of its parts' magnitudes.
-  // The weights, their gathers and the optimizer stay in their own type.
+  // The optimizer stays in the weights' type; what the weights and their
+  // gathers hold is weight_wire()'s.
   wire gradient_wire() const { return gradient_wire_; }
   void set_gradient_wire(wire w) { gradient_wire_ = w; }
+  // What the weights the model computes with hold, and what the sharded
+  // update's all_gathers carry (PyTorch FSDP's param_dtype): wire::bf16
+  // makes each weight the bf16 rounding of an fp32 (f64 for a double
+  // weight) master that the optimizer keeps, updates and checkpoints — at
+  // every rank count, 1 rank's too, so 1 rank computes with the values P
+  // ranks gather. The gathers carry half fp32's bytes, and updates smaller
+  // than a bf16 unit add up in the master. Set it before the optimizer is
+  // built: the masters are the optimizer's state.
+  wire weight_wire() const { return weight_wire_; }
+  void set_weight_wire(wire w) { weight_wire_ = w; }
   // The buckets' buffers, kept from step to step (the tape's gradient
   // buckets and the optimizer's gathers take theirs from here).
   template <class T>
@@ -162,6 +173,7 @@ class parameters_base {
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
   wire gradient_wire_ = wire::same;
+  wire weight_wire_ = wire::same;
   std::shared_ptr<detail::bucket_memory<float>> f32_bucket_memory_ = std::make_shared<detail::bucket_memory<float>>();
   std::shared_ptr<detail::bucket_memory<double>> f64_bucket_memory_ = std::make_shared<detail::bucket_memory<double>>();
   tensor_set values_, grads_, buffers_;
@@ -246,7 +258,7 @@ class param {
     if (!g.as_sharded()) return owner_->grads().template at<X>(index_);
     X whole(value().mesh(), value().extents());
     detail::set_entry_of<X> w(name(), std::move(whole));
-    g.as_sharded()->gather_into(w);
+    g.as_sharded()->gather_into(w, wire::same);
     return std::move(w.value());
   }
   const std::string& name() const { return owner_->name(index_); }

@@ -188,6 +188,9 @@ class tensor_set {
 struct checkpoint_part {
   std::string prefix;
   tensor_set* set;
+  // Records a file may lack: loading leaves those tensors as they are (an
+  // optimizer's masters, which then follow the weights loaded).
+  bool optional = false;
 };
 
 }  // namespace gshard

@@ -74,8 +74,13 @@ class sharded_entry : public set_entry {
   // This rank's block of `weight` (the entry of the same name in the
   // parameters' values): a local copy.
   virtual void slice_from(set_entry& weight) = 0;
-  // Every rank's block into `weight`: all_gathers over the update axes.
-  virtual void gather_into(set_entry& weight) const = 0;
+  // Keeps the block while `weight` holds it rounded through bf16 (the
+  // block is the fp32 master of a bf16 weight), else slices it from
+  // `weight` (which was set elsewhere: initialised, loaded, written).
+  virtual void follow(set_entry& weight) = 0;
+  // Every rank's block into `weight`: all_gathers over the update axes,
+  // carrying `w` (wire::bf16: every block, this rank's too, rounded).
+  virtual void gather_into(set_entry& weight, wire w) const = 0;
   // The steps gather_into runs, from this layout to the weight's.
   virtual const reshard_steps& gather_plan() const = 0;
 };
@@ -131,10 +136,15 @@ class update_shard final : public sharded_entry {
     const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
     std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
   }
+  void follow(set_entry& weight) override {
+    const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
+    if (!rounds_to(local_.data(), block.data(), std::size_t(block.size())))
+      std::copy(block.data(), block.data() + block.size(), local_.data());
+  }
   const reshard_steps& gather_plan() const override { return to_weight_; }
-  void gather_into(set_entry& weight) const override {
+  void gather_into(set_entry& weight, wire on) const override {
     X& dst = weight_of(weight);
-    const auto w = execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_);
+    const auto w = execute_reshard_on<T, R>(on, *mesh_, to_weight_, local_, extents_);
     std::copy(w.data(), w.data() + w.size(), dst.local().data());
   }
 
@@ -182,13 +192,14 @@ std::unique_ptr<set_entry> zero_factor(std::string name, const mesh_base& m, con
 // The one way an updated block returns to its weight: its plan's
 // all_gathers through the buckets (one collective per step for many weights,
 // gshard/state/buckets.hpp) when `bucketed` and the plan's steps stack with
-// every block of one size (plan_even), else alone. Every rank calls it for
-// the same weights in the same order, and decides alike.
+// every block of one size (plan_even), else alone — carrying `w`, which the
+// buckets carry too. Every rank calls it for the same weights in the same
+// order, and decides alike.
 inline void gather_block(sharded_entry& block, set_entry& weight, const mesh_base& m, buckets<float>& f32, buckets<double>& f64,
-                         bool bucketed) {
+                         bool bucketed, wire w) {
   const std::vector<index_t> extents = block.extents();
   if (!bucketed || !bucketable(block.gather_plan(), extents.data(), int(extents.size()), m.sizes())) {
-    block.gather_into(weight);
+    block.gather_into(weight, w);
     return;
   }
   auto gather = [&](auto& into, auto from, auto to) {
