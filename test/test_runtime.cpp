@@ -1,6 +1,7 @@
 // The runtime floor: a mesh bound to the world, the raw collectives and
 // their non-blocking forms — what MPI defines, counted, and the errors
 // users see, on every rank alike.
+#include <gshard/core/bf16.hpp>
 #include <gshard/core/counters.hpp>
 #include <gshard/core/io.hpp>
 #include <gshard/runtime/collectives.hpp>
@@ -9,6 +10,7 @@
 #include <gshard/layout/notation.hpp>
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -136,6 +138,36 @@ TEST_CASE("raw collectives compute what MPI defines and are counted", "[collecti
   std::vector<double> small(1);
   GSHARD_REQUIRE_THROWS_WITH(all_gather<double>(g, v, small), shape_error,
                              P == 1 ? "buffers of 5 and 1" : "do not fit a group of");
+}
+
+TEST_CASE("bf16 conversions in vector loops give Eigen's bfloat16(x) to the bit: ties, NaNs, infinities, subnormals",
+          "[bf16]") {
+  // Every pattern of the upper 16 bits with lower halves that make ties (to
+  // even, both ways), just below and above them, and the extremes; as
+  // floats and as doubles (rounded through fp32, as Eigen's); whole blocks
+  // and a tail; and back, exactly.
+  std::vector<float> f;
+  for (std::uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu})
+      f.push_back(std::bit_cast<float>(hi << 16 | lo));
+  f.push_back(1.0f);  // a tail after the blocks of 32
+  std::vector<bf16> mine(f.size());
+  detail::to_bf16(f.data(), f.size(), mine.data());
+  std::vector<double> d(f.begin(), f.end());
+  d.push_back(1.0 + 0x1p-8 + 0x1p-30);  // a double just above a tie: fp32 rounds it to the tie first, as Eigen
+  std::vector<bf16> from_double(d.size());
+  detail::to_bf16(d.data(), d.size(), from_double.data());
+  std::size_t wrong = 0, wrong_double = 0, wrong_back = 0;
+  std::vector<float> back(f.size());
+  detail::from_bf16(mine.data(), mine.size(), back.data());
+  for (std::size_t i = 0; i < f.size(); ++i) {
+    wrong += mine[i].value != bf16(f[i]).value;
+    wrong_back += std::bit_cast<std::uint32_t>(back[i]) != std::uint32_t(mine[i].value) << 16;
+  }
+  for (std::size_t i = 0; i < d.size(); ++i) wrong_double += from_double[i].value != bf16(d[i]).value;
+  INFO(wrong << " of " << f.size() << " floats, " << wrong_double << " doubles differ from Eigen's; " << wrong_back
+             << " widened wrong");
+  GSHARD_REQUIRE((wrong == 0 && wrong_double == 0 && wrong_back == 0));
 }
 
 TEST_CASE("bf16 collectives: 16-bit words on the wire, every sum in fp32 in group-rank order and rounded once",

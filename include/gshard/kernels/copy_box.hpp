@@ -12,6 +12,7 @@
 
 #include <Eigen/Core>
 
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/error.hpp"
 #include "gshard/core/types.hpp"
 
@@ -61,12 +62,18 @@ void copy_box(const T* src, const index_t* src_ext, const index_t* src_off, T* d
   }
 }
 
-// to[i] = from[i] converted, for n elements (bf16 <-> fp32 or f64; to bf16
-// rounded to nearest even), in Eigen's vector loops.
+// to[i] = from[i] converted, for n elements (bf16 <-> fp32 or f64 in vector
+// loops, core/bf16.hpp; to bf16 rounded to nearest even; other pairs by Eigen).
 template <class From, class To>
 void convert_elements(const From* from, std::size_t n, To* to) {
-  Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to, Eigen::Index(n)) =
-      Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from, Eigen::Index(n)).template cast<To>();
+  constexpr bool from_real = std::is_same_v<From, float> || std::is_same_v<From, double>;
+  constexpr bool to_real = std::is_same_v<To, float> || std::is_same_v<To, double>;
+  if constexpr (std::is_same_v<From, To>) std::copy_n(from, n, to);
+  else if constexpr (std::is_same_v<To, bf16> && from_real) to_bf16(from, n, to);
+  else if constexpr (std::is_same_v<From, bf16> && to_real) from_bf16(from, n, to);
+  else
+    Eigen::Map<Eigen::Array<To, Eigen::Dynamic, 1>>(to, Eigen::Index(n)) =
+        Eigen::Map<const Eigen::Array<From, Eigen::Dynamic, 1>>(from, Eigen::Index(n)).template cast<To>();
 }
 
 // to[i] = from[i] rounded to bf16 and widened back (`to` may be `from`), in

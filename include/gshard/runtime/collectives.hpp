@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/counters.hpp"
 #include "gshard/core/options.hpp"
 #include "gshard/core/error.hpp"
@@ -119,17 +120,17 @@ inline constexpr bool sums_in_fp32 = !std::is_same_v<sum_t<T>, T>;
 
 // out = the P parts (part p at parts + p·chunk) combined in fp32, rounded once.
 inline void combine_parts(const bf16* parts, std::size_t chunk, int P, reduction op, bf16* out) {
-  using bf16s = Eigen::Array<bf16, Eigen::Dynamic, 1>;
-  thread_local Eigen::ArrayXf acc;
+  thread_local Eigen::ArrayXf acc, part;  // reused while the messages keep their size
   const auto n = Eigen::Index(chunk);
-  acc = Eigen::Map<const bf16s>(parts, n).cast<float>();
+  acc.resize(n), part.resize(n);
+  from_bf16(parts, chunk, acc.data());
   for (int p = 1; p < P; ++p) {
-    const auto part = Eigen::Map<const bf16s>(parts + std::size_t(p) * chunk, n).cast<float>();
+    from_bf16(parts + std::size_t(p) * chunk, chunk, part.data());
     if (op == reduction::sum) acc += part;
     else if (op == reduction::max) acc = acc.max(part);
     else acc = acc.min(part);
   }
-  Eigen::Map<bf16s>(out, n) = acc.cast<bf16>();
+  to_bf16(acc.data(), chunk, out);
 }
 
 // recv (chunk elements) = block g.rank of the group's sum of send (P·chunk elements).
