@@ -485,6 +485,29 @@ TEST_CASE("mixed precision: bf16 GEMMs train as fp32 does, at every rank count; 
   INFO(fp32 << " fp32 GEMMs, " << rounded << " in bf16");
   GSHARD_REQUIRE(fp32 == (native ? 6 * 3 : int(calls.size())));
   GSHARD_REQUIRE(rounded > (native ? 6 * 10 : -1));
+  // The trainers' --precision bf16: the weights bf16 copies of fp32 masters
+  // too, a sharded update gathering them in bf16.
+  auto with_masters = [&](const auto& m, bool sharded) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    using run_t = trainer<float, Mesh>;
+    const matmul_precision_scope s(matmul_precision::bf16);
+    run_t t = sharded ? run_t(m, c, 5, ac, shard_weight_update<default_roles::batch>{}) : run_t(m, c, 5, ac);
+    t.ps.set_weight_wire(wire::bf16);
+    t.opt = adam(ac, t.ps);  // built anew for bf16 weights: with masters
+    return t.steps(tok, 0, 6);
+  };
+  const auto masters_one = with_masters(grid2(MPI_COMM_SELF, {1, 1}), false);
+  const auto masters_many = with_masters(grid2(MPI_COMM_WORLD, {P % 2 == 0 && P > 2 ? 2 : 1, P % 2 == 0 && P > 2 ? P / 2 : P}), true);
+  double masters_vs_ranks = 0, masters_vs_f32 = 0;
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    masters_vs_ranks = std::max(masters_vs_ranks, std::abs(masters_one[i] - masters_many[i]) / masters_one[i]);
+    masters_vs_f32 = std::max(masters_vs_f32, std::abs(masters_one[i] - f32[i]) / f32[i]);
+  }
+  INFO("bf16 weights with fp32 masters: 1 rank vs " << P << " ranks (sharded update) " << masters_vs_ranks << "; vs fp32 "
+                                                    << masters_vs_f32);
+  GSHARD_REQUIRE(masters_vs_ranks < 0x1p-12);
+  GSHARD_REQUIRE(masters_vs_f32 < 0.02);
+  GSHARD_REQUIRE(masters_many.back() < masters_many.front());
   // Rematerialised, the blocks recompute in bf16 with the router in fp32
   // (its forward once more a step), and train as the kept blocks do.
   c.remat = {0, 1};
