@@ -415,7 +415,7 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
   c.gating.seed = o.seed;  // the random second expert
   c.dropout = o.dropout, c.label_smoothing = o.label_smoothing, c.dropout_seed = o.seed ^ 0xD509;
   parameters<grid> ps(m, o.seed);
-  ps.set_weight_wire(c.all_to_all_wire);  // bf16 weights with fp32 masters, with --precision bf16
+  ps.set_weight_wire(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same);  // with fp32 masters
   const net_t net(ps, c);
   const double lr = o.lr > 0 ? o.lr : o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   const auto opt = examples::make_optimizer("translate", o.optimizer, lr, std::max(1, o.steps / 20), o.steps, ps);

@@ -346,10 +346,9 @@ TEST_CASE("bf16 weights: the optimizers' masters are the fp32 weights of the sam
     std::size_t gathered32 = 0, gathered16 = 0;
     const auto steps = [&](std::vector<std::pair<zoo*, Opt*>> runs, int from, int to) {
       for (int t = from; t < to; ++t) {
-        if (t == 3)  // the program writes weights: a replicated vector, and a table a sharded update holds in blocks
+        if (t == 3)  // the program writes one element of a replicated vector, and of a table a sharded update holds in blocks
           for (auto [z, o] : runs)
-            for (const char* name : {"norm", "table"})
-              for (float& x : z->ps.values().find(name)->f32()) x = 0.75f + 0x1p-12f;
+            for (const char* name : {"norm", "table"}) z->ps.values().find(name)->f32()[0] = 0.75f + 0x1p-12f;
         for (auto [z, o] : runs) {
           set_grads(z->ps, t);
           collective_recorder rec;
@@ -385,9 +384,9 @@ TEST_CASE("bf16 weights: the optimizers' masters are the fp32 weights of the sam
     check(*b16, o16, true, "bf16 weights");
     check(*one, o1, elementwise, "bf16 weights at 1 rank");
     GSHARD_REQUIRE((finer || world_rank() != 0));
-    // Through a checkpoint: saved at P ranks, resumed at 1 with the masters;
-    // an fp32 run's checkpoint (no masters) resumed with bf16 weights, whose
-    // masters then take the weights loaded.
+    // Through a checkpoint: saved at P ranks, resumed with the masters at 1
+    // rank and at P (into blocks); an fp32 run's checkpoint (no masters)
+    // resumed with bf16 weights, whose masters then take the weights loaded.
     const auto parts = [](zoo& z, Opt& o) {
       auto p = o.state_parts();
       p.push_back({"param.", &z.ps.values()});
@@ -395,14 +394,16 @@ TEST_CASE("bf16 weights: the optimizers' masters are the fp32 weights of the sam
     };
     save_checkpoint(dir + "/bf16.ckpt", m, parts(*b16, o16), {{"step", 6.0}});
     save_checkpoint(dir + "/f32.ckpt", m, parts(*f32, o32), {{"step", 6.0}});
-    auto from16 = make(self, wire::bf16), from32 = make(self, wire::bf16);
-    Opt r16(cfg, from16->ps), r32(cfg, from32->ps);
+    auto from16 = make(self, wire::bf16), from32 = make(self, wire::bf16), here = make(m, wire::bf16);
+    Opt r16(cfg, from16->ps), r32(cfg, from32->ps), rm(cfg, here->ps);
     r16.step = int(load_checkpoint(dir + "/bf16.ckpt", self, parts(*from16, r16)).at("step"));
     r32.step = int(load_checkpoint(dir + "/f32.ckpt", self, parts(*from32, r32)).at("step"));
+    rm.step = int(load_checkpoint(dir + "/bf16.ckpt", m, parts(*here, rm)).at("step"));
     MPI_Barrier(MPI_COMM_WORLD);  // every rank has read the files before the next run writes them
-    steps({{f32.get(), &o32}, {from16.get(), &r16}, {from32.get(), &r32}}, 6, 8);
+    steps({{f32.get(), &o32}, {from16.get(), &r16}, {from32.get(), &r32}, {here.get(), &rm}}, 6, 8);
     check(*from16, r16, elementwise, "resumed with masters at 1 rank");
     check(*from32, r32, elementwise, "an fp32 run resumed with bf16 weights at 1 rank");
+    check(*here, rm, true, "resumed with masters at P ranks");
   };
   for (const zoo_sizes& sizes : {even_sizes, odd_sizes})
     for (bool in_blocks : {false, true}) {

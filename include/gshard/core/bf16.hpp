@@ -1,10 +1,9 @@
 // gshard/core/bf16.hpp — arrays converted between bf16 and fp32 or f64, in
 // loops the compiler vectorizes: to bf16 rounded to nearest even (a double
 // through fp32), a NaN kept as the quiet NaN of its sign — bit for bit
-// Eigen's bfloat16(x) —, and back exactly. Eigen's own array cast runs one
-// element at a time here (~1 ns each); these take ~0.1 ns (AVX-512 or AVX2).
-// Every GEMM that rounds its operands, every bf16 message and every bf16
-// sum goes through them.
+// Eigen's bfloat16(x) —, and back exactly. Eigen's own array cast to bf16
+// compiles to a loop of one element at a time. Every GEMM that rounds its
+// operands, every bf16 message and every bf16 sum goes through these.
 #pragma once
 
 #include <algorithm>

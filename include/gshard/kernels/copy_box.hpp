@@ -89,18 +89,20 @@ void round_through_bf16(const T* from, std::size_t n, T* to) {
   }
 }
 
-// Whether rounding `from` through bf16 gives `to`, bit for bit (a NaN
-// compares by its bits too).
+// master[i] = weight[i] where weight[i] is not master[i] rounded through
+// bf16, bit for bit (a NaN compares by its bits too): a master follows the
+// elements of its bf16 weight that were set elsewhere, and keeps the rest.
 template <class T>
-bool rounds_to(const T* from, const T* to, std::size_t n) {
+void follow_rounded(T* master, const T* weight, std::size_t n) {
   constexpr std::size_t block = 512;
   T rounded[block];
   for (std::size_t at = 0; at < n; at += block) {
     const std::size_t k = std::min(block, n - at);
-    round_through_bf16(from + at, k, rounded);
-    if (std::memcmp(rounded, to + at, k * sizeof(T)) != 0) return false;
+    round_through_bf16(master + at, k, rounded);
+    if (std::memcmp(rounded, weight + at, k * sizeof(T)) == 0) continue;
+    for (std::size_t i = 0; i < k; ++i)
+      if (std::memcmp(rounded + i, weight + at + i, sizeof(T)) != 0) master[at + i] = weight[at + i];
   }
-  return true;
 }
 
 // Whether `w` sends a tensor of T as bf16: for float and double; bf16

@@ -66,8 +66,7 @@ struct adafactor_config {
 class adafactor final : public optimizer {
  public:
   using config_type = adafactor_config;
-  adafactor(const adafactor_config& c, parameters_base& ps) : cfg(c), owner_(&ps), targets_(ps) {
-    check_config(c);
+  adafactor(const adafactor_config& c, parameters_base& ps) : cfg(checked(c)), owner_(&ps), targets_(ps) {
     const detail::mesh_base& m = ps.mesh();
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
@@ -181,6 +180,10 @@ class adafactor final : public optimizer {
     std::vector<double> mean_r;                // per leading index on this rank: mean(R), from the factors to the update
   };
 
+  static const adafactor_config& checked(const adafactor_config& c) {  // before the targets round any weight
+    check_config(c);
+    return c;
+  }
   static void check_config(const adafactor_config& c) {
     const auto bad = [](const char* what, double v, const char* want) {
       throw error(std::string("gshard::adafactor: ") + what + " is " + text(v) + "; it must be " + want);

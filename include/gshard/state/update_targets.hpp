@@ -10,10 +10,12 @@
 //     or the whole local shard — and the weight made its rounding through
 //     bf16: all_gathered in bf16 from the blocks, or rounded in place.
 // Built with bf16 weights, it rounds the weights it was given (their masters
-// keep them unrounded). A master follows its weight when the weight no
-// longer holds the master's rounding (set elsewhere: initialised, loaded
-// from a checkpoint without masters, written by the program), so it never
-// silently undoes such a change.
+// keep them unrounded; a second optimizer built over the same weights
+// starts from the rounded values). Before each update a master follows,
+// element by element, where its weight no longer holds the master's
+// rounding (set elsewhere: initialised, loaded from a checkpoint without
+// masters, written by the program), so it never undoes such a change and
+// keeps what the other elements have gathered below a bf16 unit.
 #pragma once
 
 #include <algorithm>
@@ -91,8 +93,10 @@ class update_targets {
     if (auto* block = e->as_sharded()) {
       if (wire_ == wire::bf16) block->follow(ps.values()[i]);
       else block->slice_from(ps.values()[i]);
-    } else if (!holds_rounding(ps.values()[i], *e)) {
-      copy(ps.values()[i], *e);
+    } else {
+      set_entry& w = ps.values()[i];
+      follow_rounded(e->f32().data(), w.f32().data(), e->f32().size());
+      follow_rounded(e->f64().data(), w.f64().data(), e->f64().size());
     }
     return *e;
   }
@@ -119,11 +123,6 @@ class update_targets {
   static void copy(set_entry& from, set_entry& to) {
     std::copy(from.f32().begin(), from.f32().end(), to.f32().begin());
     std::copy(from.f64().begin(), from.f64().end(), to.f64().begin());
-  }
-  // Whether `weight` holds `master` rounded through bf16, bit for bit.
-  static bool holds_rounding(set_entry& weight, set_entry& master) {
-    return detail::rounds_to(master.f32().data(), weight.f32().data(), master.f32().size()) &&
-           detail::rounds_to(master.f64().data(), weight.f64().data(), master.f64().size());
   }
 
   wire wire_;

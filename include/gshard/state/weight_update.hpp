@@ -74,9 +74,9 @@ class sharded_entry : public set_entry {
   // This rank's block of `weight` (the entry of the same name in the
   // parameters' values): a local copy.
   virtual void slice_from(set_entry& weight) = 0;
-  // Keeps the block while `weight` holds it rounded through bf16 (the
-  // block is the fp32 master of a bf16 weight), else slices it from
-  // `weight` (which was set elsewhere: initialised, loaded, written).
+  // The block as the fp32 master of a bf16 weight: each element kept while
+  // `weight` holds its rounding through bf16, else taken from `weight`
+  // (set elsewhere: initialised, loaded, written).
   virtual void follow(set_entry& weight) = 0;
   // Every rank's block into `weight`: all_gathers over the update axes,
   // carrying `w` (wire::bf16: every block, this rank's too, rounded).
@@ -133,13 +133,12 @@ class update_shard final : public sharded_entry {
     slice_from(w);
   }
   void slice_from(set_entry& weight) override {
-    const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
+    const auto block = block_of(weight);
     std::copy(block.data(), block.data() + block.size(), local_.data());  // into the buffer that lives from step to step
   }
   void follow(set_entry& weight) override {
-    const auto block = execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
-    if (!rounds_to(local_.data(), block.data(), std::size_t(block.size())))
-      std::copy(block.data(), block.data() + block.size(), local_.data());
+    const auto block = block_of(weight);
+    follow_rounded(local_.data(), block.data(), std::size_t(block.size()));
   }
   const reshard_steps& gather_plan() const override { return to_weight_; }
   void gather_into(set_entry& weight, wire on) const override {
@@ -155,6 +154,9 @@ class update_shard final : public sharded_entry {
       throw error("gshard::update_shard: '" + name() + "' is given '" + e.name() + "' " + e.notation() +
                   " as its weight; it is the block of a " + X(*mesh_, extents_).notation());
     return w->value();
+  }
+  local_tensor<T, R> block_of(set_entry& weight) const {  // this rank's block of the weight: a local copy
+    return execute_reshard<T, R>(*mesh_, from_weight_, weight_of(weight).local(), extents_);
   }
   X whole() const { return X(*mesh_, extents_, execute_reshard<T, R>(*mesh_, to_weight_, local_, extents_)); }
 
