@@ -183,6 +183,14 @@ double against_reference(const grid3& m, const zoo_sizes& sizes, const adafactor
   return worst;
 }
 
+// A zoo's checkpoint: the optimizer's state and the weights.
+template <class Zoo>
+std::vector<checkpoint_part> parts(Zoo& z, optimizer& o) {
+  auto p = o.state_parts();
+  p.push_back({"param.", &z.ps.values()});
+  return p;
+}
+
 }  // namespace
 
 TEST_CASE("Adafactor equals a double reference of its formulas on every weight shape, at every mesh and update sharding",
@@ -256,11 +264,6 @@ TEST_CASE("Adafactor's state saved at P ranks resumes at 1 rank and back, on the
   const std::string dir = (std::filesystem::temp_directory_path() / ("gshard_adafactor_test_" + std::to_string(P))).string();
   if (world_rank() == 0) std::filesystem::create_directories(dir);
   MPI_Barrier(MPI_COMM_WORLD);
-  const auto parts = [](weight_zoo<grid3>& z, adafactor& o) {
-    auto p = o.state_parts();
-    p.push_back({"param.", &z.ps.values()});
-    return p;
-  };
   // With the zoo's extents, and with extents that split into unequal shards
   // (saved from unequal blocks, loaded into whole ones and back).
   for (const zoo_sizes& sizes : {odd_sizes, even_sizes}) {
@@ -387,11 +390,6 @@ TEST_CASE("bf16 weights: the optimizers' masters are the fp32 weights of the sam
     // Through a checkpoint: saved at P ranks, resumed with the masters at 1
     // rank and at P (into blocks); an fp32 run's checkpoint (no masters)
     // resumed with bf16 weights, whose masters then take the weights loaded.
-    const auto parts = [](zoo& z, Opt& o) {
-      auto p = o.state_parts();
-      p.push_back({"param.", &z.ps.values()});
-      return p;
-    };
     save_checkpoint(dir + "/bf16.ckpt", m, parts(*b16, o16), {{"step", 6.0}});
     save_checkpoint(dir + "/f32.ckpt", m, parts(*f32, o32), {{"step", 6.0}});
     auto from16 = make(self, wire::bf16), from32 = make(self, wire::bf16), here = make(m, wire::bf16);
