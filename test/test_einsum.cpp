@@ -632,6 +632,76 @@ TEST_CASE("matmul_precision bf16: fp32 GEMMs multiply their operands rounded to 
   detail::options().gemm = chosen;
 }
 
+TEST_CASE("gemm_batched: a batch of strided products, each as its own GEMM computes it, on every backend",
+          "[einsum][gemm][bf16]") {
+  using detail::gemm_kind;
+  const int chosen = detail::options().gemm;
+  std::uint64_t seed = 11;
+  auto value = [&seed] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
+  };
+  // Three products interleaved as the attention's heads are: matrix i's
+  // rows at i·cols, rows count·cols + 1 apart (one padding element).
+  const index_t count = 3, m = 7, n = 5, k = 6;
+  for (const gemm_kind kind : detail::gemm_kinds())
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true})
+        for (const float beta : {0.0f, 1.0f}) {
+          detail::options().gemm = int(kind);
+          INFO(detail::gemm_name(kind) << (ta ? " A^T" : "") << (tb ? " B^T" : "") << " beta " << beta);
+          const index_t ra = ta ? k : m, ca = ta ? m : k, rb = tb ? n : k, cb = tb ? k : n;
+          const index_t lda = count * ca + 1, ldb = count * cb + 1, ldc = count * n + 1;
+          std::vector<float> a(std::size_t(ra * lda)), b(std::size_t(rb * ldb)), c0(std::size_t(m * ldc));
+          for (float& x : a) x = value();
+          for (float& x : b) x = value();
+          for (float& x : c0) x = value();
+          const std::vector<Eigen::bfloat16> a16(a.begin(), a.end()), b16(b.begin(), b.end());
+          const detail::gemm_batch batch{count, ca, cb, n};
+          std::vector<float> c32 = c0, c16 = c0;
+          std::vector<gemm_call> calls;
+          {
+            gemm_recorder rec;
+            detail::gemm_batched<float, float>(batch, ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, beta,
+                                               c32.data(), ldc);
+            detail::gemm_batched<Eigen::bfloat16, float>(batch, ta, tb, m, n, k, 0.5f, a16.data(), lda, b16.data(), ldb,
+                                                         beta, c16.data(), ldc);
+            calls = rec.calls();
+          }
+          GSHARD_REQUIRE(calls.size() == std::size_t(2 * count));  // one record per product
+          GSHARD_REQUIRE((calls[0].element_bytes == 4 && calls[count].element_bytes == 2));
+          // Against f64 of the same (fp32 or bf16-rounded) operands: within
+          // k + 2 fp32 roundings of the sum of |terms|; the padding untouched.
+          double worst = 0;
+          bool pads = true;
+          for (index_t p = 0; p < count; ++p)
+            for (index_t i = 0; i < m; ++i)
+              for (index_t j = 0; j < n; ++j) {
+                double exact32 = 0, exact16 = 0, size32 = 0, size16 = 0;
+                for (index_t q = 0; q < k; ++q) {
+                  const std::size_t ai = std::size_t(ta ? q * lda + p * ca + i : i * lda + p * ca + q);
+                  const std::size_t bi = std::size_t(tb ? j * ldb + p * cb + q : q * ldb + p * cb + j);
+                  exact32 += double(a[ai]) * double(b[bi]), size32 += std::abs(double(a[ai]) * double(b[bi]));
+                  exact16 += double(float(a16[ai])) * double(float(b16[bi]));
+                  size16 += std::abs(double(float(a16[ai])) * double(float(b16[bi])));
+                }
+                const std::size_t ci = std::size_t(i * ldc + p * n + j);
+                const double before = double(c0[ci]) * double(beta), eps = std::ldexp(1.0, -23) * double(k + 2);
+                worst = std::max(worst, std::abs(double(c32[ci]) - (0.5 * exact32 + before)) /
+                                            (eps * (0.5 * size32 + std::abs(before)) + 1e-30));
+                worst = std::max(worst, std::abs(double(c16[ci]) - (0.5 * exact16 + before)) /
+                                            (eps * (0.5 * size16 + std::abs(before)) + 1e-30));
+              }
+          for (index_t i = 0; i < m; ++i)
+            pads = pads && c32[std::size_t(i * ldc + count * n)] == c0[std::size_t(i * ldc + count * n)] &&
+                   c16[std::size_t(i * ldc + count * n)] == c0[std::size_t(i * ldc + count * n)];
+          INFO("worst error over its bound " << worst);
+          GSHARD_REQUIRE(worst <= 1.0);
+          GSHARD_REQUIRE(pads);
+        }
+  detail::options().gemm = chosen;
+}
+
 TEST_CASE("typed einsum: the rules' natural outputs, slices and reduce_scatter", "[einsum]") {
   using grid = mesh<axis<"x">>;
   grid m(MPI_COMM_WORLD);

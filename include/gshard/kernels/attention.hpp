@@ -13,9 +13,11 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "gshard/kernels/gemm.hpp"
 #include "gshard/kernels/softmax_row.hpp"
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/types.hpp"
 #include "gshard/core/progress.hpp"
 
@@ -77,24 +79,85 @@ struct attention_extents {
 template <class T>
 using aligned_buffer = Eigen::Array<T, Eigen::Dynamic, 1>;
 
-// One block's probabilities — rows l0 .. l0 + rows of sequence b and one
-// head (qb, kb: its first row of q and of k) — into p (row stride T): the
-// logits against the c > 0 keys the block sees, then row(i, p_i, kept)
-// normalises row i's kept entries and the rest up to c get 0. The forward
-// makes them and the recomputing backward makes them again, the same way.
-template <class T, class Row>
-void block_probabilities(const attention_extents& e, index_t b, const T* qb, const T* kb, index_t l0, index_t rows, T* p,
-                         Row&& row) {
-  const index_t ld = e.heads * e.dim, c = e.block_columns(b, l0, rows);
-  gemm<T>(false, true, rows, c, e.dim, T(1), qb + l0 * ld, ld, kb, ld, T(0), p, e.T);
-  for (index_t i = 0; i < rows; ++i) {
-    const index_t kept = e.keys.end(b, l0 + i, e.T);
-    if (e.keys.valid)  // padded keys inside the prefix: -inf, so exactly 0 after the softmax
-      for (index_t t = 0; t < kept; ++t)
-        if (e.keys.masks(b, t, e.T)) p[i * e.T + t] = -std::numeric_limits<T>::infinity();
-    row(i, p + i * e.T, kept);
-    std::fill(p + i * e.T + kept, p + i * e.T + c, T(0));
+// An operand of the blocks' GEMMs, a batch of matrices — one per head —
+// with rows ld apart and matrices `stride` apart; and where gemm rounds
+// fp32 operands to bf16 (gemm_rounds_to_bf16()) its bf16 copy, made once
+// per call for q, k, v and dout (each block of query rows reads every key
+// and value before it) and once per block for a block's probabilities and
+// dS (each goes into two GEMMs).
+template <class T>
+struct block_operand {
+  const T* f = nullptr;
+  index_t ld = 0, stride = 0;
+  const bf16* h = nullptr;  // the bf16 copy, or null: multiplied as T
+  index_t h_ld = 0, h_stride = 0;
+  // The operand from `offset` elements on (a copy in f's own layout: q, k, v, dout).
+  block_operand operator+(index_t offset) const {
+    return {f + offset, ld, stride, h ? h + offset : nullptr, h_ld, h_stride};
   }
+};
+
+// q, k, v or dout ([batch, positions, heads, dim], n elements): head n's
+// rows at f + n·dim, ld = heads·dim apart; the copy in the same layout.
+template <class T>
+block_operand<T> heads_operand(bool rounds, const T* f, index_t n, const attention_extents& e, std::vector<bf16>& buf) {
+  const index_t ld = e.heads * e.dim;
+  if constexpr (std::is_same_v<T, float>)
+    if (rounds) {
+      buf.resize(std::size_t(n));
+      to_bf16(f, std::size_t(n), buf.data());
+      return {f, ld, e.dim, buf.data(), ld, e.dim};
+    }
+  return {f, ld, e.dim};
+}
+
+// A block's per-head matrices (count of rows × cols, leading dim ld,
+// `stride` apart); the copy packed: [count, rows, cols].
+template <class T>
+block_operand<T> block_operand_of(bool rounds, const T* f, index_t count, index_t rows, index_t cols, index_t ld,
+                                  index_t stride, std::vector<bf16>& buf) {
+  if constexpr (std::is_same_v<T, float>)
+    if (rounds) {
+      buf.resize(std::size_t(count * rows * cols));
+      for (index_t i = 0; i < count; ++i) convert_rows(f + i * stride, rows, cols, ld, buf.data() + i * rows * cols, cols);
+      return {f, ld, stride, buf.data(), cols, rows * cols};
+    }
+  return {f, ld, stride};
+}
+
+// For each head n: C_n (+)= op(A_n)·op(B_n), C_n at c + n·c_stride — on
+// the operands' bf16 copies when they have them; one batched GEMM.
+template <class T>
+void block_gemm(index_t heads, bool ta, bool tb, index_t m, index_t n, index_t k, const block_operand<T>& a,
+                const block_operand<T>& b, T beta, T* c, index_t ldc, index_t c_stride) {
+  if constexpr (std::is_same_v<T, float>)
+    if (a.h && b.h)
+      return gemm_batched<bf16, float>({heads, a.h_stride, b.h_stride, c_stride}, ta, tb, m, n, k, 1.0f, a.h, a.h_ld,
+                                       b.h, b.h_ld, beta, c, ldc);
+  gemm_batched<T, T>({heads, a.stride, b.stride, c_stride}, ta, tb, m, n, k, T(1), a.f, a.ld, b.f, b.ld, beta, c, ldc);
+}
+
+// One block's probabilities — rows l0 .. l0 + rows of sequence b, every
+// head (q, k: the sequence's first rows) — into p (row stride T, head
+// stride p_stride): the logits against the c > 0 keys the block sees, then
+// row(n, i, p_ni, kept) normalises row i's kept entries and the rest up to c
+// get 0. The forward makes them and the recomputing backward makes them
+// again, the same way.
+template <class T, class Row>
+void block_probabilities(const attention_extents& e, index_t b, const block_operand<T>& q, const block_operand<T>& k,
+                         index_t l0, index_t rows, T* p, index_t p_stride, Row&& row) {
+  const index_t c = e.block_columns(b, l0, rows);
+  block_gemm<T>(e.heads, false, true, rows, c, e.dim, q + l0 * q.ld, k, T(0), p, e.T, p_stride);
+  for (index_t n = 0; n < e.heads; ++n)
+    for (index_t i = 0; i < rows; ++i) {
+      T* r = p + n * p_stride + i * e.T;
+      const index_t kept = e.keys.end(b, l0 + i, e.T);
+      if (e.keys.valid)  // padded keys inside the prefix: -inf, so exactly 0 after the softmax
+        for (index_t t = 0; t < kept; ++t)
+          if (e.keys.masks(b, t, e.T)) r[t] = -std::numeric_limits<T>::infinity();
+      row(n, i, r, kept);
+      std::fill(r + kept, r + c, T(0));
+    }
 }
 
 // For each sequence b and head n, with q [L, D], k and v [T, D] (rows of the
@@ -102,9 +165,9 @@ void block_probabilities(const attention_extents& e, index_t b, const T* qb, con
 //   S = q[l0:l1] · k[0:c]ᵀ   c = e.block_columns(): the columns any of the rows sees
 //   P = softmax(scale · S) over t < e.keys.end(b, l) in each row, 0 after
 //   o[l0:l1] = P · v[0:c]   (0 where a block sees no key)
-// Collectives in flight are tested after each sequence and head (progress(),
-// the hook runtime/nonblocking.hpp sets), as between an einsum's GEMMs; the backward
-// does the same.
+// each GEMM for all heads at once. Collectives in flight are tested after
+// each sequence (progress(), the hook runtime/nonblocking.hpp sets), as
+// between an einsum's GEMMs; the backward does the same.
 //
 // o = attention of q, k, v; the probabilities go to `probs`
 // ([batch, heads, L, T], aligned; entries above a block's last column left
@@ -120,36 +183,41 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
     std::fill(o, o + e.batch * e.L * ld, T(0));
     return;
   }
-  thread_local aligned_buffer<T> scratch;
-  if (!probs && scratch.size() < R * e.T) scratch.resize(R * e.T);
-  for (index_t b = 0; b < e.batch; ++b)
-    for (index_t n = 0; n < e.heads; ++n) {
-      const T* qb = q + b * e.L * ld + n * e.dim;
-      const T* kb = k + b * e.T * ld + n * e.dim;
-      const T* vb = v + b * e.T * ld + n * e.dim;
-      T* ob = o + b * e.L * ld + n * e.dim;
-      for (index_t l0 = 0; l0 < e.L; l0 += R) {
-        const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
-        if (c == 0) {  // every key of these rows is padding: a sum over nothing
-          for (index_t i = 0; i < rows; ++i) std::fill_n(ob + (l0 + i) * ld, e.dim, T(0));
-          continue;
-        }
-        T* p = probs ? probs + ((b * e.heads + n) * e.L + l0) * e.T : scratch.data();
-        softmax_row_stats<T>* st = stats ? stats + (b * e.heads + n) * e.L + l0 : nullptr;
-        block_probabilities(e, b, qb, kb, l0, rows, p, [&](index_t i, T* row, index_t kept) {
-          softmax_row(row, kept, row, scale, st ? st + i : nullptr);
-        });
-        gemm<T>(false, false, rows, e.dim, c, T(1), p, e.T, vb, ld, T(0), ob + l0 * ld, ld);
+  thread_local aligned_buffer<T> scratch;  // one block's probabilities, every head: [heads, R, T]
+  if (!probs && scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
+  const index_t p_stride = probs ? e.L * e.T : R * e.T;
+  const bool rounds = gemm_rounds_to_bf16();
+  thread_local std::vector<bf16> q16, k16, v16, p16;
+  const block_operand<T> Q = heads_operand(rounds, q, e.batch * e.L * ld, e, q16),
+                         K = heads_operand(rounds, k, e.batch * e.T * ld, e, k16),
+                         V = heads_operand(rounds, v, e.batch * e.T * ld, e, v16);
+  for (index_t b = 0; b < e.batch; ++b) {
+    T* ob = o + b * e.L * ld;
+    for (index_t l0 = 0; l0 < e.L; l0 += R) {
+      const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
+      if (c == 0) {  // every key of these rows is padding: a sum over nothing
+        std::fill_n(ob + l0 * ld, rows * ld, T(0));
+        continue;
       }
-      progress();
+      T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : scratch.data();
+      softmax_row_stats<T>* st = stats ? stats + b * e.heads * e.L + l0 : nullptr;
+      block_probabilities(e, b, Q + b * e.L * ld, K + b * e.T * ld, l0, rows, p, p_stride,
+                          [&](index_t n, index_t i, T* row, index_t kept) {
+                            softmax_row(row, kept, row, scale, st ? st + n * e.L + i : nullptr);
+                          });
+      block_gemm<T>(e.heads, false, false, rows, e.dim, c, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
+                    V + b * e.T * ld, T(0), ob + l0 * ld, ld, e.dim);
     }
+    progress();
+  }
 }
 
 // dq, dk, dv (overwritten) from dout and the forward's q, k, v and probs —
 // or, with probs null, the forward's row stats: each block's probabilities
 // computed again (one more GEMM and exp per block), bit for bit the
 // forward's; as FlashAttention's backward does, that keeps [B, N, L] pairs
-// (each row's largest logit and sum of exps) instead of [B, N, L, T]. Per block:
+// (each row's largest logit and sum of exps) instead of [B, N, L, T]. Per
+// block, each GEMM for all heads at once:
 //   dv[0:c] += Pᵀ · do[l0:l1]     dP = do[l0:l1] · v[0:c]ᵀ
 //   dS = scale · P ⊙ (dP − Σ_t dP ⊙ P)   (softmax_row_backward, kept entries)
 //   dq[l0:l1] = dS · k[0:c]       dk[0:c] += dSᵀ · q[l0:l1]
@@ -164,39 +232,51 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
     return;
   }
   if (e.batch * e.heads * e.dim == 0) return;
-  thread_local aligned_buffer<T> scratch, again;  // dP, then dS, of one block: [rows, c]; its probabilities: [rows, T]
-  if (scratch.size() < R * e.T) scratch.resize(R * e.T);
-  if (!probs && again.size() < R * e.T) again.resize(R * e.T);
+  // dP, then dS, of one block: [heads, rows, c]; its probabilities: [heads, R, T]
+  thread_local aligned_buffer<T> scratch, again;
+  if (scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
+  if (!probs && again.size() < e.heads * R * e.T) again.resize(e.heads * R * e.T);
   T* g = scratch.data();
-  for (index_t b = 0; b < e.batch; ++b)
-    for (index_t n = 0; n < e.heads; ++n) {
-      const index_t at = b * e.L * ld + n * e.dim, kt = b * e.T * ld + n * e.dim;
-      for (index_t l0 = 0; l0 < e.L; l0 += R) {
-        const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
-        if (c == 0) {  // rows that saw no key: no gradient
-          for (index_t i = 0; i < rows; ++i) std::fill_n(dq + at + (l0 + i) * ld, e.dim, T(0));
-          continue;
-        }
-        const T* p = probs ? probs + ((b * e.heads + n) * e.L + l0) * e.T : again.data();
-        if (!probs) {  // the forward's block again, each row from its stats
-          const softmax_row_stats<T>* st = stats + (b * e.heads + n) * e.L + l0;
-          block_probabilities(e, b, q + at, k + kt, l0, rows, again.data(), [&](index_t i, T* row, index_t kept) {
-            softmax_row_again(row, kept, row, scale, st[i]);
-          });
-        }
-        const T* dob = dout + at + l0 * ld;
-        gemm<T>(true, false, c, e.dim, rows, T(1), p, e.T, dob, ld, T(1), dv + kt, ld);
-        gemm<T>(false, true, rows, c, e.dim, T(1), dob, ld, v + kt, ld, T(0), g, c);
-        for (index_t i = 0; i < rows; ++i) {
-          const index_t kept = e.keys.end(b, l0 + i, e.T);
-          softmax_row_backward(g + i * c, p + i * e.T, kept, scale);
-          std::fill(g + i * c + kept, g + i * c + c, T(0));
-        }
-        gemm<T>(false, false, rows, e.dim, c, T(1), g, c, k + kt, ld, T(0), dq + at + l0 * ld, ld);
-        gemm<T>(true, false, c, e.dim, rows, T(1), g, c, q + at + l0 * ld, ld, T(1), dk + kt, ld);
+  const index_t p_stride = probs ? e.L * e.T : R * e.T;
+  const bool rounds = gemm_rounds_to_bf16();
+  thread_local std::vector<bf16> do16, q16, k16, v16, p16, g16;
+  const block_operand<T> dO = heads_operand(rounds, dout, e.batch * e.L * ld, e, do16),
+                         Q = heads_operand(rounds, q, e.batch * e.L * ld, e, q16),
+                         K = heads_operand(rounds, k, e.batch * e.T * ld, e, k16),
+                         V = heads_operand(rounds, v, e.batch * e.T * ld, e, v16);
+  for (index_t b = 0; b < e.batch; ++b) {
+    const index_t at = b * e.L * ld, kt = b * e.T * ld;
+    for (index_t l0 = 0; l0 < e.L; l0 += R) {
+      const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
+      if (c == 0) {  // rows that saw no key: no gradient
+        std::fill_n(dq + at + l0 * ld, rows * ld, T(0));
+        continue;
       }
-      progress();
+      const T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : again.data();
+      if (!probs) {  // the forward's block again, each row from its stats
+        const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
+        block_probabilities(e, b, Q + at, K + kt, l0, rows, again.data(), p_stride,
+                            [&](index_t n, index_t i, T* row, index_t kept) {
+                              softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
+                            });
+      }
+      const block_operand<T> dob = dO + (at + l0 * ld);
+      block_gemm<T>(e.heads, true, false, c, e.dim, rows, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
+                    dob, T(1), dv + kt, ld, e.dim);
+      block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V + kt, T(0), g, c, rows * c);
+      for (index_t n = 0; n < e.heads; ++n)
+        for (index_t i = 0; i < rows; ++i) {
+          T* gi = g + (n * rows + i) * c;
+          const index_t kept = e.keys.end(b, l0 + i, e.T);
+          softmax_row_backward(gi, p + n * p_stride + i * e.T, kept, scale);
+          std::fill(gi + kept, gi + c, T(0));
+        }
+      const block_operand<T> ds = block_operand_of(rounds, static_cast<const T*>(g), e.heads, rows, c, c, rows * c, g16);
+      block_gemm<T>(e.heads, false, false, rows, e.dim, c, ds, K + kt, T(0), dq + at + l0 * ld, ld, e.dim);
+      block_gemm<T>(e.heads, true, false, c, e.dim, rows, ds, Q + (at + l0 * ld), T(1), dk + kt, ld, e.dim);
     }
+    progress();
+  }
 }
 
 }  // namespace gshard::detail

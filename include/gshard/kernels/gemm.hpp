@@ -148,6 +148,14 @@ inline bool gemm_bf16_native() {
 #endif
 }
 
+// Whether gemm<float> rounds its operands to bf16 and multiplies them on the
+// bf16 units: under matmul_precision::bf16 where gemm_bf16_native(). A
+// kernel that multiplies one operand many times rounds it once, up front,
+// and calls gemm_bf16 itself (local_einsum's loops, the attention blocks).
+inline bool gemm_rounds_to_bf16() {
+  return current_matmul_precision() == matmul_precision::bf16 && gemm_bf16_native();
+}
+
 // rows × cols of a matrix with leading dim ld_from, converted (bf16 <->
 // fp32; to bf16 rounded to nearest even) into one with leading dim ld_to.
 template <class From, class To>
@@ -172,7 +180,7 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, 
           index_t ldb, T beta, T* c, index_t ldc) {
   if (m == 0 || n == 0) return;
   if constexpr (std::is_same_v<T, float>)
-    if (current_matmul_precision() == matmul_precision::bf16 && k > 0 && gemm_bf16_native()) {
+    if (k > 0 && gemm_rounds_to_bf16()) {
       thread_local std::vector<Eigen::bfloat16> a16, b16;
       const Eigen::bfloat16* ar = packed(a, trans_a ? k : m, trans_a ? m : k, lda, a16);
       const Eigen::bfloat16* br = packed(b, trans_b ? n : k, trans_b ? k : n, ldb, b16);
@@ -214,6 +222,38 @@ void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, floa
     else c32.resize(std::size_t(m * n));
     gemm_run<float>(trans_a, trans_b, m, n, k, alpha, aw, lda32, bw, ldb32, beta, c32.data(), n);
     convert_rows(c32.data(), m, n, n, c, ldc);
+  }
+}
+
+// For each product of the batch, C_i = alpha·op(A_i)·op(B_i) + beta·C_i: A
+// and B float (multiplied as gemm<float>, rounded to bf16 where it rounds
+// them), double or bf16 (as gemm_bf16, C float or bf16). One oneDNN call
+// for the batch where oneDNN is the backend — the attention's per-head
+// products (32 × 80 × 32) take about as long to dispatch one by one as to
+// compute —, else one GEMM per product. Each product is recorded as a GEMM.
+template <class In, class Out, class S>
+void gemm_batched(const gemm_batch& batch, bool trans_a, bool trans_b, index_t m, index_t n, index_t k, S alpha,
+                  const In* a, index_t lda, const In* b, index_t ldb, S beta, Out* c, index_t ldc) {
+  if (batch.count == 0 || m == 0 || n == 0) return;
+#if defined(GSHARD_USE_ONEDNN)
+  constexpr bool bf16_in = std::is_same_v<In, Eigen::bfloat16>, f32 = std::is_same_v<In, float> && std::is_same_v<Out, float>;
+  if constexpr (bf16_in || f32)
+    if (batch.count > 1 && k > 0 && options().gemm == int(gemm_kind::onednn) &&
+        (bf16_in ? onednn_has_bf16() : !gemm_rounds_to_bf16()) &&
+        onednn_gemm<In, Out>(trans_a, trans_b, m, n, k, float(alpha), a, lda, b, ldb, float(beta), c, ldc, batch)) {
+      if (auto& log = gemm_log(); log.recorders > 0)
+        for (index_t i = 0; i < batch.count; ++i)
+          log.add({int(sizeof(In)), trans_a, trans_b, beta != S(0), m, n, k, lda, ldb, ldc});
+      return;
+    }
+#endif
+  for (index_t i = 0; i < batch.count; ++i) {
+    const In *ai = a + i * batch.a_stride, *bi = b + i * batch.b_stride;
+    Out* ci = c + i * batch.c_stride;
+    if constexpr (std::is_same_v<In, Eigen::bfloat16>)
+      gemm_bf16<Out>(trans_a, trans_b, m, n, k, alpha, ai, lda, bi, ldb, beta, ci, ldc);
+    else
+      gemm<In>(trans_a, trans_b, m, n, k, alpha, ai, lda, bi, ldb, beta, ci, ldc);
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include "gshard/kernels/gemm.hpp"
 #include "gshard/layout/einsum_spec.hpp"
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/error.hpp"
 #include "gshard/core/progress.hpp"
 
@@ -337,14 +338,29 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
   const bool accumulate = g.k_in_loop || k == 0;
   const bool c_direct = blas_fits(m, n, inner_stride(vo, g.M), inner_stride(vo, g.N));
   const labeled_view vc = c_direct ? vo : grouped_view(vo, g.L, g.M, g.N);
-  if (c_direct && (std::is_same_v<sum_t<T>, T> || !accumulate)) {
-    if (accumulate) std::fill(out, out + vc.size(), T(0));
-    if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, out, vc, accumulate);
-    return;
-  }
-  std::vector<sum_t<T>> c(std::size_t(vc.size()), sum_t<T>(0));
-  if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, a, va, b, vb, c.data(), vc, accumulate);
-  sum_permute(c.data(), vc, out, vo);  // a permutation: one rounding to T per element
+  auto multiply = [&](const auto* ap, const auto* bp) {
+    if (c_direct && (std::is_same_v<sum_t<T>, T> || !accumulate)) {
+      if (accumulate) std::fill(out, out + vc.size(), T(0));
+      if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, ap, va, bp, vb, out, vc, accumulate);
+      return;
+    }
+    std::vector<sum_t<T>> c(std::size_t(vc.size()), sum_t<T>(0));
+    if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, ap, va, bp, vb, c.data(), vc, accumulate);
+    sum_permute(c.data(), vc, out, vo);  // a permutation: one rounding to T per element
+  };
+  // fp32 operands the GEMMs would round to bf16 are rounded once, here: a
+  // loop's GEMMs would each round again an operand the loop does not index
+  // (x[B, L, M]·w[M, N] into [B, N, L]: one GEMM per sequence, w in each).
+  if constexpr (std::is_same_v<T, float>)
+    if (vc.size() > 0 && k > 0 && gemm_rounds_to_bf16()) {
+      thread_local std::vector<bf16> a16, b16;  // every operand is dense: va.size() elements from a
+      a16.resize(std::size_t(va.size()));
+      b16.resize(std::size_t(vb.size()));
+      to_bf16(a, a16.size(), a16.data());
+      to_bf16(b, b16.size(), b16.data());
+      return multiply(a16.data(), b16.data());
+    }
+  multiply(a, b);
 }
 
 }  // namespace gshard::detail

@@ -7,6 +7,18 @@
 // (the state is the process's, as gemm()'s backend choice is).
 #pragma once
 
+#include "gshard/core/types.hpp"
+
+namespace gshard::detail {
+// Products of one batched call: C_i = op(A_i)·op(B_i) for i < count, A_i
+// at a + i·a_stride (likewise B, C). One product: count 1.
+struct gemm_batch {
+  index_t count = 1, a_stride = 0, b_stride = 0, c_stride = 0;
+  bool operator==(const gemm_batch&) const = default;
+};
+
+}  // namespace gshard::detail
+
 #if defined(GSHARD_USE_ONEDNN)
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -20,8 +32,6 @@ static_assert(DNNL_VERSION_MAJOR == 2, "gshard::onednn: this is written for oneD
 #include <cstring>
 #include <type_traits>
 #include <unordered_map>
-
-#include "gshard/core/types.hpp"
 
 namespace gshard::detail {
 
@@ -39,6 +49,7 @@ struct onednn_key {
   int a_type = 0, c_type = 0;
   bool trans_a = false, trans_b = false;
   index_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  gemm_batch batch{};
   float alpha = 1, beta = 0;
   bool operator==(const onednn_key&) const = default;
 };
@@ -47,7 +58,8 @@ struct onednn_key_hash {
     std::uint64_t h = 1469598103934665603ull;
     auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
     mix(std::uint64_t(k.a_type) | std::uint64_t(k.c_type) << 8 | std::uint64_t(k.trans_a) << 16 | std::uint64_t(k.trans_b) << 17);
-    for (index_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) mix(std::uint64_t(v));
+    for (index_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc, k.batch.count, k.batch.a_stride, k.batch.b_stride, k.batch.c_stride})
+      mix(std::uint64_t(v));
     std::uint32_t a = 0, b = 0;
     std::memcpy(&a, &k.alpha, 4), std::memcpy(&b, &k.beta, 4);
     mix(std::uint64_t(a) << 32 | b);
@@ -72,24 +84,33 @@ inline onednn_state& onednn() {
   return s;
 }
 
-// C = alpha·op(A)·op(B) + beta·C, row-major as gemm(); false when oneDNN
-// cannot make the primitive on this CPU (then nothing was written).
+// C = alpha·op(A)·op(B) + beta·C, row-major as gemm() — for each product
+// of `batch`, in one call; false when oneDNN cannot make the primitive on
+// this CPU (then nothing was written).
 template <class In, class Out>
 bool onednn_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const In* a, index_t lda,
-                 const In* b, index_t ldb, float beta, Out* c, index_t ldc) {
+                 const In* b, index_t ldb, float beta, Out* c, index_t ldc, const gemm_batch& batch = {}) {
   using dims = dnnl::memory::dims;
   onednn_state& s = onednn();
   // + 0.0f: -0 and +0 scale alike, and are one key.
   const onednn_key key{int(onednn_type<In>()), int(onednn_type<Out>()), trans_a, trans_b, m, n, k, lda, ldb, ldc,
-                       alpha + 0.0f, beta + 0.0f};
+                       batch, alpha + 0.0f, beta + 0.0f};
   auto it = s.primitives.find(key);
   if (it == s.primitives.end()) {
     if (s.primitives.size() >= onednn_state::max_primitives) s.primitives.clear();
     onednn_state::entry e;
     try {
-      // op(A) is m×k: stored k×m (strides 1, lda) when transposed.
-      const dnnl::memory::desc ad(dims{m, k}, onednn_type<In>(), trans_a ? dims{1, lda} : dims{lda, 1}),
-          bd(dims{k, n}, onednn_type<In>(), trans_b ? dims{1, ldb} : dims{ldb, 1}), cd(dims{m, n}, onednn_type<Out>(), dims{ldc, 1});
+      // op(A) is m×k: stored k×m (strides 1, lda) when transposed. A batch
+      // is the outer dimension, strided.
+      auto desc = [&](dnnl::memory::data_type t, index_t r, index_t q, index_t sr, index_t sq, index_t sb) {
+        return batch.count == 1 ? dnnl::memory::desc(dims{r, q}, t, dims{sr, sq})
+                                : dnnl::memory::desc(dims{batch.count, r, q}, t, dims{sb, sr, sq});
+      };
+      const dnnl::memory::desc ad = trans_a ? desc(onednn_type<In>(), m, k, 1, lda, batch.a_stride)
+                                            : desc(onednn_type<In>(), m, k, lda, 1, batch.a_stride),
+                               bd = trans_b ? desc(onednn_type<In>(), k, n, 1, ldb, batch.b_stride)
+                                            : desc(onednn_type<In>(), k, n, ldb, 1, batch.b_stride),
+                               cd = desc(onednn_type<Out>(), m, n, ldc, 1, batch.c_stride);
       // dst = alpha·(A·B) + beta·dst: the output scale, then the sum post-op.
       dnnl::primitive_attr attr;
       if (alpha != 1) attr.set_output_scales(0, {alpha});
