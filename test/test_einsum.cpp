@@ -472,6 +472,16 @@ TEST_CASE("bf16 local einsums sum in fp32 and round once, under every GEMM backe
   detail::options().gemm = chosen;
 }
 
+// Operands for the GEMM tests: a fixed sequence in [-1, 1) with 24
+// significant bits (every value exact in fp32, most not in bf16).
+struct gemm_values {
+  std::uint64_t seed;
+  float operator()() {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
+  }
+};
+
 TEST_CASE("GEMM backends: each gives the product for every transpose, leading dim, alpha and beta; bf16 within its rounding",
           "[einsum][gemm]") {
   // Each backend this build has, against a double product of the same
@@ -484,11 +494,7 @@ TEST_CASE("GEMM backends: each gives the product for every transpose, leading di
   using detail::gemm_kind;
   const int chosen = detail::options().gemm;
   const std::vector<gemm_kind> kinds = detail::gemm_kinds();  // gemm_bf16 widens to fp32 under all but oneDNN
-  std::uint64_t seed = 1;
-  auto value = [&seed] {  // in [-1, 1), 24 significant bits
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
-  };
+  gemm_values value{1};
   auto to_bf16 = [](const std::vector<float>& v) { return std::vector<Eigen::bfloat16>(v.begin(), v.end()); };
   auto to_f32 = [](const std::vector<Eigen::bfloat16>& v) { return std::vector<float>(v.begin(), v.end()); };
   double worst32 = 0, worst16 = 0, worst16out = 0;
@@ -570,11 +576,7 @@ TEST_CASE("matmul_precision bf16: fp32 GEMMs multiply their operands rounded to 
           "[einsum][gemm][bf16]") {
   using detail::gemm_kind;
   const int chosen = detail::options().gemm;
-  std::uint64_t seed = 7;
-  auto value = [&seed] {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
-  };
+  gemm_values value{7};
   GSHARD_REQUIRE(current_matmul_precision() == matmul_precision::f32);  // unless set
   const index_t m = 19, n = 23, k = 37;
   for (const gemm_kind kind : detail::gemm_kinds())
@@ -636,11 +638,7 @@ TEST_CASE("gemm_batched: a batch of strided products, each as its own GEMM compu
           "[einsum][gemm][bf16]") {
   using detail::gemm_kind;
   const int chosen = detail::options().gemm;
-  std::uint64_t seed = 11;
-  auto value = [&seed] {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return float(std::int64_t(seed >> 40) - (1 << 23)) / float(1 << 23);
-  };
+  gemm_values value{11};
   // Three products interleaved as the attention's heads are: matrix i's
   // rows at i·cols, rows count·cols + 1 apart (one padding element).
   const index_t count = 3, m = 7, n = 5, k = 6;
