@@ -143,8 +143,9 @@ void step_bf16(benchmark::State& state) {
 // alone, interleaved: every local GEMM one step ran (gemm_recorder,
 // counters.hpp), called again in the same order with the same shapes,
 // transposes and leading dimensions on one set of buffers (warm: the best
-// rate those shapes get), each rank its own. gemms/step is the share of
-// the step the BLAS itself needs; gemm_bound_mfu the MFU of a step that
+// rate those shapes get), each rank its own — attention's per-head
+// products, one batched call each in the step (detail::gemm_batched), one
+// by one here. gemms/step is the share of the step the BLAS itself needs; gemm_bound_mfu the MFU of a step that
 // did nothing but its GEMMs — the ceiling this GEMM library sets on these
 // shapes; the rest of the step (1 - gemms/step) is what fusing can win.
 void step_gemms(benchmark::State& state) {

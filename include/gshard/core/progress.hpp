@@ -1,5 +1,5 @@
 // gshard/core/progress.hpp — the hook local kernels call between pieces of work
-// (a GEMM of a batched einsum, a sequence and head of attention) so that
+// (a GEMM of a batched einsum, a block of rows of attention) so that
 // collectives in flight move on while the rank computes. The kernels know
 // nothing of MPI: runtime/nonblocking.hpp sets the hook when it starts a collective.
 #pragma once

@@ -1,5 +1,5 @@
 // gshard/kernels/attention.hpp — attention on one rank's shard, per
-// sequence and head, in blocks of rows: the kernels behind causal_attention()
+// sequence in blocks of rows, every head at once: the kernels behind causal_attention()
 // and dot_product_attention() (gshard/tensor/attention.hpp and their rule on
 // the tape). Each query row sees a prefix of the keys (attention_keys: the
 // causal mask at a query offset, a sequence's valid length, both or
@@ -81,10 +81,10 @@ using aligned_buffer = Eigen::Array<T, Eigen::Dynamic, 1>;
 
 // An operand of the blocks' GEMMs, a batch of matrices — one per head —
 // with rows ld apart and matrices `stride` apart; and where gemm rounds
-// fp32 operands to bf16 (gemm_rounds_to_bf16()) its bf16 copy, made once
-// per call for q, k, v and dout (each block of query rows reads every key
-// and value before it) and once per block for a block's probabilities and
-// dS (each goes into two GEMMs).
+// fp32 operands to bf16 (gemm_rounds_to_bf16()) its bf16 copy: of a
+// sequence's q, k, v and dout once (each block of query rows reads every
+// key and value before it, the backward's q, k and dout twice), of a
+// block's probabilities and dS once per block (dS goes into two GEMMs).
 template <class T>
 struct block_operand {
   const T* f = nullptr;
@@ -97,8 +97,8 @@ struct block_operand {
   }
 };
 
-// q, k, v or dout ([batch, positions, heads, dim], n elements): head n's
-// rows at f + n·dim, ld = heads·dim apart; the copy in the same layout.
+// One sequence's q, k, v or dout ([positions, heads, dim], n elements):
+// head h's rows at f + h·dim, ld = heads·dim apart; the copy in the same layout.
 template <class T>
 block_operand<T> heads_operand(bool rounds, const T* f, index_t n, const attention_extents& e, std::vector<bf16>& buf) {
   const index_t ld = e.heads * e.dim;
@@ -166,7 +166,7 @@ void block_probabilities(const attention_extents& e, index_t b, const block_oper
 //   P = softmax(scale · S) over t < e.keys.end(b, l) in each row, 0 after
 //   o[l0:l1] = P · v[0:c]   (0 where a block sees no key)
 // each GEMM for all heads at once. Collectives in flight are tested after
-// each sequence (progress(), the hook runtime/nonblocking.hpp sets), as
+// each block (progress(), the hook runtime/nonblocking.hpp sets), as
 // between an einsum's GEMMs; the backward does the same.
 //
 // o = attention of q, k, v; the probabilities go to `probs`
@@ -188,12 +188,12 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
   const index_t p_stride = probs ? e.L * e.T : R * e.T;
   const bool rounds = gemm_rounds_to_bf16();
   thread_local std::vector<bf16> q16, k16, v16, p16;
-  const block_operand<T> Q = heads_operand(rounds, q, e.batch * e.L * ld, e, q16),
-                         K = heads_operand(rounds, k, e.batch * e.T * ld, e, k16),
-                         V = heads_operand(rounds, v, e.batch * e.T * ld, e, v16);
   for (index_t b = 0; b < e.batch; ++b) {
+    const block_operand<T> Q = heads_operand(rounds, q + b * e.L * ld, e.L * ld, e, q16),
+                           K = heads_operand(rounds, k + b * e.T * ld, e.T * ld, e, k16),
+                           V = heads_operand(rounds, v + b * e.T * ld, e.T * ld, e, v16);
     T* ob = o + b * e.L * ld;
-    for (index_t l0 = 0; l0 < e.L; l0 += R) {
+    for (index_t l0 = 0; l0 < e.L; l0 += R, progress()) {
       const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
       if (c == 0) {  // every key of these rows is padding: a sum over nothing
         std::fill_n(ob + l0 * ld, rows * ld, T(0));
@@ -201,14 +201,13 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
       }
       T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : scratch.data();
       softmax_row_stats<T>* st = stats ? stats + b * e.heads * e.L + l0 : nullptr;
-      block_probabilities(e, b, Q + b * e.L * ld, K + b * e.T * ld, l0, rows, p, p_stride,
+      block_probabilities(e, b, Q, K, l0, rows, p, p_stride,
                           [&](index_t n, index_t i, T* row, index_t kept) {
                             softmax_row(row, kept, row, scale, st ? st + n * e.L + i : nullptr);
                           });
       block_gemm<T>(e.heads, false, false, rows, e.dim, c, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
-                    V + b * e.T * ld, T(0), ob + l0 * ld, ld, e.dim);
+                    V, T(0), ob + l0 * ld, ld, e.dim);
     }
-    progress();
   }
 }
 
@@ -240,13 +239,13 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
   const index_t p_stride = probs ? e.L * e.T : R * e.T;
   const bool rounds = gemm_rounds_to_bf16();
   thread_local std::vector<bf16> do16, q16, k16, v16, p16, g16;
-  const block_operand<T> dO = heads_operand(rounds, dout, e.batch * e.L * ld, e, do16),
-                         Q = heads_operand(rounds, q, e.batch * e.L * ld, e, q16),
-                         K = heads_operand(rounds, k, e.batch * e.T * ld, e, k16),
-                         V = heads_operand(rounds, v, e.batch * e.T * ld, e, v16);
   for (index_t b = 0; b < e.batch; ++b) {
     const index_t at = b * e.L * ld, kt = b * e.T * ld;
-    for (index_t l0 = 0; l0 < e.L; l0 += R) {
+    const block_operand<T> dO = heads_operand(rounds, dout + at, e.L * ld, e, do16),
+                           Q = heads_operand(rounds, q + at, e.L * ld, e, q16),
+                           K = heads_operand(rounds, k + kt, e.T * ld, e, k16),
+                           V = heads_operand(rounds, v + kt, e.T * ld, e, v16);
+    for (index_t l0 = 0; l0 < e.L; l0 += R, progress()) {
       const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
       if (c == 0) {  // rows that saw no key: no gradient
         std::fill_n(dq + at + l0 * ld, rows * ld, T(0));
@@ -255,15 +254,15 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
       const T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : again.data();
       if (!probs) {  // the forward's block again, each row from its stats
         const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
-        block_probabilities(e, b, Q + at, K + kt, l0, rows, again.data(), p_stride,
+        block_probabilities(e, b, Q, K, l0, rows, again.data(), p_stride,
                             [&](index_t n, index_t i, T* row, index_t kept) {
                               softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
                             });
       }
-      const block_operand<T> dob = dO + (at + l0 * ld);
+      const block_operand<T> dob = dO + l0 * ld;
       block_gemm<T>(e.heads, true, false, c, e.dim, rows, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
                     dob, T(1), dv + kt, ld, e.dim);
-      block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V + kt, T(0), g, c, rows * c);
+      block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V, T(0), g, c, rows * c);
       for (index_t n = 0; n < e.heads; ++n)
         for (index_t i = 0; i < rows; ++i) {
           T* gi = g + (n * rows + i) * c;
@@ -272,10 +271,9 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
           std::fill(gi + kept, gi + c, T(0));
         }
       const block_operand<T> ds = block_operand_of(rounds, static_cast<const T*>(g), e.heads, rows, c, c, rows * c, g16);
-      block_gemm<T>(e.heads, false, false, rows, e.dim, c, ds, K + kt, T(0), dq + at + l0 * ld, ld, e.dim);
-      block_gemm<T>(e.heads, true, false, c, e.dim, rows, ds, Q + (at + l0 * ld), T(1), dk + kt, ld, e.dim);
+      block_gemm<T>(e.heads, false, false, rows, e.dim, c, ds, K, T(0), dq + at + l0 * ld, ld, e.dim);
+      block_gemm<T>(e.heads, true, false, c, e.dim, rows, ds, Q + l0 * ld, T(1), dk + kt, ld, e.dim);
     }
-    progress();
   }
 }
 

@@ -183,8 +183,8 @@ class transformer {
 
   // Causal self-attention: q, k, v = BLM,MNK->BLNK; then causal_attention
   // (gshard/tensor/attention.hpp): the logits BLNK,BTNK->BNLT scaled by 1/sqrt(K)
-  // and masked, softmax over T, BNLT,BTNK->BLNK, in blocks of rows per
-  // sequence and head; BLNK,NKM->BLM. Each rank computes its heads; the
+  // and masked, softmax over T, BNLT,BTNK->BLNK, per sequence in blocks of
+  // rows; BLNK,NKM->BLM. Each rank computes its heads; the
   // output projection sums over them, so with model axes it ends in one
   // all_reduce over them.
   template <class V>

@@ -379,7 +379,7 @@ inline void progress_in_flight() {
   auto& r = in_flight::running();
   if (r.empty()) return;
   // At most one round every 20 us: called between small GEMMs (attention's,
-  // one per sequence and head), the tests would cost more than they move.
+  // one per block of rows), the tests would cost more than they move.
   thread_local double last = 0;
   const double now = MPI_Wtime();
   if (now - last < 20e-6) return;

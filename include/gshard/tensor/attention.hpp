@@ -5,7 +5,7 @@
 // the same with the keys each row sees chosen: all (an encoder's
 // self-attention, cross-attention), a causal prefix at a query offset
 // (decoding with a cache), and each sequence's valid keys (key padding).
-// Computed per sequence and head in blocks of rows (kernels/attention.hpp):
+// Computed per sequence in blocks of rows, every head at once (kernels/attention.hpp):
 // the [B, N, L, T] logits never go through memory whole and the columns no
 // row sees are not computed.
 #pragma once
