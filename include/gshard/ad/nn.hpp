@@ -220,8 +220,8 @@ auto attention_on_tape(const char* what, const Q& q_in, const K& k_in, const V& 
 }  // namespace detail
 
 // Causal self-attention (gshard/tensor/attention.hpp): q, k and v
-// [B, L, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence and head
-// in blocks of rows. Keeps q, k, v and the probabilities [B, N, L, T] (as
+// [B, L, N, K] to softmax(causal_mask(scale · q·kᵀ))·v, per sequence in
+// blocks of rows, every head at once. Keeps q, k, v and the probabilities [B, N, L, T] (as
 // the einsums and softmax it stands for keep them; not the logits), or with
 // attention_memory::recompute_probabilities two numbers per row instead.
 template <class Q, class K, class V>
