@@ -13,7 +13,11 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
+#include <string>
+#include <thread>
 
+#include <pthread.h>
 #include <sys/resource.h>
 
 #include "gradcheck.hpp"
@@ -969,6 +973,8 @@ TEST_CASE("every MPI communication call of a step, a checkpoint, a trace and a s
 TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a second ends the process", "[train][signals]") {
   const int P = world_size();
   grid2 m(MPI_COMM_WORLD, {1, P});
+  stack_t before{};
+  GSHARD_REQUIRE(sigaltstack(nullptr, &before) == 0);
   {
     const preemption stop;
     GSHARD_REQUIRE(stop.requested(m) == 0);
@@ -982,10 +988,74 @@ TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a se
     if (world_rank() == 0) std::raise(SIGINT);
     GSHARD_REQUIRE(stop.requested(m) == SIGINT);
   }
-  // Outside a preemption the handlers are the previous ones again.
+  // Outside a preemption the handlers are the previous ones again, and the
+  // thread's signal stack is as it was (none, or a sanitizer's).
   struct sigaction now{};
   sigaction(SIGTERM, nullptr, &now);
-  GSHARD_REQUIRE(now.sa_handler != detail::on_stop_signal);
+  stack_t stack{};
+  GSHARD_REQUIRE(sigaltstack(nullptr, &stack) == 0);
+  GSHARD_REQUIRE(now.sa_handler != detail::on_stop_signal && stack.ss_flags == before.ss_flags && stack.ss_sp == before.ss_sp);
+  {  // inside one, the handlers run on a signal stack: gshard's where the thread had none
+    const preemption stop;
+    sigaction(SIGTERM, nullptr, &now);
+    GSHARD_REQUIRE(sigaltstack(nullptr, &stack) == 0);
+    GSHARD_REQUIRE((now.sa_flags & SA_ONSTACK) && !(stack.ss_flags & SS_DISABLE) &&
+                   ((before.ss_flags & SS_DISABLE) ? stack.ss_size >= 65536 : stack.ss_sp == before.ss_sp));
+  }
+}
+
+// oneDNN 2.x's JIT GEMM kernels ("gemm:jit": every fp32 matmul on a CPU with
+// AVX2 alone; this test runs with DNNL_MAX_CPU_ISA=AVX2) point the stack
+// pointer into a heap buffer while they run. A signal handled then on the
+// thread's own stack would write its frame over whatever the heap holds
+// there. Stop signals arrive here at random moments of a stream of GEMMs,
+// each one noted and the preemption made again (a second would end the
+// process); the products stay right and the allocations around them whole.
+TEST_CASE("stop signals during GEMMs leave the results and the heap whole", "[.][signals_in_gemm]") {
+  const index_t m = 128, n = 128, k = 2048;  // a long sum: the kernel's stack pointer is off the stack most of the time
+#if defined(GSHARD_USE_ONEDNN)
+  if (const char* isa = std::getenv("DNNL_MAX_CPU_ISA"); isa && std::string(isa) == "AVX2") {
+    using dims = dnnl::memory::dims;
+    const auto f32 = dnnl::memory::data_type::f32;
+    const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc({dims{m, k}, f32, dims{k, 1}}, {dims{k, n}, f32, dims{n, 1}},
+                                                             {dims{m, n}, f32, dims{n, 1}}),
+                                          engine);
+    INFO("oneDNN's implementation: " << pd.impl_info_str());
+    GSHARD_REQUIRE(std::string(pd.impl_info_str()).rfind("gemm:jit", 0) == 0);  // the kernels in question run
+  }
+#endif
+  const std::vector<float> a(std::size_t(m * k), 1.0f), b(std::size_t(k * n), 0.5f);
+  std::vector<float> c(std::size_t(m * n));
+  std::optional<preemption> stop(std::in_place);
+  const pthread_t worker = pthread_self();
+  constexpr int signals = 300;
+  std::atomic<int> seen{0};
+  std::thread sender([&] {
+    std::mt19937 rng(7);
+    for (int i = 1; i <= signals; ++i) {
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
+      pthread_kill(worker, SIGTERM);
+      while (seen.load() < i) std::this_thread::yield();  // the next one once this one's preemption is made again
+    }
+  });
+  std::vector<std::unique_ptr<std::string>> live;  // allocations made between the GEMMs, checked in batches
+  int wrong = 0, damaged = 0, gemms = 0;
+  while (seen.load() < signals) {
+    detail::gemm<float>(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+    ++gemms;
+    wrong += c.front() != 0.5f * float(k) || c.back() != 0.5f * float(k);
+    live.push_back(std::make_unique<std::string>(std::size_t(32 + gemms % 480), 'x'));
+    if (live.size() == 64) {
+      for (const auto& s : live) damaged += s->find_first_not_of('x') != std::string::npos;
+      live.clear();
+    }
+    if (preemption::received()) stop.reset(), stop.emplace(), seen.store(seen.load() + 1);
+  }
+  sender.join();
+  INFO(gemms << " GEMMs, " << signals << " signals");
+  GSHARD_REQUIRE(wrong == 0);
+  GSHARD_REQUIRE(damaged == 0);
 }
 
 TEST_CASE("a trace that cannot be written is an error on every rank, and leaves no file", "[train][trace]") {

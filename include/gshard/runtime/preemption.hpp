@@ -16,6 +16,7 @@
 //   }
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -27,6 +28,7 @@
 #include <thread>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "gshard/runtime/collectives.hpp"
@@ -40,6 +42,8 @@ struct stop_state {
   volatile std::sig_atomic_t signal = 0;  // the first one received; 0: none
   bool installed = false;
   struct sigaction previous[2] = {};
+  std::unique_ptr<char[]> stack;  // the handlers' own stack, when the thread had none
+  stack_t previous_stack{};
 };
 inline stop_state& stop_signals() {
   static stop_state s;
@@ -73,15 +77,34 @@ class preemption {
     detail::stop_state& s = detail::stop_signals();
     if (s.installed) throw error("gshard::preemption: one is already live in this process");
     s.signal = 0;  // before the handlers: a signal from now on is this one's first
+    // The handlers run on a stack of their own (SA_ONSTACK). oneDNN 2.x's JIT
+    // GEMM kernels ("gemm:jit", every fp32 matmul where the CPU has AVX2
+    // alone) point the stack pointer into a heap buffer while they run; a
+    // handler run there would write its signal frame over the heap. This
+    // thread's stack, where it has none yet; other threads that run GEMMs
+    // (oneDNN's OpenMP workers above one thread) are not covered.
+    stack_t now{};
+    if (sigaltstack(nullptr, &now) == 0 && (now.ss_flags & SS_DISABLE)) {
+      const std::size_t size = std::max<std::size_t>(std::size_t(1) << 16, std::size_t(SIGSTKSZ));
+      s.stack = std::make_unique<char[]>(size);
+      stack_t own{};
+      own.ss_sp = s.stack.get(), own.ss_size = size;
+      if (sigaltstack(&own, &s.previous_stack) != 0) {
+        const int err = errno;
+        s.stack.reset();
+        throw error(std::string("gshard::preemption: sigaltstack failed: ") + std::strerror(err));
+      }
+    }
     for (int i = 0; i < 2; ++i) {
       const int sig = detail::stop_signal_numbers[i];
       struct sigaction a{};
       a.sa_handler = detail::on_stop_signal;
       sigemptyset(&a.sa_mask);
-      a.sa_flags = SA_RESTART;  // MPI's and the file reads' system calls go on
+      a.sa_flags = SA_RESTART | SA_ONSTACK;  // MPI's and the file reads' system calls go on
       if (sigaction(sig, &a, &s.previous[i]) != 0) {
         const int err = errno;
         for (int j = 0; j < i; ++j) sigaction(detail::stop_signal_numbers[j], &s.previous[j], nullptr);
+        restore_stack(s);
         throw error(std::string("gshard::preemption: sigaction failed: ") + std::strerror(err));
       }
     }
@@ -92,6 +115,7 @@ class preemption {
   ~preemption() {
     detail::stop_state& s = detail::stop_signals();
     for (int i = 0; i < 2; ++i) sigaction(detail::stop_signal_numbers[i], &s.previous[i], nullptr);
+    restore_stack(s);
     s.installed = false;
   }
 
@@ -104,6 +128,14 @@ class preemption {
   int requested(const detail::mesh_base& m) const { return requested(m.all_axes()); }
 
   static const char* name(int sig) { return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "a signal"; }
+
+ private:
+  // The thread's signal stack as it was before, once the handlers are the previous ones again.
+  static void restore_stack(detail::stop_state& s) {
+    if (!s.stack) return;
+    sigaltstack(&s.previous_stack, nullptr);
+    s.stack.reset();
+  }
 };
 
 // A process's standard output through a relay: while it lives, what the
