@@ -989,28 +989,42 @@ TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a se
     GSHARD_REQUIRE(stop.requested(m) == SIGINT);
   }
   // Outside a preemption the handlers are the previous ones again, and the
-  // thread's signal stack is as it was (none, or a sanitizer's).
+  // thread's signal stack the one it had (here the test framework's).
   struct sigaction now{};
   sigaction(SIGTERM, nullptr, &now);
   stack_t stack{};
   GSHARD_REQUIRE(sigaltstack(nullptr, &stack) == 0);
   GSHARD_REQUIRE(now.sa_handler != detail::on_stop_signal && stack.ss_flags == before.ss_flags && stack.ss_sp == before.ss_sp);
-  {  // inside one, the handlers run on a signal stack: gshard's where the thread had none
+  {  // inside one, the handlers run on a signal stack of 64 KiB or more: gshard's, where the thread's was smaller
     const preemption stop;
     sigaction(SIGTERM, nullptr, &now);
     GSHARD_REQUIRE(sigaltstack(nullptr, &stack) == 0);
-    GSHARD_REQUIRE((now.sa_flags & SA_ONSTACK) && !(stack.ss_flags & SS_DISABLE) &&
-                   ((before.ss_flags & SS_DISABLE) ? stack.ss_size >= 65536 : stack.ss_sp == before.ss_sp));
+    GSHARD_REQUIRE((now.sa_flags & SA_ONSTACK) && !(stack.ss_flags & SS_DISABLE) && stack.ss_size >= 65536 &&
+                   (stack.ss_sp == before.ss_sp) == (!(before.ss_flags & SS_DISABLE) && before.ss_size >= 65536));
+  }
+  {  // a thread with no signal stack has gshard's while one lives, and none after
+    stack_t off{}, framework{};
+    off.ss_flags = SS_DISABLE;
+    GSHARD_REQUIRE(sigaltstack(&off, &framework) == 0);
+    bool inside = false;
+    {
+      const preemption stop;
+      inside = sigaltstack(nullptr, &stack) == 0 && !(stack.ss_flags & SS_DISABLE) && stack.ss_size >= 65536;
+    }
+    const bool after = sigaltstack(nullptr, &stack) == 0 && (stack.ss_flags & SS_DISABLE);
+    GSHARD_REQUIRE(sigaltstack(&framework, nullptr) == 0);
+    GSHARD_REQUIRE(inside && after);
   }
 }
 
 // oneDNN 2.x's JIT GEMM kernels ("gemm:jit": every fp32 matmul on a CPU with
 // AVX2 alone; this test runs with DNNL_MAX_CPU_ISA=AVX2) point the stack
 // pointer into a heap buffer while they run. A signal handled then on the
-// thread's own stack would write its frame over whatever the heap holds
-// there. Stop signals arrive here at random moments of a stream of GEMMs,
-// each one noted and the preemption made again (a second would end the
-// process); the products stay right and the allocations around them whole.
+// interrupted code's stack would write its frame over whatever the heap
+// holds there. Stop signals arrive here at random moments of a stream of
+// GEMMs, each one noted and the preemption made again (a second would end
+// the process); the products stay right and the allocations around them
+// whole. The thread starts with no signal stack, as a program's does.
 TEST_CASE("stop signals during GEMMs leave the results and the heap whole", "[.][signals_in_gemm]") {
   const index_t m = 128, n = 128, k = 2048;  // a long sum: the kernel's stack pointer is off the stack most of the time
 #if defined(GSHARD_USE_ONEDNN)
@@ -1022,9 +1036,14 @@ TEST_CASE("stop signals during GEMMs leave the results and the heap whole", "[.]
                                                              {dims{m, n}, f32, dims{n, 1}}),
                                           engine);
     INFO("oneDNN's implementation: " << pd.impl_info_str());
-    GSHARD_REQUIRE(std::string(pd.impl_info_str()).rfind("gemm:jit", 0) == 0);  // the kernels in question run
+    // the kernels in question, through gemm()
+    GSHARD_REQUIRE(std::string(pd.impl_info_str()).rfind("gemm:jit", 0) == 0);
+    GSHARD_REQUIRE(detail::options().gemm == int(detail::gemm_kind::onednn));
   }
 #endif
+  stack_t off{}, framework{};
+  off.ss_flags = SS_DISABLE;
+  GSHARD_REQUIRE(sigaltstack(&off, &framework) == 0);
   const std::vector<float> a(std::size_t(m * k), 1.0f), b(std::size_t(k * n), 0.5f);
   std::vector<float> c(std::size_t(m * n));
   std::optional<preemption> stop(std::in_place);
@@ -1052,7 +1071,9 @@ TEST_CASE("stop signals during GEMMs leave the results and the heap whole", "[.]
     }
     if (preemption::received()) stop.reset(), stop.emplace(), seen.store(seen.load() + 1);
   }
+  stop.reset();
   sender.join();
+  GSHARD_REQUIRE(sigaltstack(&framework, nullptr) == 0);
   INFO(gemms << " GEMMs, " << signals << " signals");
   GSHARD_REQUIRE(wrong == 0);
   GSHARD_REQUIRE(damaged == 0);

@@ -28,6 +28,7 @@
 #include <thread>
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -42,9 +43,16 @@ struct stop_state {
   volatile std::sig_atomic_t signal = 0;  // the first one received; 0: none
   bool installed = false;
   struct sigaction previous[2] = {};
-  std::unique_ptr<char[]> stack;  // the handlers' own stack, when the thread had none
-  stack_t previous_stack{};
+  // The handlers' signal stack, where gshard made one: a raw allocation, so
+  // that no destructor at exit frees it while a handler may still run on it.
+  char* stack = nullptr;
+  pthread_t stack_thread{};  // the thread it is the signal stack of
+  stack_t previous_stack{};  // that thread's before
 };
+// A signal stack this large is kept; a smaller one (none, a test framework's
+// 32 KiB) is replaced while a preemption lives. An AVX-512 signal frame takes
+// about 3.5 KiB.
+inline std::size_t signal_stack_bytes() { return std::max<std::size_t>(std::size_t(1) << 16, std::size_t(SIGSTKSZ)); }
 inline stop_state& stop_signals() {
   static stop_state s;
   return s;
@@ -71,29 +79,32 @@ inline void on_stop_signal(int sig) {
 // signal takes the signal's default action. OpenMPI's mpirun sends SIGKILL one second after SIGTERM unless told
 // to wait longer: OMPI_MCA_odls_base_sigkill_timeout=<seconds> (which also
 // delays the exit of every aborted job; docs/07). Slurm waits KillWait.
+// Make it on the thread that trains: its handlers' signal stack is that
+// thread's.
 class preemption {
  public:
   preemption() {
     detail::stop_state& s = detail::stop_signals();
     if (s.installed) throw error("gshard::preemption: one is already live in this process");
     s.signal = 0;  // before the handlers: a signal from now on is this one's first
-    // The handlers run on a stack of their own (SA_ONSTACK). oneDNN 2.x's JIT
-    // GEMM kernels ("gemm:jit", every fp32 matmul where the CPU has AVX2
-    // alone) point the stack pointer into a heap buffer while they run; a
-    // handler run there would write its signal frame over the heap. This
-    // thread's stack, where it has none yet; other threads that run GEMMs
-    // (oneDNN's OpenMP workers above one thread) are not covered.
+    // The handlers run on a signal stack (SA_ONSTACK), not on the stack of
+    // the code they interrupt: oneDNN 2.x's JIT GEMM kernels ("gemm:jit",
+    // every fp32 matmul where the CPU has AVX2 alone) point the stack
+    // pointer into a heap buffer while they run, and a handler run there
+    // would write its signal frame over the heap. The signal stack is this
+    // thread's; other threads that run GEMMs (oneDNN's OpenMP workers above
+    // one thread) are not covered.
     stack_t now{};
-    if (sigaltstack(nullptr, &now) == 0 && (now.ss_flags & SS_DISABLE)) {
-      const std::size_t size = std::max<std::size_t>(std::size_t(1) << 16, std::size_t(SIGSTKSZ));
-      s.stack = std::make_unique<char[]>(size);
+    if (sigaltstack(nullptr, &now) == 0 && ((now.ss_flags & SS_DISABLE) || now.ss_size < detail::signal_stack_bytes())) {
       stack_t own{};
-      own.ss_sp = s.stack.get(), own.ss_size = size;
+      own.ss_size = detail::signal_stack_bytes();
+      own.ss_sp = new char[own.ss_size];
       if (sigaltstack(&own, &s.previous_stack) != 0) {
         const int err = errno;
-        s.stack.reset();
+        delete[] static_cast<char*>(own.ss_sp);
         throw error(std::string("gshard::preemption: sigaltstack failed: ") + std::strerror(err));
       }
+      s.stack = static_cast<char*>(own.ss_sp), s.stack_thread = pthread_self();
     }
     for (int i = 0; i < 2; ++i) {
       const int sig = detail::stop_signal_numbers[i];
@@ -130,11 +141,16 @@ class preemption {
   static const char* name(int sig) { return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "a signal"; }
 
  private:
-  // The thread's signal stack as it was before, once the handlers are the previous ones again.
+  // The thread's signal stack as it was before, once the handlers are the
+  // previous ones again. Ended on another thread, or with the stack replaced
+  // since, gshard's is left in place (a handler may yet run on it).
   static void restore_stack(detail::stop_state& s) {
     if (!s.stack) return;
-    sigaltstack(&s.previous_stack, nullptr);
-    s.stack.reset();
+    stack_t now{};
+    if (pthread_equal(s.stack_thread, pthread_self()) && sigaltstack(nullptr, &now) == 0 && now.ss_sp == s.stack &&
+        sigaltstack(&s.previous_stack, nullptr) == 0)
+      delete[] s.stack;
+    s.stack = nullptr;
   }
 };
 
