@@ -1025,6 +1025,9 @@ TEST_CASE("a stop signal on one rank is every rank's at the next agreement; a se
 // GEMMs, each one noted and the preemption made again (a second would end
 // the process); the products stay right and the allocations around them
 // whole. The thread starts with no signal stack, as a program's does.
+// Hidden ([.]): DNNL_MAX_CPU_ISA must be set before oneDNN's first call, so
+// its own meson test runs it alone ("stop signals during GEMMs np=1"), with
+// DNNL_MAX_CPU_ISA=AVX2; the other train tests run at the CPU's own ISA.
 TEST_CASE("stop signals during GEMMs leave the results and the heap whole", "[.][signals_in_gemm]") {
   const index_t m = 128, n = 128, k = 2048;  // a long sum: the kernel's stack pointer is off the stack most of the time
 #if defined(GSHARD_USE_ONEDNN)
