@@ -101,6 +101,46 @@ struct cross_entropy_options {
   double* unsmoothed = nullptr;
 };
 
+namespace detail {
+// cross_entropy's forward over `rows` rows of C logits: sum[0] += each
+// counted row's loss, sum[1] += 1, and with ε > 0 sum[2] += its unsmoothed
+// loss. A target of -1 is skipped; any other outside [0, C) ends the job.
+template <class T>
+void cross_entropy_sums(const T* lg, const std::int32_t* tg, index_t rows, index_t C, double eps, double* sum) {
+  std::vector<T> p(static_cast<std::size_t>(C));  // a row's softmax, unused: -log p = log Σ exp - logit, and softmax_row gives log Σ exp
+  for (index_t r = 0; r < rows; ++r, lg += C) {
+    if (tg[r] == -1) continue;
+    check_token(tg[r], 0, std::int32_t(C), r, 0, "cross_entropy");
+    const double nll = softmax_row(lg, C, p.data()) - double(lg[tg[r]]);
+    if (eps > 0) {
+      // −Σ_c q_c log p_c with q = (1 − ε)·onehot + ε/C: (1 − ε)·nll + ε·(lse − mean logit).
+      double mean_logit = 0;
+      for (index_t c = 0; c < C; ++c) mean_logit += double(lg[c]);
+      mean_logit /= double(C);
+      sum[0] += (1 - eps) * nll + eps * (nll + double(lg[tg[r]]) - mean_logit);
+      sum[2] += nll;
+    } else {
+      sum[0] += nll;
+    }
+    sum[1] += 1;
+  }
+}
+
+// Its gradient: d = (softmax(lg) − q) · scale for each counted row, with q
+// the smoothed target (1 − ε)·onehot + ε/C and scale = dloss / count; the
+// rows of a -1 target are left as they are (d comes zeroed).
+template <class T>
+void cross_entropy_gradient(const T* lg, const std::int32_t* tg, index_t rows, index_t C, double eps, T scale, T* d) {
+  const T uniform_part = T(eps / double(C)) * scale, target_part = T(1 - eps) * scale;
+  for (index_t r = 0; r < rows; ++r, lg += C, d += C) {
+    if (tg[r] == -1) continue;
+    softmax_row(lg, C, d);
+    for (index_t c = 0; c < C; ++c) d[c] = d[c] * scale - uniform_part;
+    d[tg[r]] -= target_part;
+  }
+}
+}  // namespace detail
+
 // The mean over targets of -log softmax(logits)[target], in double: logits
 // [.., V] with the class dim whole on each rank, targets an int32 tensor of
 // the other dims, sharded like them. A target of -1 is ignored. One
@@ -129,27 +169,9 @@ auto cross_entropy(V&& logits_in, const Tgt& targets, cross_entropy_options o = 
   tape& t = logits.on_tape();
   const index_t C = logits.extent(R - 1);
   const index_t rows = logits.value().local().size() / std::max<index_t>(C, 1);
-  const T* lg = logits.value().data();
-  const std::int32_t* tg = targets.data();
   using Sum = typename detail::sum_over_shards<X, 1, double>::type;  // sums in double whatever T
   Sum sum(logits.mesh(), {eps > 0 ? 3 : 2});  // [Σ loss, count(, Σ -log p)] over this rank's rows
-  std::vector<T> p(static_cast<std::size_t>(C));  // a row's softmax, unused: -log p = log Σ exp - logit, and softmax_row gives log Σ exp
-  for (index_t r = 0; r < rows; ++r, lg += C) {
-    if (tg[r] == -1) continue;
-    detail::check_token(tg[r], 0, std::int32_t(C), r, 0, "cross_entropy");
-    const double nll = detail::softmax_row(lg, C, p.data()) - double(lg[tg[r]]);
-    if (eps > 0) {
-      // −Σ_c q_c log p_c with q = (1 − ε)·onehot + ε/C: (1 − ε)·nll + ε·(lse − mean logit).
-      double mean_logit = 0;
-      for (index_t c = 0; c < C; ++c) mean_logit += double(lg[c]);
-      mean_logit /= double(C);
-      sum.data()[0] += (1 - eps) * nll + eps * (nll + double(lg[tg[r]]) - mean_logit);
-      sum.data()[2] += nll;
-    } else {
-      sum.data()[0] += nll;
-    }
-    sum.data()[1] += 1;
-  }
+  detail::cross_entropy_sums(logits.value().data(), targets.data(), rows, C, eps, sum.data());
   const auto total = reshard<replicate>(std::move(sum));  // one all_reduce: the sums and the count
   const double count = total.data()[1];
   tensor<double, 0, Mesh, replicate> mean(logits.mesh(), {});
@@ -160,20 +182,10 @@ auto cross_entropy(V&& logits_in, const Tgt& targets, cross_entropy_options o = 
     t.record([tp = &t, ys = y.slot(), xs = logits.slot(), keep = logits.shared(), targets, count, eps] {
       auto dl = tp->slot<tensor<double, 0, Mesh, replicate>>(ys).template take<replicate>();
       if (!dl || count == 0) return;
-      const T scale = T(dl->local()() / count);
       const index_t C = keep->extent(R - 1);
       detail::gradient_of<X> dx(keep->mesh(), keep->extents());
-      const index_t rows = dx.local().size() / std::max<index_t>(C, 1);
-      const T* lg = keep->data();
-      T* d = dx.data();
-      const std::int32_t* tg = targets.data();
-      const T uniform_part = T(eps / double(C)) * scale, target_part = T(1 - eps) * scale;
-      for (index_t r = 0; r < rows; ++r, lg += C, d += C) {  // (softmax − q) · dloss / count
-        if (tg[r] == -1) continue;
-        detail::softmax_row(lg, C, d);
-        for (index_t c = 0; c < C; ++c) d[c] = d[c] * scale - uniform_part;
-        d[tg[r]] -= target_part;
-      }
+      detail::cross_entropy_gradient(keep->data(), targets.data(), dx.local().size() / std::max<index_t>(C, 1), C, eps,
+                                     T(dl->local()() / count), dx.data());
       tp->slot<X>(xs).add(std::move(dx));
     });
   return y;

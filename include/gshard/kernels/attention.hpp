@@ -103,11 +103,7 @@ template <class T>
 block_operand<T> heads_operand(bool rounds, const T* f, index_t n, const attention_extents& e, std::vector<bf16>& buf) {
   const index_t ld = e.heads * e.dim;
   if constexpr (std::is_same_v<T, float>)
-    if (rounds) {
-      buf.resize(std::size_t(n));
-      to_bf16(f, std::size_t(n), buf.data());
-      return {f, ld, e.dim, buf.data(), ld, e.dim};
-    }
+    if (rounds) return {f, ld, e.dim, packed(f, 1, n, n, buf), ld, e.dim};
   return {f, ld, e.dim};
 }
 

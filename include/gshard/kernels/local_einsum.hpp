@@ -354,11 +354,7 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
   if constexpr (std::is_same_v<T, float>)
     if (vc.size() > 0 && k > 0 && gemm_rounds_to_bf16()) {
       thread_local std::vector<bf16> a16, b16;  // every operand is dense: va.size() elements from a
-      a16.resize(std::size_t(va.size()));
-      b16.resize(std::size_t(vb.size()));
-      to_bf16(a, a16.size(), a16.data());
-      to_bf16(b, b16.size(), b16.data());
-      return multiply(a16.data(), b16.data());
+      return multiply(packed(a, 1, va.size(), va.size(), a16), packed(b, 1, vb.size(), vb.size(), b16));
     }
   multiply(a, b);
 }
