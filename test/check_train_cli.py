@@ -123,7 +123,8 @@ def main() -> int:
     # Where the corpus is beside the point, the short text: reading the default dictionary takes a second.
     small = [short] + SMALL
 
-    # Refused before step 1, on every rank (each message printed by rank 0 and rank 1).
+    # Refused before step 1, on every rank (each message printed by rank 0 and rank 1). The refusals
+    # found after the text is read take the short text: the default dictionary would add a second each.
     refused = [
         (["--steps", "1e3"], "--steps takes a whole number from 1 to 2147483647, not '1e3'"),
         (["--batch", "1.5"], "--batch takes a whole number from 1 to 2147483647, not '1.5'"),
@@ -134,26 +135,26 @@ def main() -> int:
         (["--weight-update", "zero"], "--weight-update is sharded or replicated, not 'zero'"),
         (["--attention", "flash"], "--attention is keep or recompute, not 'flash'"),
         (["--placement", "causal"], "--placement is by-choice or by-token, not 'causal'"),
-        (["--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
+        ([short, "--batch", "100000000"], "--batch 100000000 --seq 128 needs about"),
         # A model too large for the host: the option that costs the most is named, and only it.
-        (["--shared-experts", "100000"], ("--shared-experts 100000 needs about", "GiB less at the default --shared-experts), but",
-                                          "give a smaller --shared-experts")),
-        (["--experts", "100000"], ("--experts 100000 needs about", "give a smaller --experts")),
-        (["--layers", "100000", "--hidden", "512"], ("--layers 100000 needs about", "give a smaller --layers")),
-        (["--hidden", "100000000"], ("--hidden 100000000 needs about", "give a smaller --hidden")),
-        (["--optimizer", "adafactor", "--shared-experts", "100000"], "parameters, gradients and Adafactor"),
+        ([short, "--shared-experts", "100000"], ("--shared-experts 100000 needs about", "GiB less at the default --shared-experts), but",
+                                                 "give a smaller --shared-experts")),
+        ([short, "--experts", "100000"], ("--experts 100000 needs about", "give a smaller --experts")),
+        ([short, "--layers", "100000", "--hidden", "512"], ("--layers 100000 needs about", "give a smaller --layers")),
+        ([short, "--hidden", "100000000"], ("--hidden 100000000 needs about", "give a smaller --hidden")),
+        ([short, "--optimizer", "adafactor", "--shared-experts", "100000"], "parameters, gradients and Adafactor"),
         (["--save-every", "5"], "--save-every needs --save FILE"),
         (["--stop-after", "3"], "--stop-after needs --save FILE"),
-        (["--save", "/nonexistent/x.ckpt"], "--save /nonexistent/x.ckpt: cannot write /nonexistent/x.ckpt: /nonexistent: No such file or directory"),
-        (["--save", work], f"--save {work}: {work} is a directory"),
-        (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json: cannot write"),
-        (["--trace", os.path.join(work, "t.json"), "--trace-step", "99", "--steps", "3"], "--trace-step 99 is after the last step (--steps 3)"),
-        (["--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
+        ([short, "--save", "/nonexistent/x.ckpt"], "--save /nonexistent/x.ckpt: cannot write /nonexistent/x.ckpt: /nonexistent: No such file or directory"),
+        ([short, "--save", work], f"--save {work}: {work} is a directory"),
+        ([short, "--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json: cannot write"),
+        ([short, "--trace", os.path.join(work, "t.json"), "--trace-step", "99", "--steps", "3"], "--trace-step 99 is after the last step (--steps 3)"),
+        ([short, "--metrics", "/nonexistent/m.jsonl"], "--metrics /nonexistent/m.jsonl: cannot open it for writing: No such file or directory"),
         ([short, "--seq", "600"], "--seq 600 needs windows of 601 bytes, but the text's held-out part has 500 bytes"),
         # An output naming an input or another output: refused before anything is written.
         ([short, "--seq", "32", "--metrics", short], f"--metrics {short} is the training text; writing it would destroy it"),
         ([short, "--seq", "32", "--save", short], f"--save {short} is the training text; writing it would destroy it"),
-        (["--save", os.path.join(work, "o.ckpt"), "--trace", os.path.join(work, "o.ckpt")],
+        ([short, "--save", os.path.join(work, "o.ckpt"), "--trace", os.path.join(work, "o.ckpt")],
          f"--trace {os.path.join(work, 'o.ckpt')} is also --save's file; give each its own"),
         ([truncated], f"cannot read {truncated}: unexpected end of file"),
         ([os.path.join(work, "bad.dict")], "bad.index:1: not a dictd index line (headword, offset, length)"),
@@ -171,7 +172,7 @@ def main() -> int:
         (["--eval-every", "-5"], "--eval-every takes a whole number from 0"),
         (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
         ([empty_dir], f"{empty_dir} holds no regular file"),
-        (["--resume", work], f"gshard::checkpoint: {work}: cannot read {work}: Is a directory"),
+        ([short, "--resume", work], f"gshard::checkpoint: {work}: cannot read {work}: Is a directory"),
         (["--stpes", "3"], "unknown option --stpes"),
         (["--top-k"], "--top-k needs a value"),
         (["--optimizer", "sgd"], "--optimizer is adam or adafactor, not 'sgd'"),
