@@ -712,12 +712,12 @@ TEST_CASE("autodiff: dropout drops the same elements at every rank count, in val
   const std::uint64_t seed = 9, stream = 4;
   tape t(ps);
   auto y = dropout(t.use(x), rate, seed, stream);
-  // Against the global tensor: element i kept iff uniform(seed, stream, i, ·) ≥ rate.
+  // Against the global tensor: element i kept iff uniform32(seed, stream, i) ≥ rate.
   const auto gx = reshard<replicate>(x.value()), gy = reshard<replicate>(y.value());
   bool same = true;
   index_t kept = 0;
   for (index_t i = 0; i < B * L * M; ++i) {
-    const bool keep = uniform(seed, stream, std::uint64_t(i), 0xD50) >= rate;
+    const bool keep = uniform32(seed, stream, std::uint64_t(i)) >= rate;
     kept += keep;
     same = same && gy.data()[i] == (keep ? gx.data()[i] * (1.0 / (1.0 - rate)) : 0.0);
   }
@@ -732,21 +732,53 @@ TEST_CASE("autodiff: dropout drops the same elements at every rank count, in val
     const auto gxm = reshard<replicate>(xm), gym = reshard<replicate>(dropout(t.constant(xm), rate, seed, stream).value());
     bool same_m = true;
     for (index_t i = 0; i < 2 * 3 * Mm; ++i) {
-      const bool keep = uniform(seed, stream, std::uint64_t(i), 0xD50) >= rate;
+      const bool keep = uniform32(seed, stream, std::uint64_t(i)) >= rate;
       same_m = same_m && gym.data()[i] == (keep ? gxm.data()[i] * float(1.0 / (1.0 - rate)) : 0.0f);
     }
     GSHARD_REQUIRE(same_m);
   }
-  // The keep test in integers is uniform's: at the rates where rounding could tell them apart.
-  for (const double p : {0.0, 0x1p-53, 0x1.8p-53, 0.1, 0.5, std::nextafter(1.0, 0.0)}) {
+  // The keep test in integers is uniform32's: at the rates where rounding could tell them apart,
+  // and across 2^32 in the global index, where the row key changes.
+  for (const double p : {0.0, 0x1p-32, 0x1.8p-32, 0.1, 0.5, 1 - 0x1p-32, std::nextafter(1.0, 0.0)}) {
+    detail::dropout_mask<double> mask(p, seed, stream);
+    std::vector<double> ones(64, 1.0);
+    const std::uint64_t g0 = (std::uint64_t(1) << 32) - 37;
+    mask.apply(ones.data(), index_t(ones.size()), g0);
     bool agree = true;
+    for (std::uint64_t j = 0; j < ones.size(); ++j) {
+      const double u = uniform32(seed, stream, g0 + j);
+      agree = agree && ones[j] == (u >= p ? 1.0 / (1.0 - p) : 0.0);
+    }
     for (std::uint64_t i = 0; i < 20000; ++i) {
-      const double u = uniform(seed, stream, i, 0xD50);
-      const std::uint64_t bits = detail::random_bits(detail::random_key(seed, stream), i, 0xD50);
-      agree = agree && (u >= p) == (bits >= detail::random_threshold(p)) && (u >= u) == (bits >= detail::random_threshold(u));
+      const double u = uniform32(seed, stream, i);
+      const std::uint64_t bits = detail::random_bits32(detail::random_key32(detail::random_key(seed, stream), 0), std::uint32_t(i));
+      agree = agree && (u >= p) == (bits >= detail::random_threshold32(p)) && (u >= u) == (bits >= detail::random_threshold32(u));
     }
     INFO("rate " << p);
     GSHARD_REQUIRE(agree);
+  }
+  {  // uniform32 looks uniform and independent: 2^20 draws fill 64 bins of their high bits and
+     // 64 of their low bits as uniform draws would (chi-square, 63 degrees of freedom: mean 63,
+     // sd 11), and correlate neither with their neighbours nor with the next stream's (sd 0.001).
+    const std::uint64_t N = std::uint64_t(1) << 20;
+    std::array<double, 64> high{}, low{};
+    double next = 0, other = 0;
+    for (std::uint64_t i = 0; i < N; ++i) {
+      const double u = uniform32(seed, stream, i);
+      const auto w = std::uint64_t(std::ldexp(u, 32));
+      high[w >> 26] += 1, low[w & 63] += 1;
+      next += (u - 0.5) * (uniform32(seed, stream, i + 1) - 0.5);
+      other += (u - 0.5) * (uniform32(seed, stream + 1, i) - 0.5);
+    }
+    const auto chi2 = [&](const std::array<double, 64>& bins) {
+      double c = 0;
+      for (const double b : bins) c += (b - double(N) / 64) * (b - double(N) / 64) / (double(N) / 64);
+      return c;
+    };
+    INFO("chi-square " << chi2(high) << " (high bits), " << chi2(low) << " (low bits); correlations " << 12 * next / double(N)
+                       << " (neighbours), " << 12 * other / double(N) << " (streams)");
+    GSHARD_REQUIRE((chi2(high) < 130 && chi2(low) < 130 && std::abs(12 * next / double(N)) < 0.006 &&
+                    std::abs(12 * other / double(N)) < 0.006));
   }
   // The gradient: the same mask, drawn again.
   auto loss = [&](tape& tl) {

@@ -8,6 +8,7 @@
 //   auto y = x + ffn<at_tokens>(h, w);   // w: ffn_weights, declared once
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -379,36 +380,59 @@ auto mask_padding(V&& x, const P& paddings) {
 }
 
 namespace detail {
-// row[j] ·= keep(g + j) / (1 − rate) for j < n, keep(g) = random_bits(key, g, 0xD50) ≥ at_least.
-// Blocks of 8: a loop of fixed length over arguments that no store can change, which GCC
-// vectorizes at -O2 where the CPU multiplies 64-bit lanes (AVX-512: 4.4x the element-wise loop).
+// row[j] ·= keep(lo + j) / (1 − rate) for j < n, keep(lo) = random_bits32(row_key, lo) ≥
+// at_least (lo + n ≤ 2^32). Blocks of 16: a loop of fixed length over arguments that no
+// store can change, which GCC vectorizes at -O2 in 32-bit lanes.
 template <class T>
-void dropout_row(T* row, index_t n, std::uint64_t g, std::uint64_t key, std::uint64_t at_least, T scale) {
-  const auto kept = [=](T x, std::uint64_t at) { return random_bits(key, at, 0xD50) >= at_least ? x * scale : T(0); };
+void dropout_row(T* row, index_t n, std::uint32_t lo, std::uint64_t row_key, std::uint32_t at_least, T scale) {
+  const auto kept = [=](T x, std::uint32_t at) { return random_bits32(row_key, at) >= at_least ? x * scale : T(0); };
   index_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (; j + 16 <= n; j += 16) {
     T* x = row + j;
-    const std::uint64_t at = g + std::uint64_t(j);
-    for (int k = 0; k < 8; ++k) x[k] = kept(x[k], at + std::uint64_t(k));
+    const std::uint32_t at = lo + std::uint32_t(j);
+    for (int k = 0; k < 16; ++k) x[k] = kept(x[k], at + std::uint32_t(k));
   }
-  for (; j < n; ++j) row[j] = kept(row[j], g + std::uint64_t(j));
+  for (; j < n; ++j) row[j] = kept(row[j], lo + std::uint32_t(j));
 }
 
-// t[i] ·= keep(i) / (1 − rate) with keep(i) = uniform(seed, stream, global
-// index of i) ≥ rate; a dropped element becomes 0 whatever it held.
+// Dropout's mask at one rate for one (seed, stream): x[j] ·= keep(g + j) / (1 − rate),
+// keep(g) = uniform32(seed, stream, g) ≥ rate, a dropped element 0 whatever it held.
+template <class T>
+class dropout_mask {
+ public:
+  dropout_mask(double rate, std::uint64_t seed, std::uint64_t stream)
+      : key_(random_key(seed, stream)), at_least_(random_threshold32(rate)), scale_(T(1.0 / (1.0 - rate))) {}
+  // The n elements from x, at global indices g, g + 1, …
+  void apply(T* x, index_t n, std::uint64_t g) {
+    if (at_least_ > 0xFFFFFFFFu) {  // no 32-bit draw reaches a rate this close to 1
+      std::fill_n(x, n, T(0));
+      return;
+    }
+    while (n > 0) {  // in segments that do not cross a multiple of 2^32, each with its row key
+      const index_t m = index_t(std::min<std::uint64_t>(std::uint64_t(n), (std::uint64_t(1) << 32) - (g & 0xFFFFFFFFu)));
+      if ((g >> 32) != hi_) hi_ = g >> 32, row_key_ = random_key32(key_, hi_);
+      dropout_row(x, m, std::uint32_t(g), row_key_, std::uint32_t(at_least_), scale_);
+      x += m, g += std::uint64_t(m), n -= m;
+    }
+  }
+
+ private:
+  std::uint64_t key_, at_least_;
+  T scale_;
+  std::uint64_t hi_ = ~std::uint64_t(0), row_key_ = 0;  // the row key of the last segment's high bits
+};
+
+// Dropout's mask over t, keyed by each element's global index.
 template <class X>
 void apply_dropout(X& t, double rate, std::uint64_t seed, std::uint64_t stream) {
-  using T = typename X::value_type;
-  const T scale = T(1.0 / (1.0 - rate));
-  const std::uint64_t key = random_key(seed, stream), at_least = random_threshold(rate);
-  T* v = t.data();
-  for_each_global_row(t, [&](index_t i, std::uint64_t g, index_t n) { dropout_row(v + i, n, g, key, at_least, scale); });
+  dropout_mask<typename X::value_type> mask(rate, seed, stream);
+  for_each_global_row(t, [&](index_t i, std::uint64_t g, index_t n) { mask.apply(t.data() + i, n, g); });
 }
 }  // namespace detail
 
 // Inverted dropout: each element of x kept with probability 1 − rate and
 // scaled by 1 / (1 − rate), or set to 0. Whether element i is kept is
-// uniform(seed, stream, i's global index) ≥ rate: a function of the
+// uniform32(seed, stream, i's global index) ≥ rate: a function of the
 // element's place in the global tensor, so every rank count drops the same
 // elements, and the backward draws the same mask again instead of keeping
 // it. Give each use its own stream (a step and a site). A rate of 0 is x
