@@ -705,7 +705,7 @@ TEST_CASE("autodiff: embedding and cross-entropy gradients, ignored targets", "[
 
 TEST_CASE("autodiff: dropout drops the same elements at every rank count, in value and gradient", "[autodiff][grad][dropout]") {
   grid1 m(MPI_COMM_WORLD);
-  const index_t P = m.nranks(), B = 3 * P, L = 5, M = 13;  // rows of a block of 8 and 5 more
+  const index_t P = m.nranks(), B = 3 * P, L = 5, M = 21;  // rows of a block of 16 and 5 more
   parameters ps(m, 6);
   param<tensor<double, 3, grid1, rows, "BLM">> x(ps, "x", {B, L, M}, init::normal(1.0));
   const double rate = 0.25;
@@ -738,7 +738,8 @@ TEST_CASE("autodiff: dropout drops the same elements at every rank count, in val
     GSHARD_REQUIRE(same_m);
   }
   // The keep test in integers is uniform32's: at the rates where rounding could tell them apart,
-  // and across 2^32 in the global index, where the row key changes.
+  // and across 2^32 in the global index, where the row key changes; in float too, where a
+  // dropped NaN is 0 and a kept one NaN.
   for (const double p : {0.0, 0x1p-32, 0x1.8p-32, 0.1, 0.5, 1 - 0x1p-32, std::nextafter(1.0, 0.0)}) {
     detail::dropout_mask<double> mask(p, seed, stream);
     std::vector<double> ones(64, 1.0);
@@ -749,6 +750,11 @@ TEST_CASE("autodiff: dropout drops the same elements at every rank count, in val
       const double u = uniform32(seed, stream, g0 + j);
       agree = agree && ones[j] == (u >= p ? 1.0 / (1.0 - p) : 0.0);
     }
+    detail::dropout_mask<float> mask_f(p, seed, stream);
+    std::vector<float> nans(64, std::nanf(""));
+    mask_f.apply(nans.data(), index_t(nans.size()), g0);
+    for (std::uint64_t j = 0; j < nans.size(); ++j)
+      agree = agree && (uniform32(seed, stream, g0 + j) >= p ? std::isnan(nans[j]) : nans[j] == 0.0f);
     for (std::uint64_t i = 0; i < 20000; ++i) {
       const double u = uniform32(seed, stream, i);
       const std::uint64_t bits = detail::random_bits32(detail::random_key32(detail::random_key(seed, stream), 0), std::uint32_t(i));

@@ -380,8 +380,8 @@ auto mask_padding(V&& x, const P& paddings) {
 }
 
 namespace detail {
-// row[j] ·= keep(lo + j) / (1 − rate) for j < n, keep(lo) = random_bits32(row_key, lo) ≥
-// at_least (lo + n ≤ 2^32). Blocks of 16: a loop of fixed length over arguments that no
+// row[j] = keep(lo + j) ? row[j] · scale : 0 for j < n, keep(lo) = random_bits32(row_key, lo)
+// ≥ at_least (lo + n ≤ 2^32). Blocks of 16: a loop of fixed length over arguments that no
 // store can change, which GCC vectorizes at -O2 in 32-bit lanes.
 template <class T>
 void dropout_row(T* row, index_t n, std::uint32_t lo, std::uint64_t row_key, std::uint32_t at_least, T scale) {

@@ -52,8 +52,10 @@ inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t a,
 }
 
 // A uniform double in [0, 1) with 32 random bits (a multiple of 2^-32), keyed by
-// (seed, stream, index): a cheaper draw than uniform's for a value per element on
-// a hot path (dropout's mask), computed 16 at a time in AVX-512's 32-bit lanes.
+// (seed, stream, index). One call costs what uniform's does; its point is the
+// split form for a value per element on a hot path (dropout's mask):
+// random_key32 once per 2^32 indices, then random_bits32 per index, 16 at a time
+// in AVX-512's 32-bit lanes.
 inline double uniform32(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
   const std::uint64_t row_key = detail::random_key32(detail::random_key(seed, stream), index >> 32);
   return double(detail::random_bits32(row_key, std::uint32_t(index))) * 0x1.0p-32;
