@@ -309,21 +309,22 @@ inline std::vector<language_corpus> load_freedict(const std::string& program, st
                 " (freedict-LLL-eng.dict.dz and .index); install some, e.g. apt-get install dict-freedict-deu-eng "
                 "(the Debian packages dict-freedict-LLL-eng)";
     if (codes.empty()) codes = installed;
+    // Every code checked before any dictionary is read: a bad one is named in
+    // well under a second, not after the ones before it were read.
     for (std::size_t i = 0; i < codes.size() && problem.empty(); ++i) {
       const std::string& code = codes[i];
-      if (std::find(codes.begin(), codes.begin() + std::ptrdiff_t(i), code) != codes.begin() + std::ptrdiff_t(i)) {
-        problem = "the language " + code + " is given twice";
-        break;
-      }
-      if (!std::binary_search(installed.begin(), installed.end(), code)) {
+      if (std::find(codes.begin(), codes.begin() + std::ptrdiff_t(i), code) != codes.begin() + std::ptrdiff_t(i))
+        problem = "--languages names " + code + " twice";
+      else if (!std::binary_search(installed.begin(), installed.end(), code)) {
         std::string all;
         for (const auto& c : installed) all += (all.empty() ? "" : ", ") + c;
-        problem = "no FreeDict dictionary for the language '" + code + "' in " + dir + " (freedict-" + code +
+        problem = "--languages: no FreeDict dictionary for the language '" + code + "' in " + dir + " (freedict-" + code +
                   "-eng.dict.dz, from the Debian package dict-freedict-" + code + "-eng); installed: " + all;
-        break;
       }
+    }
+    for (std::size_t i = 0; i < codes.size() && problem.empty(); ++i) {
       language_corpus c;
-      problem = read_freedict(dir + "/freedict-" + code + "-eng.dict.dz", c, held_one_in);
+      problem = read_freedict(dir + "/freedict-" + codes[i] + "-eng.dict.dz", c, held_one_in);
       packed.push_back(detail::pack_language(c));
       if (problem.empty() && packed.back().size() > max_text_bytes)  // one MPI_Bcast carries it
         problem = c.path + " gives " + std::to_string(packed.back().size()) + " bytes of pairs; at most " + std::to_string(max_text_bytes) + " are sent";

@@ -60,10 +60,10 @@ const char* usage =
     "  --batch N          pairs per step, over every rank (64)\n"
     "  --temperature T    languages sampled with p ∝ (pairs share)^(1/T) (5, as M4; 1: by size)\n"
     "  --max-bytes N      pairs with a side longer than N bytes are left out (32)\n"
-    "  --experts E        experts of each MoE layer, in blocks 1, 3, ... of both stacks (8; 0: a dense model)\n"
+    "  --experts E        experts of each MoE layer, in blocks 1, 3, ... of both stacks (8; 0: a dense model; else 2 or more)\n"
     "  --hidden H         FFN width of the dense blocks and of each expert (256)\n"
     "  --slot-hidden H    a dense model's FFN width in blocks 1, 3, ... (0: --hidden; 2H matches top-2's FLOPs)\n"
-    "  --model M          model width (128)\n"
+    "  --model M          model width, a multiple of 4: 4 heads of M/4 (128)\n"
     "  --layers L         blocks of the encoder and of the decoder (2)\n"
     "  --capacity-factor C  each expert's capacity, in tokens per expert of an even split (2)\n"
     "  --dropout R        dropout while training (0.1, as GShard's M4)\n"
@@ -73,14 +73,14 @@ const char* usage =
     "  --lr X             the peak learning rate (2e-3; adafactor 3e-3), warmed up over the first 5% of the steps\n"
     "  --precision f32|bf16  the GEMMs' operands in fp32, or rounded to bf16 and multiplied on the CPU's bf16\n"
     "                     units with fp32 sums, the MoE all_to_alls and the weights in bf16; master weights\n"
-    "                     and optimizer state, the router, norms, softmax and the loss stay fp32: 1.4x the\n"
+    "                     and optimizer state, the router, norms, softmax and the loss stay fp32: 1.3-1.4x the\n"
     "                     tokens/s on a core with AVX512_BF16 (docs/14_translation.md) (f32)\n"
     "  --seed N           weights, batches, routing and dropout (1)\n"
     "  --log-every N      steps between progress lines (100)\n"
     "  --eval-every N     steps between held-out evaluations (1000; 0: at the end only)\n"
     "  --eval-sentences N held-out pairs per language evaluated (32)\n"
     "  --beam W           beam width of the beam decoding evaluated (4)\n"
-    "  --show N           held-out translations printed at the end (6)\n"
+    "  --show N           held-out translations printed at the end, one per language, N in all (6)\n"
     "  --metrics FILE     one JSON line per step, with each evaluation's figures per language\n"
     "  --save FILE        checkpoint at the end, every --save-every N steps, and on SIGTERM/SIGINT\n"
     "  --resume FILE      continue from a checkpoint of the same languages and sizes, at any rank count\n";
@@ -143,6 +143,10 @@ options parse(int argc, char** argv) {
     else if (a.rfind("--", 0) == 0) throw error("gshard translate: unknown option " + a + " (--help lists them)");
     else throw error("gshard translate: takes options only, not '" + a + "' (--help lists them)");
   }
+  if (o.experts == 1)
+    throw error("gshard translate: --experts 1: top-2 routing needs 2 experts or more; give --experts 0 for a dense model");
+  if (o.model % 4 != 0)
+    throw error("gshard translate: --model " + std::to_string(o.model) + " is not a multiple of 4: the model's 4 heads take a quarter of it each");
   if (o.slot_hidden > 0 && o.experts > 0)
     throw error("gshard translate: --slot-hidden " + std::to_string(o.slot_hidden) + " is for a dense model; give --experts 0");
   if (o.save.empty() && o.save_every > 0)
@@ -150,11 +154,12 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// Rank 0's check of the output paths, before anything is read or trained:
-// each can be written, and none names an input or the other output — the
-// metrics never overwrite a checkpoint or a dictionary (--save naming the
-// --resume checkpoint is how a run continues, and is allowed).
-std::string check_outputs(const options& o) {
+// Rank 0's check of the files, before anything is read or trained: no
+// output names an input or the other output — the metrics never overwrite a
+// checkpoint or a dictionary (--save naming the --resume checkpoint is how a
+// run continues, and is allowed) —, each can be written, and the --resume
+// checkpoint can be opened.
+std::string check_files(const options& o) {
   std::vector<std::pair<std::string, std::string>> inputs{{"--resume", o.resume}};
   for (const auto& f : examples::input_files(examples::freedict_dir))
     if (std::filesystem::path(f).filename().string().rfind("freedict-", 0) == 0) inputs.emplace_back("a dictionary", f);
@@ -163,6 +168,14 @@ std::string check_outputs(const options& o) {
   for (const auto& [option, path] : outputs)
     if (!path.empty())
       if (const std::string p = io::check_writable(path); !p.empty()) return option + " " + path + ": " + p;
+  if (!o.resume.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(o.resume, ec))
+      return "--resume " + o.resume + ": " + (std::filesystem::exists(o.resume, ec) ? "not a file" : "no such file");
+    std::FILE* f = std::fopen(o.resume.c_str(), "rb");
+    if (!f) return "--resume " + o.resume + ": cannot open it: " + io::reason();
+    std::fclose(f);
+  }
   return "";
 }
 
@@ -519,7 +532,7 @@ int main(int argc, char** argv) {
     if (env.rank() == 0) std::fputs(usage, stdout);
     return 0;
   }
-  if (const std::string p = broadcast_text(world_group(), env.rank() == 0 ? check_outputs(o) : ""); !p.empty())
+  if (const std::string p = broadcast_text(world_group(), env.rank() == 0 ? check_files(o) : ""); !p.empty())
     throw io_error("gshard translate: " + p);
   const examples::machine_peak peak = examples::measure_peak(o.precision);
   const std::vector<language> langs = prepare(examples::load_freedict("translate", o.languages), o);

@@ -263,11 +263,14 @@ TEST_CASE("rank 0 reads the dictionaries and every rank receives them", "[transl
   GSHARD_CHECK(one.size() == 1 && one[0].code == "xyz" && one[0].train.empty() && one[0].held.size() == 1);
 
   GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {"qqq"}, dir), gshard::io_error,
-                             "gshard test: no FreeDict dictionary for the language 'qqq' in ");
+                             "gshard test: --languages: no FreeDict dictionary for the language 'qqq' in ");
   GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {"qqq"}, dir), gshard::io_error,
                              "(freedict-qqq-eng.dict.dz, from the Debian package dict-freedict-qqq-eng); installed: abc, xyz");
   GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {"abc", "abc"}, dir), gshard::io_error,
-                             "gshard test: the language abc is given twice");
+                             "gshard test: --languages names abc twice");
+  // Named before any dictionary is read, after one that could be.
+  GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {"abc", "qqq"}, dir), gshard::io_error,
+                             "gshard test: --languages: no FreeDict dictionary for the language 'qqq' in ");
   const std::string nowhere = dir + "/none";
   GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {}, nowhere), gshard::io_error, "gshard test: no FreeDict dictionaries in ");
   GSHARD_REQUIRE_THROWS_WITH(examples::load_freedict("test", {}, nowhere), gshard::io_error,
