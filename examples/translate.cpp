@@ -15,6 +15,7 @@
 // few held-out translations beside their references.
 #include <gshard/gshard.hpp>
 #include <gshard/model/chrf.hpp>
+#include <gshard/model/cost.hpp>
 #include <gshard/model/seq2seq.hpp>
 #include <gshard/model/train.hpp>
 
@@ -28,6 +29,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cli.hpp"
 #include "freedict.hpp"
@@ -413,13 +416,11 @@ std::string resumable(const std::map<std::string, double>& saved, const std::map
   return "";
 }
 
-int train(const grid& m, const options& o, const std::vector<language>& langs, const examples::machine_peak& peak) {
-  const matmul_precision_scope precision(o.precision);  // every step, evaluation and decoding; the router in fp32 regardless
-  const bool root = m.rank() == 0;
-  const int P = m.nranks();
+// The model of the options, for `languages` languages (each its tag token).
+model::seq2seq_config config_of(const options& o, std::size_t languages) {
   model::seq2seq_config c;
-  c.vocab = 256 + index_t(langs.size());
-  c.model = o.model, c.heads = 4, c.head_dim = std::max<index_t>(1, o.model / 4), c.hidden = o.hidden;
+  c.vocab = 256 + index_t(languages);
+  c.model = o.model, c.heads = 4, c.head_dim = o.model / 4, c.hidden = o.hidden;
   c.experts = o.experts, c.slot_hidden = o.slot_hidden;
   c.all_to_all_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   c.encoder_layers = c.decoder_layers = o.layers;
@@ -427,6 +428,54 @@ int train(const grid& m, const options& o, const std::vector<language>& langs, c
   c.gating.capacity_factor = o.capacity_factor;
   c.gating.seed = o.seed;  // the random second expert
   c.dropout = o.dropout, c.label_smoothing = o.label_smoothing, c.dropout_seed = o.seed ^ 0xD509;
+  return c;
+}
+
+// "" when one rank's step at the longest batch (sources and targets of
+// --max-bytes + 1 positions) fits the host's memory per rank, else what it
+// needs. The cost model's count (model/cost.hpp, as `cost --encoder-decoder`
+// prints it): the parameters, gradients and optimizer state exactly, 1.15×
+// of them for the gradient buckets and the update's buffers (the language-model
+// trainer's measured share), and the activations the backward keeps. The
+// pairs every rank holds and the process itself come on top, so this refuses
+// only what cannot fit. A model whose weights alone pass 2^50 elements is
+// refused before counting.
+std::string check_memory(const options& o, int P) {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
+  const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0), gib = double(1 << 30);
+  const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
+  const std::size_t languages = o.languages.empty() ? examples::installed_freedict().size() : o.languages.size();
+  const model::seq2seq_config c = config_of(o, languages);
+  const double M = double(c.model), H = double(c.hidden), E = double(std::max<index_t>(c.experts, 1)), layers = double(o.layers);
+  const double rough = 2 * layers * (E * 2 * M * H + 8 * M * M) + double(c.vocab) * M;  // the FFNs and attention's projections
+  char b[400];
+  const auto needs = [&](double bytes, const char* what) {
+    std::snprintf(b, sizeof b, "--model %d --hidden %d --experts %d --layers %d --batch %d --max-bytes %d needs about %.1f GiB per rank (%s), "
+                  "but this host has %.1f GiB for each of its %.0f ranks; give smaller sizes",
+                  o.model, o.hidden, o.experts, o.layers, o.batch, o.max_bytes, bytes / gib, what, memory / gib, ranks_here);
+    return std::string(b);
+  };
+  if (rough > 0x1p50) return needs(rough * 4 * 4 / double(P), "its weights, their gradients and Adam's moments alone");
+  model::cost::mesh_sizes ms{1, index_t(P), 1, false};
+  model::cost::step_options so{index_t(o.batch), index_t(o.max_bytes + 1), false, int(sizeof(float))};
+  so.source = o.max_bytes + 1;
+  so.optimizer = o.optimizer == "adafactor" ? model::cost::optimizer_kind::adafactor : model::cost::optimizer_kind::adam;
+  so.weight_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
+  const auto w = model::cost::count_step(c, ms, so);
+  const double state = w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes, need = 1.15 * state + w.activation_bytes;
+  if (need <= memory) return "";
+  char what[160];
+  std::snprintf(what, sizeof what, "the cost model's count: weights, gradients and optimizer state %.1f GiB, activations %.1f GiB",
+                state / gib, w.activation_bytes / gib);
+  return needs(need, what);
+}
+
+int train(const grid& m, const options& o, const std::vector<language>& langs, const examples::machine_peak& peak) {
+  const matmul_precision_scope precision(o.precision);  // every step, evaluation and decoding; the router in fp32 regardless
+  const bool root = m.rank() == 0;
+  const int P = m.nranks();
+  const model::seq2seq_config c = config_of(o, langs.size());
   parameters<grid> ps(m, o.seed);
   ps.set_weight_wire(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same);  // with fp32 masters
   const net_t net(ps, c);
@@ -534,6 +583,8 @@ int main(int argc, char** argv) {
   }
   if (const std::string p = broadcast_text(world_group(), env.rank() == 0 ? check_files(o) : ""); !p.empty())
     throw io_error("gshard translate: " + p);
+  if (const std::string p = broadcast_text(world_group(), env.rank() == 0 ? check_memory(o, env.size()) : ""); !p.empty())
+    throw error("gshard translate: " + p);
   const examples::machine_peak peak = examples::measure_peak(o.precision);
   const std::vector<language> langs = prepare(examples::load_freedict("translate", o.languages), o);
   if (env.rank() == 0) {

@@ -46,6 +46,7 @@ def main() -> int:
         (["--experts", "8", "--slot-hidden", "64"], "--slot-hidden 64 is for a dense model; give --experts 0"),
         (["--experts", "1"], "--experts 1: top-2 routing needs 2 experts or more"),
         (["--model", "130"], "--model 130 is not a multiple of 4"),
+        (["--experts", "65536"], ("--experts 65536 --layers 2 --batch 64 --max-bytes 32 needs about", "give smaller sizes")),
         (["--languages", "kha,kha"], "--languages names kha twice"),
         (["--resume", work], f"--resume {work}: not a file"),
         (LANGS + ["--max-bytes", "1"], "has no training pair of at most --max-bytes 1 bytes a side"),
