@@ -456,7 +456,7 @@ std::string check_memory(const options& o, int P) {
                   o.model, o.hidden, o.experts, o.layers, o.batch, o.max_bytes, bytes / gib, what, memory / gib, ranks_here);
     return std::string(b);
   };
-  if (rough > 0x1p50) return needs(rough * 4 * 4 / double(P), "its weights, their gradients and Adam's moments alone");
+  if (rough > 0x1p50) return needs(rough * 4 * 4 / double(P), "its weights, their gradients and the optimizer's state alone");
   model::cost::mesh_sizes ms{1, index_t(P), 1, false};
   model::cost::step_options so{index_t(o.batch), index_t(o.max_bytes + 1), false, int(sizeof(float))};
   so.source = o.max_bytes + 1;
