@@ -14,6 +14,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -21,11 +22,28 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 namespace examples {
 
 // The most text the examples read: rank 0 sends it to every rank in one
 // MPI_Bcast, whose count is an int.
 inline constexpr std::size_t max_text_bytes = std::size_t(INT_MAX);
+
+// This host's physical memory, shared by the ranks the launcher started on
+// it (OpenMPI's or MPICH's local size; 1 when neither says): what a
+// trainer's memory check allows one rank.
+struct host_share {
+  double ranks_here = 1, bytes_per_rank = 0;
+};
+inline host_share memory_per_rank() {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
+  host_share h;
+  h.ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
+  h.bytes_per_rank = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / h.ranks_here;
+  return h;
+}
 
 // A number from the command line in [lo, hi], or an error naming the option,
 // the text and what is allowed.

@@ -26,8 +26,6 @@
 #include <string>
 #include <tuple>
 
-#include <unistd.h>
-
 #include "cli.hpp"
 #include "corpus.hpp"
 #include "meshes.hpp"
@@ -425,10 +423,7 @@ std::string preflight(const options& o, const model::config& c, const model::cos
     return b;
   }
   // Memory: the host's physical memory over the ranks it runs.
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
-  const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0);
-  const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
+  const auto [ranks_here, memory] = examples::memory_per_rank();
   const memory_estimate need = step_memory(c, ms, o, text.size());
   if (need.total() > 0.8 * memory) {
     // What does not fit, and the option that moves it most: the weights and

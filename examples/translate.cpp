@@ -30,8 +30,6 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "cli.hpp"
 #include "freedict.hpp"
 #include "progress.hpp"
@@ -441,10 +439,8 @@ model::seq2seq_config config_of(const options& o, std::size_t languages) {
 // only what cannot fit. A model whose weights alone pass 2^50 elements is
 // refused before counting.
 std::string check_memory(const options& o, int P) {
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (!local) local = std::getenv("MPI_LOCALNRANKS");  // MPICH
-  const double ranks_here = std::max(1.0, local ? std::atof(local) : 1.0), gib = double(1 << 30);
-  const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / ranks_here;
+  const auto [ranks_here, memory] = examples::memory_per_rank();
+  const double gib = double(1 << 30);
   const std::size_t languages = o.languages.empty() ? examples::installed_freedict().size() : o.languages.size();
   const model::seq2seq_config c = config_of(o, languages);
   const double M = double(c.model), H = double(c.hidden), E = double(std::max<index_t>(c.experts, 1)), layers = double(o.layers);
