@@ -5,6 +5,8 @@
 #include <gshard/ad/nn.hpp>
 #include <gshard/gshard.hpp>
 
+#include <bit>
+
 #include "gradcheck.hpp"
 #include "layouts.hpp"
 #include "testing.hpp"
@@ -139,6 +141,49 @@ TEST_CASE("autodiff: each gradient rule multiplies in the matmul_precision its f
       else GSHARD_REQUIRE(worst == 0);
     }
   }
+}
+
+TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and gradients are the rounded products",
+          "[autodiff][bf16]") {
+  // Under matmul_precision::bf16 the tape rounds a and b once, multiplies
+  // the copies and keeps them for the rule, which rounds dz once for both
+  // gradients: the tensor einsums, whose GEMMs round each operand where
+  // they read it, give the same bits.
+  grid1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  parameters ps(m, 1);
+  param<tensor<float, 2, grid1, rows>> a(ps, "a", {8 * P + 3, 16}, init::normal(1.0));
+  param<tensor<float, 2, grid1, replicate>> b(ps, "b", {16, 12}, init::normal(1.0));
+  local_tensor<float, 2> gl(8 * P + 3, 12);
+  for (index_t i = 0; i < gl.size(); ++i) gl.data()[i] = float(std::sin(0.37 * double(i) + 0.1));
+  const auto G = distribute<rows>(m, gl);  // d(ab): the loss is Σ ab·G
+  tape t(ps);
+  auto ab = [&] {
+    const matmul_precision_scope s(matmul_precision::bf16);
+    return einsum<"ij,jk->ik">(t.use(a), b);
+  }();
+  t.backward(all_reduce<"x">(einsum<"ik,ik->">(ab, t.constant(G))));
+  const matmul_precision_scope s(matmul_precision::bf16);
+  const auto want_ab = einsum<"ij,jk->ik">(a.value(), b.value());
+  const auto [want_da, want_db] = einsum_backward<"ij,jk->ik">(G, a.value(), b.value());
+  auto same_bits = [](const auto& x, const auto& y) {
+    return x.local().size() == y.local().size() &&
+           std::equal(x.data(), x.data() + x.local().size(), y.data(), [](float u, float v) {
+             return std::bit_cast<std::uint32_t>(u) == std::bit_cast<std::uint32_t>(v);
+           });
+  };
+  GSHARD_REQUIRE(same_bits(ab.value(), want_ab));
+  GSHARD_REQUIRE(same_bits(a.grad(), want_da));
+  // b's gradient is summed over the ranks, by MPI in orders that may differ
+  // with the message's size: fp32's rounding of the P parts apart.
+  const auto db = gather(b.grad()), want = gather(want_db);
+  double worst = 0, scale = 0;
+  for (index_t e = 0; e < db.size(); ++e) {
+    worst = std::max(worst, double(std::abs(db.data()[e] - want.data()[e])));
+    scale = std::max(scale, double(std::abs(want.data()[e])));
+  }
+  INFO("b's gradient: worst difference " << worst << " of " << scale);
+  GSHARD_REQUIRE(worst <= double(P) * 0x1p-23 * scale);
 }
 
 TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finite differences", "[autodiff][grad]") {

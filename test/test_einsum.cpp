@@ -468,8 +468,107 @@ TEST_CASE("bf16 local einsums sum in fp32 and round once, under every GEMM backe
     local_einsum(looped, a3.data(), jik, b2.data(), jk, out.data(), i2);
     GSHARD_CHECK(float(out[0]) == 768.0f);
     GSHARD_CHECK(float(out[1]) == 512.0f);  // 514 ones: rounded once, to 512
+    // Into an fp32 result nothing is rounded: 257 ones are 257 (in bf16, 256).
+    std::vector<float> out32(2);
+    local_einsum(sum, ones.data(), n, static_cast<const bf16*>(nullptr), none, out32.data(), none);
+    GSHARD_CHECK(out32[0] == 257.0f);
+    local_einsum(dot, ones.data(), n, ones.data(), n, out32.data(), none);
+    GSHARD_CHECK(out32[0] == 257.0f);
+    local_einsum(looped, a3.data(), jik, b2.data(), jk, out32.data(), i2);
+    GSHARD_CHECK((out32[0] == 769.0f && out32[1] == 514.0f));
   }
   detail::options().gemm = chosen;
+}
+
+TEST_CASE("einsum with an fp32 result of bf16 operands; convert between element types", "[einsum][bf16]") {
+  dyn1 m(MPI_COMM_WORLD);
+  const index_t P = m.nranks();
+  using rows = sharding<split<0, "x">>;
+  // Values with 24 significant bits: most are not bf16 numbers.
+  local_tensor<float, 2> xg(4 * P + 1, 33), wg(33, 5);
+  std::uint64_t seed = 7;
+  for (auto* t : {&xg, &wg})
+    for (index_t i = 0; i < t->size(); ++i) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      t->data()[i] = float(std::int32_t(seed >> 40) - (1 << 23)) * 0x1p-23f;
+    }
+  const auto x = distribute<rows>(m, xg);
+  const auto w = distribute<replicate>(m, wg);
+
+  // convert: each element as Eigen rounds it to bf16, back exactly; the
+  // sharding, labels and extents kept.
+  const auto x16 = convert<bf16>(x);
+  const auto w16 = convert<bf16>(w);
+  static_assert(std::is_same_v<decltype(x16), const tensor<bf16, 2, dyn1, rows>>);
+  GSHARD_REQUIRE(x16.notation().rfind("bf16[" + std::to_string(4 * P + 1) + "{x},33]", 0) == 0);  // then any uneven note
+  const auto xr = gather(x16), wr = gather(w16);
+  const auto back = gather(convert<float>(x16));
+  bool rounded = true, exact = true;
+  for (index_t i = 0; i < xg.size(); ++i) {
+    rounded = rounded && xr.data()[i].value == bf16(xg.data()[i]).value;
+    exact = exact && back.data()[i] == float(xr.data()[i]);
+  }
+  GSHARD_REQUIRE(rounded);
+  GSHARD_REQUIRE(exact);
+  const auto xd = gather(convert<double>(x));
+  const auto xi = gather(convert<float>(convert<std::int32_t>(convert<double>(x))));
+  bool widened = true, truncated = true;
+  for (index_t i = 0; i < xg.size(); ++i) {
+    widened = widened && xd.data()[i] == double(xg.data()[i]);
+    truncated = truncated && xi.data()[i] == float(std::int32_t(xg.data()[i]));
+  }
+  GSHARD_REQUIRE(widened);
+  GSHARD_REQUIRE(truncated);
+
+  // The product of the rounded operands, in fp32: within the fp32 sum's
+  // rounding (33 terms) of the exact one, and the bf16 product's value
+  // before its rounding.
+  const auto y = einsum<"ij,jk->ik", natural_sharding, float>(x16, w16);
+  static_assert(std::is_same_v<decltype(y)::value_type, float>);
+  const auto y16 = einsum<"ij,jk->ik">(x16, w16);
+  const auto yg = gather(y);
+  const auto y16g = gather(y16);
+  double worst = 0;
+  bool same_rounded = true;
+  for (index_t i = 0; i < yg.dimension(0); ++i)
+    for (index_t k = 0; k < yg.dimension(1); ++k) {
+      double exact_sum = 0, magnitude = 0;
+      for (index_t j = 0; j < 33; ++j) {
+        const double p = double(float(xr(i, j))) * double(float(wr(j, k)));
+        exact_sum += p, magnitude += std::abs(p);
+      }
+      worst = std::max(worst, std::abs(double(yg(i, k)) - exact_sum) / (33 * 0x1p-24 * magnitude + 1e-30));
+      same_rounded = same_rounded && bf16(yg(i, k)).value == y16g(i, k).value;
+    }
+  INFO("worst error in units of 33·2^-24·Σ|ab|: " << worst);
+  GSHARD_REQUIRE(worst <= 1.0);
+  GSHARD_REQUIRE(same_rounded);
+
+  // Contracting the split dim: the pending sum reduced in fp32 (4P + 1
+  // terms, P parts); the one-operand form sums bf16 into fp32.
+  const auto g = einsum<"ij,ik->jk", replicate, float>(x16, x16);
+  const auto s = einsum<"ij->j", replicate, float>(x16);
+  static_assert(std::is_same_v<decltype(s)::value_type, float>);
+  const auto gg = gather(g);
+  const auto sg = gather(s);
+  double worst_g = 0, worst_s = 0;
+  const index_t I = xg.dimension(0);
+  for (index_t j = 0; j < 33; ++j) {
+    double col = 0, col_mag = 0;
+    for (index_t i = 0; i < I; ++i) col += double(float(xr(i, j))), col_mag += std::abs(double(float(xr(i, j))));
+    worst_s = std::max(worst_s, std::abs(double(sg(j)) - col) / (double(I + P) * 0x1p-24 * col_mag + 1e-30));
+    for (index_t k = 0; k < 33; ++k) {
+      double dot = 0, mag = 0;
+      for (index_t i = 0; i < I; ++i) {
+        const double p = double(float(xr(i, j))) * double(float(xr(i, k)));
+        dot += p, mag += std::abs(p);
+      }
+      worst_g = std::max(worst_g, std::abs(double(gg(j, k)) - dot) / (double(I + P) * 0x1p-24 * mag + 1e-30));
+    }
+  }
+  INFO("worst errors in units of (I + P)·2^-24·Σ|ab|: " << worst_g << ", " << worst_s);
+  GSHARD_REQUIRE(worst_g <= 1.0);
+  GSHARD_REQUIRE(worst_s <= 1.0);
 }
 
 // Operands for the GEMM tests: a fixed sequence in [-1, 1) with 24

@@ -132,6 +132,8 @@ void f(const tensor<float, 2, grid, sharding<split<0, "data">>>& t) { (void)all_
 void f(const tensor<float, 2, grid, sharding<split<0, "data", "expert">>>& t) { (void)all_to_all<"data", 1>(t); }
 #elif defined(GSHARD_CASE_broadcast_axis)
 void f(const tensor<float, 1, grid, replicate>& t) { (void)broadcast<"model">(t); }
+#elif defined(GSHARD_CASE_convert_to_non_number)
+void f(const tensor<float, 1, grid, replicate>& t) { (void)convert<bool>(t); }
 #elif defined(GSHARD_CASE_relu_backward_shards)
 void f(const tensor<float, 1, grid, replicate>& dy, const tensor<float, 1, grid, sharding<split<0, "data">>>& x) {
   (void)relu_backward(dy, x);

@@ -36,6 +36,10 @@ void f(const t<2, sharding<split<1, "data", "model">>>& a, const t<2, sharding<s
 }
 #elif defined(GSHARD_CASE_different_types)
 void f(const t<2, rep>& a, const tensor<double, 2, grid, rep>& b) { (void)einsum<"ij,jk->ik">(a, b); }
+#elif defined(GSHARD_CASE_result_type)
+void f(const t<2, rep>& a, const t<2, rep>& b) { (void)einsum<"ij,jk->ik", natural_sharding, double>(a, b); }
+#elif defined(GSHARD_CASE_result_type_one_operand)
+void f(const tensor<bf16, 2, grid, rep>& a) { (void)einsum<"ij->j", natural_sharding, double>(a); }
 #elif defined(GSHARD_CASE_empty_input)
 void f(const t<2, rep>& a, const t<2, rep>& b) { (void)einsum<",jk->ik">(a, b); }
 #elif defined(GSHARD_CASE_term_too_long)

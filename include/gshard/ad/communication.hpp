@@ -17,6 +17,7 @@
 #include "gshard/ad/tape.hpp"
 #include "gshard/tensor/einsum.hpp"
 #include "gshard/tensor/einsum_backward.hpp"
+#include "gshard/tensor/ops.hpp"
 #include "gshard/tensor/tensor_collectives.hpp"
 
 namespace gshard {
@@ -31,6 +32,40 @@ using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sh
 // ---------------------------------------------------------------------------
 // einsum on vars and parameters: einsum<"BLM,MNK->BLNK">(h, w.wq).
 
+namespace detail {
+
+// An fp32 einsum on the tape whose GEMMs round their operands to bf16
+// (matmul_precision::bf16 on bf16 units), its operands rounded once: the
+// forward multiplies the rounded copies into fp32, the rule keeps them —
+// half the bytes of the fp32 operands — and rounds dz once for both
+// gradients. The GEMMs would have rounded each of these in the forward and
+// again in each gradient's einsum; the products are the same.
+template <fixed_string Spec, class Out, class VA, class VB>
+auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
+  using XA = tensor_of<VA>;
+  using XB = tensor_of<VB>;
+  using A16 = with_element<XA, bf16>;
+  using B16 = with_element<XB, bf16>;
+  auto a16 = std::make_shared<const A16>(convert<bf16>(a.value()));
+  auto b16 = std::make_shared<const B16>(convert<bf16>(b.value()));
+  auto z = einsum<Spec, Out, float>(*a16, *b16);
+  using Z = decltype(z);
+  auto out = t.output(std::move(z), true);
+  using natural = typename einsum_plan_of<Spec, Out, XA, XB>::natural;
+  std::shared_ptr<const A16> keep_a = b.tracked() ? std::move(a16) : nullptr;
+  std::shared_ptr<const B16> keep_b = a.tracked() ? std::move(b16) : nullptr;
+  t.record([tp = &t, zs = out.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), keep_a, keep_b] {
+    auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
+    if (!dz) return;
+    const auto dz16 = convert<bf16>(*dz);
+    if (as >= 0) tp->slot<XA>(as).add(einsum_operand_grad<Spec, 0, XA>(dz16, keep_b.get(), ea));
+    if (bs >= 0) tp->slot<XB>(bs).add(einsum_operand_grad<Spec, 1, XB>(dz16, keep_a.get(), eb));
+  });
+  return out;
+}
+
+}  // namespace detail
+
 template <fixed_string Spec, class Out = natural_sharding, class A, class B>
   requires(detail::ad_operand<A> && detail::ad_operand<B>)
 auto einsum(const A& a_in, const B& b_in) {
@@ -39,6 +74,9 @@ auto einsum(const A& a_in, const B& b_in) {
   const auto b = detail::as_var(t, b_in);
   using XA = detail::tensor_of<decltype(a)>;
   using XB = detail::tensor_of<decltype(b)>;
+  if constexpr (std::is_same_v<typename XA::value_type, float> && std::is_same_v<typename XB::value_type, float>)
+    if (t.recording() && (a.tracked() || b.tracked()) && detail::gemm_rounds_to_bf16())
+      return detail::einsum_rounded_once<Spec, Out>(t, a, b);
   auto z = einsum<Spec, Out>(a.value(), b.value());
   using Z = decltype(z);
   auto out = t.output(std::move(z), a.tracked() || b.tracked());

@@ -307,19 +307,23 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
 
 // out (contiguous, spec.out term) = einsum of a (and b) over their labels;
 // every sum taken in sum_t<T> (bf16's in fp32: the products in the GEMM's
-// accumulators, across the loop's GEMMs in an fp32 C) and rounded once.
-template <class T>
-void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const T* b, const index_t* b_ext, T* out,
+// accumulators, across the loop's GEMMs in an fp32 C) and rounded once to
+// the output's type C: T, or float for bf16 operands (nothing rounded).
+template <class T, class C>
+void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const T* b, const index_t* b_ext, C* out,
                   const index_t* out_ext) {
+  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
+                "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
   const labeled_view vo = contiguous_view(s.out_term(), out_ext);
   labeled_view va = contiguous_view(s.term(0), a_ext);
   if (s.nin == 1) {
-    sum_permute_rounded(a, va, out, vo);
+    if constexpr (std::is_same_v<C, T>) sum_permute_rounded(a, va, out, vo);
+    else sum_permute(a, va, out, vo);  // summed in C = sum_t<T>
     return;
   }
   labeled_view vb = contiguous_view(s.term(1), b_ext);
   if (va.size() == 0 || vb.size() == 0) {  // an empty label: empty output, or a sum over nothing
-    std::fill(out, out + vo.size(), T(0));
+    std::fill(out, out + vo.size(), C(0));
     return;
   }
   // 1. Sum out the labels each input holds alone and the output lacks.
@@ -339,14 +343,14 @@ void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const 
   const bool c_direct = blas_fits(m, n, inner_stride(vo, g.M), inner_stride(vo, g.N));
   const labeled_view vc = c_direct ? vo : grouped_view(vo, g.L, g.M, g.N);
   auto multiply = [&](const auto* ap, const auto* bp) {
-    if (c_direct && (std::is_same_v<sum_t<T>, T> || !accumulate)) {
-      if (accumulate) std::fill(out, out + vc.size(), T(0));
+    if (c_direct && (std::is_same_v<sum_t<T>, C> || !accumulate)) {
+      if (accumulate) std::fill(out, out + vc.size(), C(0));
       if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, ap, va, bp, vb, out, vc, accumulate);
       return;
     }
     std::vector<sum_t<T>> c(std::size_t(vc.size()), sum_t<T>(0));
     if (vc.size() > 0 && k > 0) gemm_over_loop(s, g, ap, va, bp, vb, c.data(), vc, accumulate);
-    sum_permute(c.data(), vc, out, vo);  // a permutation: one rounding to T per element
+    sum_permute(c.data(), vc, out, vo);  // a permutation: one rounding to C per element
   };
   // fp32 operands the GEMMs would round to bf16 are rounded once, here: a
   // loop's GEMMs would each round again an operand the loop does not index

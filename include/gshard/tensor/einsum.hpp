@@ -47,10 +47,11 @@ inline einsum_program plan_einsum_program(const einsum_spec& s, const rlayout* i
   return p;
 }
 
-// Runs an einsum program on local shards; returns the output shard in the
-// requested layout. `out_global` receives the output's global extents.
-template <class T, int RA, int RB, int RO>
-GSHARD_NOINLINE local_tensor<T, RO> execute_einsum(const mesh_base& m, const einsum_program& p, const local_tensor<T, RA>& a,
+// Runs an einsum program on local shards; returns the output shard, of
+// element type C (T, or float for bf16 operands), in the requested layout.
+// `out_global` receives the output's global extents.
+template <class T, int RA, int RB, int RO, class C = T>
+GSHARD_NOINLINE local_tensor<C, RO> execute_einsum(const mesh_base& m, const einsum_program& p, const local_tensor<T, RA>& a,
                                    const shape<RA>& ga, const local_tensor<T, RB>* b, const shape<RB>& gb,
                                    shape<RO>& out_global) {
   const einsum_spec& s = p.spec;
@@ -78,9 +79,9 @@ GSHARD_NOINLINE local_tensor<T, RO> execute_einsum(const mesh_base& m, const ein
     }
     eb = local_extents<RB>(p.sharding.in[1], gb, m);
   }
-  local_tensor<T, RO> out(local_extents<RO>(p.sharding.out, out_global, m));
+  local_tensor<C, RO> out(local_extents<RO>(p.sharding.out, out_global, m));
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  local_einsum<T>(s, pa, ea.data(), pb, eb.data(), out.data(), out.dimensions().data());
+  local_einsum<T, C>(s, pa, ea.data(), pb, eb.data(), out.data(), out.dimensions().data());
   add_model_flops(s.flops(global) / double(m.nranks()));  // this rank's share of the einsum's FLOPs
   if (trace::enabled()) {  // the span: spec and this rank's local FLOPs
     index_t local[128] = {};
@@ -92,7 +93,7 @@ GSHARD_NOINLINE local_tensor<T, RO> execute_einsum(const mesh_base& m, const ein
     trace::add(spec, "einsum", t0, trace::now(), "\"flops\":" + std::to_string(s.flops(local)));
   }
   if (p.finish.n == 0) return out;
-  return execute_reshard<T, RO>(m, p.finish, std::move(out), out_global);
+  return execute_reshard<C, RO>(m, p.finish, std::move(out), out_global);
 }
 
 // The output's labels: the output term when an operand is labelled, else none.
@@ -107,7 +108,7 @@ consteval auto out_labels() {
   else return fixed_string<1>{};
 }
 
-template <class Plan, class T, class A, class B>
+template <class Plan, class T, class C, class A, class B>
 auto run_einsum(const A& a, const B* b) {
   using Mesh = typename A::mesh_type;
   constexpr int RB = Plan::nin == 2 ? Plan::rank_b : 0;
@@ -119,15 +120,15 @@ auto run_einsum(const A& a, const B* b) {
   static constexpr einsum_program program{Plan::spec, Plan::sharding, {Plan::slice_a::steps, Plan::slice_b::steps},
                                           Plan::finish::steps};
   shape<Plan::rank_out> out_global{};
-  local_tensor<T, Plan::rank_out> out;
+  local_tensor<C, Plan::rank_out> out;
   if constexpr (Plan::nin == 2)
-    out = execute_einsum<T, Plan::rank_a, RB, Plan::rank_out>(a.mesh(), program, a.local(), a.extents(), &b->local(),
+    out = execute_einsum<T, Plan::rank_a, RB, Plan::rank_out, C>(a.mesh(), program, a.local(), a.extents(), &b->local(),
                                                                b->extents(), out_global);
   else
-    out = execute_einsum<T, Plan::rank_a, 0, Plan::rank_out>(a.mesh(), program, a.local(), a.extents(), nullptr, {},
+    out = execute_einsum<T, Plan::rank_a, 0, Plan::rank_out, C>(a.mesh(), program, a.local(), a.extents(), nullptr, {},
                                                               out_global);
   constexpr auto labels = out_labels<Plan::spec_string, A, std::conditional_t<Plan::nin == 2, B, void>>();
-  return tensor<T, Plan::rank_out, Mesh, typename Plan::out, labels>(a.mesh(), out_global, std::move(out));
+  return tensor<C, Plan::rank_out, Mesh, typename Plan::out, labels>(a.mesh(), out_global, std::move(out));
 }
 
 }  // namespace detail
@@ -137,29 +138,41 @@ auto run_einsum(const A& a, const B* b) {
 // a sharding, or to what a rules table gives the output term (EGCM).
 // Labelled operands must carry their terms' labels (checked at compile
 // time); the output is then labelled with the output term.
-template <fixed_string Spec, class Out = natural_sharding, sharded_tensor A, sharded_tensor B>
+// einsum<"ij,jk->ik", natural_sharding, float>(a, b) with bf16 a and b: the
+// result in fp32, the GEMMs' fp32 accumulators unrounded (JAX's
+// preferred_element_type=float32) — and its collectives move fp32.
+template <fixed_string Spec, class Out = natural_sharding, class Element = void, sharded_tensor A, sharded_tensor B>
 auto einsum(const A& a, const B& b) {
   static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
                 "gshard::einsum: the operands live on different mesh types");
   static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                 "gshard::einsum: the operands have different element types; convert one first");
+  using T = typename A::value_type;
+  using C = std::conditional_t<std::is_void_v<Element>, T, Element>;
+  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
+                "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
   static_assert(detail::check_operand_rank<Spec, 1, B::rank>::ok);
   static_assert(detail::check_operand_labels<detail::term_of<Spec, 0>(), A::label_string>::ok);
   static_assert(detail::check_operand_labels<detail::term_of<Spec, 1>(), B::label_string>::ok);
   using plan = einsum_plan<Spec, typename A::mesh_type, typename A::sharding_type, typename B::sharding_type, Out>;
-  return detail::run_einsum<plan, typename A::value_type>(a, &b);
+  return detail::run_einsum<plan, T, C>(a, &b);
 }
 
-// einsum<"GSE->GE">(a), einsum<"ab->ba">(a).
-template <fixed_string Spec, class Out = natural_sharding, sharded_tensor A>
+// einsum<"GSE->GE">(a), einsum<"ab->ba">(a); einsum<"ij->j", natural_sharding,
+// float>(a) sums bf16 a into fp32.
+template <fixed_string Spec, class Out = natural_sharding, class Element = void, sharded_tensor A>
 auto einsum(const A& a) {
+  using T = typename A::value_type;
+  using C = std::conditional_t<std::is_void_v<Element>, T, Element>;
+  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
+                "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
   static_assert(detail::check_operand_labels<detail::term_of<Spec, 0>(), A::label_string>::ok);
   using plan = einsum_plan<Spec, typename A::mesh_type, typename A::sharding_type, void, Out>;
-  return detail::run_einsum<plan, typename A::value_type>(a, static_cast<const A*>(nullptr));
+  return detail::run_einsum<plan, T, C>(a, static_cast<const A*>(nullptr));
 }
 
 // The plan of einsum<Spec, Out>(a, b) for these operands, with sizes.

@@ -122,18 +122,21 @@ struct kept_layout {
 
 // The gradient contribution to operand K (type XA, global extents `ea`) of
 // einsum<Spec>: from dz, in the gradient sharding of the natural output, and
-// the other operand (nullptr for a one-operand einsum).
+// the other operand (nullptr for a one-operand einsum). dz and the other
+// operand may be bf16 roundings of an fp32 einsum's (ad/communication.hpp):
+// the contraction then multiplies them into fp32, XA's element type.
 template <fixed_string Spec, int K, class XA, class DZ, class Other>
 auto einsum_operand_grad(const DZ& dz, const Other* other, const typename XA::extents_type& ea) {
   using G = einsum_grad<Spec, K>;
+  using T = typename XA::value_type;
   auto contract = [&] {
     if constexpr (G::dz_is_grad) return dz;
     else if constexpr (G::scalar_dz) {
-      auto g = einsum<G::spec>(*other);
-      g.local() = g.local() * dz.local()();
+      auto g = einsum<G::spec, natural_sharding, T>(*other);
+      g.local() = g.local() * T(dz.local()());
       return g;
-    } else if constexpr (G::two) return einsum<G::spec>(dz, *other);
-    else return einsum<G::spec>(dz);
+    } else if constexpr (G::two) return einsum<G::spec, natural_sharding, T>(dz, *other);
+    else return einsum<G::spec, natural_sharding, T>(dz);
   };
   if constexpr (!G::broadcast) {
     return contract();

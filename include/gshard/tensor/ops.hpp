@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gshard/core/bf16.hpp"
 #include "gshard/kernels/blockwise.hpp"
 #include "gshard/kernels/softmax_row.hpp"
 #include "gshard/tensor/tensor.hpp"
@@ -453,6 +454,31 @@ DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_ty
     gv = s * T(inv) * gv - xv * T(c);
   }
   return dy;
+}
+
+// The tensor with its elements converted to To, on every rank's shard, the
+// sharding and labels kept (x.astype(To)): to bf16 rounded to nearest even
+// (a double through fp32), from bf16 exactly, others as static_cast. A
+// pending sum stays pending: each summand is converted, so for bf16 the
+// sum is within 2⁻⁸ of each summand's magnitude of the unrounded one.
+template <class To, sharded_tensor X>
+auto convert(const X& x) {
+  using From = typename X::value_type;
+  constexpr auto is_number = []<class U>(std::type_identity<U>) { return std::is_arithmetic_v<U> || std::is_same_v<U, bf16>; };
+  static_assert(is_number(std::type_identity<To>{}) && !std::is_same_v<To, bool>,
+                "gshard::convert: the element type converted to is a number type (float, double, bf16, an integer)");
+  using Y = with_element<X, To>;
+  typename Y::local_type y(x.local().dimensions());  // every element written below
+  const std::size_t n = std::size_t(x.local().size());
+  if constexpr (std::is_same_v<To, bf16> && (std::is_same_v<From, float> || std::is_same_v<From, double>))
+    detail::to_bf16(x.data(), n, y.data());
+  else if constexpr (std::is_same_v<From, bf16> && (std::is_same_v<To, float> || std::is_same_v<To, double>))
+    detail::from_bf16(x.data(), n, y.data());
+  else if constexpr (std::is_same_v<From, bf16> || std::is_same_v<To, bf16>)  // integers through fp32
+    std::transform(x.data(), x.data() + n, y.data(), [](From v) { return To(float(v)); });
+  else
+    std::transform(x.data(), x.data() + n, y.data(), [](From v) { return To(v); });
+  return Y(x.mesh(), x.extents(), std::move(y));
 }
 
 }  // namespace gshard

@@ -277,6 +277,18 @@ using with_sharding = tensor<typename X::value_type, X::rank, typename X::mesh_t
 template <sharded_tensor X, fixed_string Labels>
 using with_labels = tensor<typename X::value_type, X::rank, typename X::mesh_type, typename X::sharding_type, Labels>;
 
+namespace detail {
+template <class X, class U>
+struct with_element_of;
+template <class T, int R, class M, class S, fixed_string L, index_t... E, class U>
+struct with_element_of<tensor<T, R, M, S, L, E...>, U> {
+  using type = tensor<U, R, M, S, L, E...>;
+};
+}  // namespace detail
+// The same tensor type (sharding, labels, static extents) with elements of type U.
+template <sharded_tensor X, class U>
+using with_element = typename detail::with_element_of<std::remove_cvref_t<X>, U>::type;
+
 // The same tensor with its dims renamed (or unnamed, with ""): free for an
 // rvalue (the shard moves), one copy of the shard for an lvalue.
 //   auto kt = relabel<"BTNK">(std::move(k));   // k was BLNK
