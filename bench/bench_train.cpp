@@ -252,9 +252,13 @@ double status_mib(const char* key) {
 }
 double local_mib(tensor_set& s) { return double(s.local_bytes()) / (1024.0 * 1024.0); }
 
-// memory_per_rank/sharded_update:0|1/adafactor:0|1 — GShard's weak scaling (paper §5.1):
+// memory_per_rank/sharded_update:0|1/adafactor:0|1/bf16:0/sequences:8 — GShard's weak scaling (paper §5.1):
 // the work per rank fixed (8 sequences of 128 bytes), the experts growing
 // with the ranks (E = 2P, two per rank), the trainer's model otherwise.
+// With bf16:1 the steps run as the trainer's --precision bf16 (bf16 GEMMs,
+// bf16 weights with fp32 masters, bf16 all_to_alls); sequences:64 makes the activations
+// most of the peak (memory_per_rank/sharded_update:1/adafactor:0/bf16:0|1/sequences:64
+// compares the two precisions' activation memory).
 // Peak resident memory per rank after three steps, and its parts: the
 // parameters, their gradients, the optimizer's state (Adam's, or
 // Adafactor's with GShard's setting), and the rest (activations,
@@ -269,16 +273,20 @@ void memory_per_rank(benchmark::State& state) {
   const double before = gshard::bench::max_over_ranks(status_mib("VmRSS:"));
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks();
+  const bool bf16 = state.range(2) == 1;
   model::config c = trainer_config();
   c.experts = 2 * P;
+  if (bf16) c.all_to_all_wire = wire::bf16;
   parameters<grid> ps = state.range(0) == 1 ? parameters<grid>(m, 1, shard_weight_update<default_roles::batch>{})
                                             : parameters<grid>(m, 1);
   model::transformer<float, grid> tr(ps, c);
+  if (bf16) ps.set_weight_wire(wire::bf16);  // before the optimizer: the masters are its state
   std::unique_ptr<gshard::optimizer> opt;
   if (state.range(1) == 1) opt = std::make_unique<adafactor>(adafactor_config{}, ps);
   else opt = std::make_unique<adam>(adam_config{}, ps);
   using tokens_t = model::transformer<float, grid>::tokens_type;
-  const auto tokens = distribute<tokens_t>(m, bench_tokens(8 * P, 128));
+  const auto tokens = distribute<tokens_t>(m, bench_tokens(state.range(3) * P, 128));
+  const matmul_precision_scope precision(bf16 ? matmul_precision::bf16 : matmul_precision::f32);
   std::uint64_t s = 0;
   for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { model::train_step(tr, ps, *opt, tokens, s++); }));
   auto most = [](double v) { return gshard::bench::max_over_ranks(v); };
@@ -496,8 +504,9 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step_gemms", step_gemms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)
-      ->ArgNames({"sharded_update", "adafactor"})->ArgsProduct({{0, 1}, {0, 1}})->Iterations(3)->UseManualTime()
-      ->Unit(benchmark::kMillisecond);
+      ->ArgNames({"sharded_update", "adafactor", "bf16", "sequences"})
+      ->ArgsProduct({{0, 1}, {0, 1}, {0}, {8}})->Args({1, 0, 0, 64})->Args({1, 0, 1, 64})->Iterations(3)
+      ->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat", remat)->ArgName("blocks")->Arg(0)->Arg(8)->Iterations(8)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("remat_vs_kept", remat_vs_kept)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("cost_model", cost_model)->UseManualTime()->Unit(benchmark::kMillisecond);

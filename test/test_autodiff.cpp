@@ -154,6 +154,10 @@ TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and g
   parameters ps(m, 1);
   param<tensor<float, 2, grid1, rows>> a(ps, "a", {8 * P + 3, 16}, init::normal(1.0));
   param<tensor<float, 2, grid1, replicate>> b(ps, "b", {16, 12}, init::normal(1.0));
+  param<tensor<float, 2, grid1, replicate>> b0(ps, "b0", {16, 12}, init::normal(1.0)),
+      b1(ps, "b1", {16, 12}, init::normal(1.0)), b2(ps, "b2", {16, 12}, init::normal(1.0));
+  const std::array bs{&b0, &b1, &b2};
+  param<tensor<float, 2, grid1, replicate>> c(ps, "c", {12, 8}, init::normal(1.0));
   local_tensor<float, 2> gl(8 * P + 3, 12);
   for (index_t i = 0; i < gl.size(); ++i) gl.data()[i] = float(std::sin(0.37 * double(i) + 0.1));
   const auto G = distribute<rows>(m, gl);  // d(ab): the loss is Σ ab·G
@@ -184,6 +188,30 @@ TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and g
   }
   INFO("b's gradient: worst difference " << worst << " of " << scale);
   GSHARD_REQUIRE(worst <= double(P) * 0x1p-23 * scale);
+
+  // Two einsums of one var multiply one copy of it; a var freed, whose
+  // address the next one may take, never lends its copy.
+  tape t2(ps);
+  bool own_copies = true;
+  for (int i = 0; i < 3; ++i) {
+    auto v = einsum<"ij,jk->ik">(t2.use(a), *bs[std::size_t(i)]);
+    const auto y = einsum<"ik,kl->il">(v, c), y2 = einsum<"ik,kl->il">(v, c);
+    const auto want_y = einsum<"ik,kl->il">(v.value(), c.value());
+    own_copies = own_copies && same_bits(y.value(), want_y) && same_bits(y2.value(), want_y);
+  }
+  GSHARD_REQUIRE(own_copies);
+  // The same address, another tensor: a copy made from the first is not the second's.
+  using X = tensor<float, 2, grid1, rows>;
+  X storage = a.value();
+  auto round = [](const X& x) { return convert<bf16>(x); };
+  auto first = std::make_shared<int>(0);
+  const auto copy1 = t2.derived<with_element<X, bf16>>(std::shared_ptr<const X>(first, &storage), round);
+  GSHARD_REQUIRE(copy1 == t2.derived<with_element<X, bf16>>(std::shared_ptr<const X>(first, &storage), round));
+  first.reset();
+  storage.local().setConstant(3.0f);
+  const auto copy2 = t2.derived<with_element<X, bf16>>(std::shared_ptr<const X>(std::make_shared<int>(0), &storage), round);
+  GSHARD_REQUIRE(copy2 != copy1);
+  GSHARD_REQUIRE(std::all_of(copy2->data(), copy2->data() + copy2->local().size(), [](bf16 v) { return float(v) == 3.0f; }));
 }
 
 TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finite differences", "[autodiff][grad]") {

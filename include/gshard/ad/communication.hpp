@@ -39,15 +39,17 @@ namespace detail {
 // forward multiplies the rounded copies into fp32, the rule keeps them —
 // half the bytes of the fp32 operands — and rounds dz once for both
 // gradients. The GEMMs would have rounded each of these in the forward and
-// again in each gradient's einsum; the products are the same.
+// again in each gradient's einsum; the products are the same. Einsums of
+// one var share its copy (tape::derived).
 template <fixed_string Spec, class Out, class VA, class VB>
 auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
   using XA = tensor_of<VA>;
   using XB = tensor_of<VB>;
   using A16 = with_element<XA, bf16>;
   using B16 = with_element<XB, bf16>;
-  auto a16 = std::make_shared<const A16>(convert<bf16>(a.value()));
-  auto b16 = std::make_shared<const B16>(convert<bf16>(b.value()));
+  const auto round = [](const auto& x) { return convert<bf16>(x); };
+  auto a16 = t.derived<A16>(a.shared(), round);
+  auto b16 = t.derived<B16>(b.shared(), round);
   auto z = einsum<Spec, Out, float>(*a16, *b16);
   using Z = decltype(z);
   auto out = t.output(std::move(z), true);

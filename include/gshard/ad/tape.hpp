@@ -16,6 +16,8 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -263,6 +265,20 @@ class tape {
     recording_into_->push_back({std::move(rule), current_matmul_precision()});
   }
 
+  // A value made from a tensor of this tape, made once however many
+  // operations ask for it (the bf16 copy that the q, k and v projections
+  // of one input each multiply): make(x) the first time, then the same
+  // value while both x and that value live. Keyed by x's address and Y.
+  template <class Y, class X, class Make>
+  std::shared_ptr<const Y> derived(const std::shared_ptr<const X>& x, Make&& make) {
+    derived_entry& e = derived_[{static_cast<const void*>(x.get()), std::type_index(typeid(Y))}];
+    if (const auto of = e.of.lock(); of && of.get() == x.get())
+      if (auto y = e.value.lock()) return std::static_pointer_cast<const Y>(std::move(y));
+    auto y = std::make_shared<const Y>(make(*x));
+    e = {x, y};  // a parameter's view owns nothing: its entry is never found alive
+    return y;
+  }
+
   template <class X>
   detail::slot_of<X>& slot(int id) {
     return static_cast<detail::slot_of<X>&>(*slots_[std::size_t(id)]);
@@ -409,6 +425,10 @@ class tape {
   std::vector<rule> rules_;
   std::vector<rule>* recording_into_ = &rules_;  // a recomputed forward's own list
   std::vector<std::function<void()>> after_step_;
+  struct derived_entry {
+    std::weak_ptr<const void> of, value;
+  };
+  std::map<std::pair<const void*, std::type_index>, derived_entry> derived_;
   struct param_finish {
     std::size_t first_rule;          // the parameter's gradient is complete once the rules from here on have run
     std::function<void()> reduce;    // its one reduction, into its buffer; empty once run
