@@ -162,10 +162,18 @@ TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and g
   for (index_t i = 0; i < gl.size(); ++i) gl.data()[i] = float(std::sin(0.37 * double(i) + 0.1));
   const auto G = distribute<rows>(m, gl);  // d(ab): the loss is Σ ab·G
   tape t(ps);
+  gemm_recorder forward;
   auto ab = [&] {
     const matmul_precision_scope s(matmul_precision::bf16);
     return einsum<"ij,jk->ik">(t.use(a), b);
   }();
+  // Without bf16 units nothing rounds, and the checks below compare fp32 with itself.
+  const bool native = detail::gemm_bf16_native();
+  INFO((native ? "bf16 units: the rounding path" : "no bf16 units: fp32 GEMMs only"));
+  const std::vector<gemm_call> forward_gemms = forward.calls();
+  GSHARD_REQUIRE(!forward_gemms.empty());
+  GSHARD_REQUIRE(std::all_of(forward_gemms.begin(), forward_gemms.end(),
+                             [&](const gemm_call& g) { return g.element_bytes == (native ? 2 : 4); }));
   t.backward(all_reduce<"x">(einsum<"ik,ik->">(ab, t.constant(G))));
   const matmul_precision_scope s(matmul_precision::bf16);
   const auto want_ab = einsum<"ij,jk->ik">(a.value(), b.value());
@@ -200,6 +208,15 @@ TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and g
     own_copies = own_copies && same_bits(y.value(), want_y) && same_bits(y2.value(), want_y);
   }
   GSHARD_REQUIRE(own_copies);
+  // One copy of a live var, and of a weight, however many einsums read it.
+  auto round16 = [](const auto& x) { return convert<bf16>(x); };
+  using W16 = with_element<tensor<float, 2, grid1, replicate>, bf16>;
+  GSHARD_REQUIRE(t2.derived<W16>(t2.use(c).shared(), round16) == t2.derived<W16>(t2.use(c).shared(), round16));
+  {
+    auto v = einsum<"ij,jk->ik">(t2.use(a), b0);
+    using V16 = with_element<decltype(v.value()), bf16>;
+    GSHARD_REQUIRE(t2.derived<V16>(v.shared(), round16) == t2.derived<V16>(v.shared(), round16));
+  }
   // The same address, another tensor: a copy made from the first is not the second's.
   using X = tensor<float, 2, grid1, rows>;
   X storage = a.value();
@@ -212,6 +229,22 @@ TEST_CASE("autodiff: an einsum in bf16 rounds its operands once; its value and g
   const auto copy2 = t2.derived<with_element<X, bf16>>(std::shared_ptr<const X>(std::make_shared<int>(0), &storage), round);
   GSHARD_REQUIRE(copy2 != copy1);
   GSHARD_REQUIRE(std::all_of(copy2->data(), copy2->data() + copy2->local().size(), [](bf16 v) { return float(v) == 3.0f; }));
+
+  // An operand that receives no gradient (a constant): only the weight's
+  // gradient, the same as einsum_backward's.
+  tape t3(ps);
+  auto cb = einsum<"ij,jk->ik">(t3.constant(a.value()), b);
+  const auto want_cb = einsum<"ij,jk->ik">(a.value(), b.value());
+  GSHARD_REQUIRE(same_bits(cb.value(), want_cb));
+  {
+    const matmul_precision_scope f32(matmul_precision::f32);
+    t3.backward(all_reduce<"x">(einsum<"ik,ik->">(cb, t3.constant(G))));
+  }
+  const auto db3 = gather(b.grad());
+  double worst3 = 0;
+  for (index_t e = 0; e < db3.size(); ++e) worst3 = std::max(worst3, double(std::abs(db3.data()[e] - want.data()[e])));
+  INFO("b's gradient through a constant: worst difference " << worst3 << " of " << scale);
+  GSHARD_REQUIRE(worst3 <= double(P) * 0x1p-23 * scale);
 }
 
 TEST_CASE("autodiff: element-wise, last-dim and collective gradients match finite differences", "[autodiff][grad]") {

@@ -37,10 +37,14 @@ namespace detail {
 // An fp32 einsum on the tape whose GEMMs round their operands to bf16
 // (matmul_precision::bf16 on bf16 units), its operands rounded once: the
 // forward multiplies the rounded copies into fp32, the rule keeps them —
-// half the bytes of the fp32 operands — and rounds dz once for both
-// gradients. The GEMMs would have rounded each of these in the forward and
-// again in each gradient's einsum; the products are the same. Einsums of
-// one var share its copy (tape::derived).
+// for an activation, half the bytes of the fp32 tensor; for a weight, which
+// the rule would have kept as a view, half its bytes more — and rounds dz
+// once for both gradients. The GEMMs would have rounded each of these in
+// the forward and again in each gradient's einsum, so the products are the
+// same, except where no GEMM reads an operand as it is: a scalar output,
+// or a label one operand holds alone (summed before the GEMM, now over the
+// rounded values). Einsums of one var or weight share its copy
+// (tape::derived).
 template <fixed_string Spec, class Out, class VA, class VB>
 auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
   using XA = tensor_of<VA>;

@@ -267,15 +267,22 @@ class tape {
 
   // A value made from a tensor of this tape, made once however many
   // operations ask for it (the bf16 copy that the q, k and v projections
-  // of one input each multiply): make(x) the first time, then the same
-  // value while both x and that value live. Keyed by x's address and Y.
+  // of one input each multiply, or every use of a weight): make(x) the
+  // first time, then the same value — while both x and that value live,
+  // or, for a view that owns nothing (a parameter's, constant_ref's: a
+  // tensor that outlives the tape unchanged), until the backward ends.
+  // Keyed by x's address and Y.
   template <class Y, class X, class Make>
   std::shared_ptr<const Y> derived(const std::shared_ptr<const X>& x, Make&& make) {
     derived_entry& e = derived_[{static_cast<const void*>(x.get()), std::type_index(typeid(Y))}];
-    if (const auto of = e.of.lock(); of && of.get() == x.get())
-      if (auto y = e.value.lock()) return std::static_pointer_cast<const Y>(std::move(y));
+    const std::shared_ptr<const void> no_owner;
+    const bool view = !x.owner_before(no_owner) && !no_owner.owner_before(x);
+    if (view && e.held) return std::static_pointer_cast<const Y>(e.held);
+    if (!view)
+      if (const auto of = e.of.lock(); of && of.get() == x.get())
+        if (auto y = e.value.lock()) return std::static_pointer_cast<const Y>(std::move(y));
     auto y = std::make_shared<const Y>(make(*x));
-    e = {x, y};  // a parameter's view owns nothing: its entry is never found alive
+    e = {x, y, view ? y : nullptr};
     return y;
   }
 
@@ -325,6 +332,7 @@ class tape {
       detail::progress_in_flight();
     }
     rules_.clear();
+    derived_.clear();
     finish_complete(0);
     if (float_buckets_) float_buckets_->flush();
     if (double_buckets_) double_buckets_->flush();
@@ -427,6 +435,7 @@ class tape {
   std::vector<std::function<void()>> after_step_;
   struct derived_entry {
     std::weak_ptr<const void> of, value;
+    std::shared_ptr<const void> held;  // a view's value
   };
   std::map<std::pair<const void*, std::type_index>, derived_entry> derived_;
   struct param_finish {
