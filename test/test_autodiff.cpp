@@ -532,6 +532,135 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
                              shape_error, "gshard::dot_product_attention: causal attention of L = 4 queries at query_offset 1 over T = 6 keys");
 }
 
+TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies their GEMMs read, not their fp32 values",
+          "[autodiff][attention][bf16]") {
+  // Attention's GEMMs read q, k, v and the probabilities rounded to bf16:
+  // its rule keeps those copies, the backward multiplies them and its
+  // dS = P ⊙ (dP − Σ dP ⊙ P) reads the rounded P. A ReLU keeps the bf16
+  // copy of its output that the next einsum multiplies. Their fp32 values
+  // are then freed after the forward.
+  const int P = world_size();
+  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  grid2 m(MPI_COMM_WORLD, sizes);
+  parameters ps(m, 10);
+  using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
+  using bs = sharding<split<0, "data">>;
+  const index_t B = 2 * sizes[0], N = 2 * sizes[1], K = 8;
+  const double scale = 0.35;
+  const bool native = detail::gemm_bf16_native();
+  INFO((native ? "bf16 units: the rounding path" : "no bf16 units: fp32 GEMMs only"));
+  auto same_bits = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && std::equal(x.data(), x.data() + x.size(), y.data(), [](float u, float v) {
+             return std::bit_cast<std::uint32_t>(u) == std::bit_cast<std::uint32_t>(v);
+           });
+  };
+  struct form {
+    index_t L, T;
+    bool causal, lengths;
+  };
+  for (const form f : {form{40, 40, true, false}, form{5, 37, false, true}}) {
+    param<tensor<float, 4, grid2, bn, "BLNK">> q(ps, "q" + std::to_string(f.T), {B, f.L, N, K}, init::normal(1.0));
+    param<tensor<float, 4, grid2, bn, "BTNK">> k(ps, "k" + std::to_string(f.T), {B, f.T, N, K}, init::normal(1.0));
+    param<tensor<float, 4, grid2, bn, "BTNK">> v(ps, "v" + std::to_string(f.T), {B, f.T, N, K}, init::normal(1.0));
+    tensor<float, 4, grid2, bn, "BLNK"> r(m, {B, f.L, N, K});
+    fill_normal(r, 1.0, 14, 3);
+    local_tensor<std::int32_t, 1> lengths_global(B);
+    for (index_t b = 0; b < B; ++b) lengths_global(b) = std::int32_t(b % 2 == 0 ? f.T : (3 * b) % (f.T + 1));
+    const auto lengths = distribute<bs>(m, lengths_global);
+    const attention_options opts{.causal = f.causal};
+    const auto run = [&](matmul_precision precision, attention_memory memory) {
+      tape t(ps);
+      const matmul_precision_scope s(precision);
+      auto o = f.lengths ? dot_product_attention(t.use(q), t.use(k), t.use(v), lengths, scale, {.causal = f.causal, .memory = memory})
+                         : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, {.causal = f.causal, .memory = memory});
+      auto value = gather(o.value());
+      t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(r))));
+      return std::array{value, gather(q.grad()), gather(k.grad()), gather(v.grad())};
+    };
+    const auto f32 = run(matmul_precision::f32, attention_memory::keep_probabilities);
+    const auto kept = run(matmul_precision::bf16, attention_memory::keep_probabilities);
+    const auto again = run(matmul_precision::bf16, attention_memory::recompute_probabilities);
+    INFO("L " << f.L << ", T " << f.T << (f.causal ? ", causal" : "") << (f.lengths ? ", key lengths" : ""));
+    {  // the value is the tensor form's under bf16, to the bit
+      const matmul_precision_scope s(matmul_precision::bf16);
+      const auto want = gather(f.lengths ? dot_product_attention(q.value(), k.value(), v.value(), lengths, scale, opts)
+                                         : dot_product_attention(q.value(), k.value(), v.value(), scale, opts));
+      GSHARD_REQUIRE(same_bits(kept[0], want));
+      GSHARD_REQUIRE(same_bits(again[0], want));
+    }
+    // dv = Pᵀ·dout multiplies the same rounded P either way; dq and dk
+    // differ by dS's P (rounded when kept, fp32 when computed again).
+    GSHARD_REQUIRE(same_bits(kept[3], again[3]));
+    if (!native) GSHARD_REQUIRE((same_bits(kept[1], f32[1]) && same_bits(kept[2], f32[2]) && same_bits(kept[3], f32[3])));
+    // Against fp32: each logit's products and P·v's carry operands rounded
+    // to bf16 (2⁻⁸ relative each), P and dS once more.
+    for (std::size_t i = 1; i < 4; ++i) {
+      double largest = 0, worst_kept = 0, worst_again = 0;
+      for (index_t e = 0; e < f32[i].size(); ++e) {
+        largest = std::max(largest, double(std::abs(f32[i].data()[e])));
+        worst_kept = std::max(worst_kept, double(std::abs(kept[i].data()[e] - f32[i].data()[e])));
+        worst_again = std::max(worst_again, double(std::abs(again[i].data()[e] - f32[i].data()[e])));
+      }
+      INFO("gradient " << i << " (q, k, v): kept " << worst_kept << ", computed again " << worst_again << " of " << largest);
+      GSHARD_REQUIRE(worst_kept <= 8 * 0x1p-8 * largest);
+      GSHARD_REQUIRE(worst_again <= 8 * 0x1p-8 * largest);
+    }
+  }
+
+  // What the rules keep: attention's q (an einsum's output) and a ReLU's
+  // output are freed after the forward where the GEMMs round, and kept
+  // where they do not.
+  param<tensor<float, 3, grid2, bs, "BLM">> x(ps, "x", {B, 12, 16}, init::normal(1.0));
+  param<tensor<float, 3, grid2, sharding<split<1, "model">>, "MNK">> wq(ps, "wq", {16, N, K}, init::normal(0.25));
+  param<tensor<float, 2, grid2, sharding<split<1, "model">>, "MH">> w1(ps, "w1", {16, 8 * sizes[1]}, init::normal(0.25));
+  param<tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">> w2(ps, "w2", {8 * sizes[1], 16}, init::normal(0.25));
+  for (const matmul_precision precision : {matmul_precision::f32, matmul_precision::bf16}) {
+    const matmul_precision_scope s(precision);
+    tape t(ps);
+    std::weak_ptr<const void> q_alive, relu_alive;
+    auto o = [&] {
+      auto qv = einsum<"BLM,MNK->BLNK">(t.use(x), wq);
+      q_alive = qv.shared();
+      return causal_attention(qv, relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(t.use(x), wq)),
+                              relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(t.use(x), wq)), scale);
+    }();
+    auto y = [&] {
+      auto h = relu(einsum<"BLM,MH->BLH">(t.use(x), w1));
+      relu_alive = h.shared();
+      return einsum<"BLH,HM->BLM">(h, w2);
+    }();
+    const bool rounds = precision == matmul_precision::bf16 && native;
+    INFO((rounds ? "GEMMs round" : "fp32 GEMMs"));
+    GSHARD_REQUIRE(q_alive.expired() == rounds);
+    GSHARD_REQUIRE(relu_alive.expired() == rounds);
+    auto ys = all_reduce<"model">(std::move(y));
+    t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, o)) + reshard<replicate>(einsum<"BLM,BLM->">(ys, ys)));
+    const auto g1 = gather(w1.grad());
+    GSHARD_REQUIRE(std::any_of(g1.data(), g1.data() + g1.size(), [](float g) { return g != 0.0f; }));
+  }
+
+  // The ReLU's gradient passes where the kept copy is > 0: y > 2⁻¹³⁴ (at
+  // most 2⁻¹³⁴ rounds to 0) where the GEMMs round, y > 0 where they do not.
+  grid1 line(MPI_COMM_WORLD);
+  parameters ps1(line, 11);
+  const std::array<float, 7> values{-1.0f, 0.0f, 0x1p-140f, 0x1p-134f, 0x1p-133f, 0x1p-130f, 1.0f};
+  param<tensor<float, 2, grid1, rows>> z(ps1, "z", {index_t(P), 7}, init::zeros());
+  local_tensor<float, 2> ones(index_t(P), 7);
+  ones.setConstant(1.0f);
+  for (index_t i = 0; i < z.value().local().dimension(0); ++i)
+    for (index_t j = 0; j < 7; ++j) z.value().local()(i, j) = values[std::size_t(j)];
+  {
+    const matmul_precision_scope s(matmul_precision::bf16);
+    tape t(ps1);
+    t.backward(all_reduce<"x">(einsum<"ij,ij->">(relu(t.use(z)), t.constant(distribute<rows>(line, ones)))));
+  }
+  for (index_t i = 0; i < z.grad().local().dimension(0); ++i)
+    for (index_t j = 0; j < 7; ++j) {
+      INFO("relu at " << values[std::size_t(j)]);
+      GSHARD_REQUIRE(z.grad().local()(i, j) == (values[std::size_t(j)] > (native ? 0x1p-134f : 0.0f) ? 1.0f : 0.0f));
+    }
+}
+
 TEST_CASE("autodiff: causal_attention in float; operands that do not fit", "[autodiff][attention][errors]") {
   const int P = world_size();
   grid1 m(MPI_COMM_WORLD);

@@ -217,17 +217,23 @@ auto attention_on_tape(const char* what, const Q& q_in, const K& k_in, const V& 
   auto y = t.output(attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(padding), kept.get(),
                                           memory),
                     track);
-  if (y.tracked())
-    t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = q.shared(), kk = k.shared(),
-              kv = v.shared(), kept, scale] {
+  if (y.tracked()) {
+    // A rounded forward's backward multiplies the bf16 copies it kept: the
+    // fp32 operands are not kept.
+    const bool fp32 = !kept->rounded;
+    t.record([tp = &t, ys = y.slot(), qs = q.slot(), ks = k.slot(), vs = v.slot(), kq = fp32 ? q.shared() : nullptr,
+              kk = fp32 ? k.shared() : nullptr, kv = fp32 ? v.shared() : nullptr, mesh = &q.mesh(), eq = q.extents(),
+              ek = k.extents(), kept, scale] {
       auto dy = tp->slot<XQ>(ys).template take<gradient_sharding<typename XQ::sharding_type>>();
       if (!dy) return;
-      auto [dq, dk, dv] =
-          attention_backward<gradient_of<XQ>, gradient_of<XK>, gradient_of<XV>>(*dy, *kq, *kk, *kv, *kept, scale);
+      const auto data = [](const auto& x) { return x ? x->data() : nullptr; };
+      auto [dq, dk, dv] = attention_backward<gradient_of<XQ>, gradient_of<XK>, gradient_of<XV>>(
+          *dy, data(kq), data(kk), data(kv), *mesh, eq, ek, *kept, scale);
       if (qs >= 0) tp->slot<XQ>(qs).add(std::move(dq));
       if (ks >= 0) tp->slot<XK>(ks).add(std::move(dk));
       if (vs >= 0) tp->slot<XV>(vs).add(std::move(dv));
     });
+  }
   return y;
 }
 }  // namespace detail

@@ -17,6 +17,7 @@
 #include "gshard/ad/operands.hpp"
 #include "gshard/ad/tape.hpp"
 #include "gshard/kernels/copy_box.hpp"
+#include "gshard/kernels/gemm.hpp"
 #include "gshard/tensor/ops.hpp"
 #include "gshard/tensor/reduce.hpp"
 
@@ -34,6 +35,22 @@ auto unary(V&& x) {
   X v = value_of(std::forward<V>(x));
   elementwise<Op>(v.data(), v.local().size());
   auto y = t.output(std::move(v), xs >= 0);
+  if constexpr (requires { requires Op::reads_sign_of_y; } && std::is_same_v<typename X::value_type, float>)
+    if (y.tracked() && gemm_rounds_to_bf16()) {
+      // With bf16 GEMMs the einsum that reads y (a ReLU's output: the FFN's
+      // second GEMM) rounds it once (tape::derived); the rule keeps that
+      // copy, half the bytes, and not y. Its sign is y's but where y is at
+      // most 2⁻¹³⁴, which rounds to 0: the gradient is 0 there, where the
+      // GEMM multiplied a 0.
+      auto y16 = t.derived<with_element<X, bf16>>(y.shared(), [](const X& u) { return convert<bf16>(u); });
+      t.record([tp = &t, ys = y.slot(), xs, y16] {
+        auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+        if (!dy) return;
+        zero_where_at_most(dy->data(), y16->data(), 0.0f, dy->local().size());
+        tp->slot<X>(xs).add(std::move(*dy));
+      });
+      return y;
+    }
   if (y.tracked()) {
     std::shared_ptr<const X> keep_y = Op::needs_y ? y.shared() : nullptr;
     t.record([tp = &t, ys = y.slot(), xs, keep_x, keep_y] {

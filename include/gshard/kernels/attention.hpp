@@ -93,15 +93,34 @@ struct block_operand {
   index_t h_ld = 0, h_stride = 0;
   // The operand from `offset` elements on (a copy in f's own layout: q, k, v, dout).
   block_operand operator+(index_t offset) const {
-    return {f + offset, ld, stride, h ? h + offset : nullptr, h_ld, h_stride};
+    return {f ? f + offset : nullptr, ld, stride, h ? h + offset : nullptr, h_ld, h_stride};
   }
 };
 
+// The bf16 copies a forward whose GEMMs round (gemm_rounds_to_bf16()) keeps
+// for its backward in place of the fp32 tensors, as mixed-precision
+// training keeps a bf16 GEMM's operands: q, k and v ([batch, positions,
+// heads, dim], as the fp32 ones) — the backward reads them only through
+// GEMMs, so it needs neither their fp32 values nor to round them again —
+// and, when it keeps the probabilities, the bf16 ones ([batch, heads, L, T])
+// that P·v multiplied. The backward's dS = P ⊙ (dP − Σ dP ⊙ P) then reads
+// the rounded P.
+struct attention_copies {
+  const bf16* q = nullptr;
+  const bf16* k = nullptr;
+  const bf16* v = nullptr;
+  bf16* probs = nullptr;  // written by the forward, read by the backward
+};
+
 // One sequence's q, k, v or dout ([positions, heads, dim], n elements):
-// head h's rows at f + h·dim, ld = heads·dim apart; the copy in the same layout.
+// head h's rows at f + h·dim, ld = heads·dim apart; the copy in the same
+// layout: `copy` (the sequence's in a kept whole copy) or, where gemm
+// rounds, made in buf.
 template <class T>
-block_operand<T> heads_operand(bool rounds, const T* f, index_t n, const attention_extents& e, std::vector<bf16>& buf) {
+block_operand<T> heads_operand(bool rounds, const T* f, index_t n, const attention_extents& e, std::vector<bf16>& buf,
+                               const bf16* copy = nullptr) {
   const index_t ld = e.heads * e.dim;
+  if (copy) return {f, ld, e.dim, copy, ld, e.dim};
   if constexpr (std::is_same_v<T, float>)
     if (rounds) return {f, ld, e.dim, packed(f, 1, n, n, buf), ld, e.dim};
   return {f, ld, e.dim};
@@ -170,9 +189,13 @@ void block_probabilities(const attention_extents& e, index_t b, const block_oper
 // unwritten) or, when it is null, to a scratch block. `stats` (null, or
 // [batch, heads, L]) receives each row's softmax_row_stats, from which the
 // backward can compute the probabilities again instead of keeping them.
+//
+// With `copies` (fp32 only), the GEMMs multiply copies.q, .k and .v, and
+// the probabilities go, rounded, to copies.probs (probs null) — unless it
+// is null too: no probabilities kept.
 template <class T>
 void attention_forward_blocks(const attention_extents& e, const T* q, const T* k, const T* v, T scale, T* o, T* probs,
-                              softmax_row_stats<T>* stats = nullptr) {
+                              softmax_row_stats<T>* stats = nullptr, const attention_copies* copies = nullptr) {
   const index_t ld = e.heads * e.dim, R = attention_extents::block;
   if (e.batch * e.heads * e.L * e.dim == 0) return;  // no output
   if (e.T == 0) {  // a sum over no positions
@@ -182,13 +205,15 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
   thread_local aligned_buffer<T> scratch;  // one block's probabilities, every head: [heads, R, T]
   if (!probs && scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
   const index_t p_stride = probs ? e.L * e.T : R * e.T;
-  const bool rounds = gemm_rounds_to_bf16();
+  const bool rounds = copies || gemm_rounds_to_bf16();
+  bf16* const probs16 = copies ? copies->probs : nullptr;
   thread_local std::vector<bf16> q16, k16, v16, p16;
   for (index_t b = 0; b < e.batch; ++b) {
-    const block_operand<T> Q = heads_operand(rounds, q + b * e.L * ld, e.L * ld, e, q16),
-                           K = heads_operand(rounds, k + b * e.T * ld, e.T * ld, e, k16),
-                           V = heads_operand(rounds, v + b * e.T * ld, e.T * ld, e, v16);
-    T* ob = o + b * e.L * ld;
+    const index_t at = b * e.L * ld, kt = b * e.T * ld;
+    const block_operand<T> Q = heads_operand(rounds, q + at, e.L * ld, e, q16, copies ? copies->q + at : nullptr),
+                           K = heads_operand(rounds, k + kt, e.T * ld, e, k16, copies ? copies->k + kt : nullptr),
+                           V = heads_operand(rounds, v + kt, e.T * ld, e, v16, copies ? copies->v + kt : nullptr);
+    T* ob = o + at;
     for (index_t l0 = 0; l0 < e.L; l0 += R, progress()) {
       const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
       if (c == 0) {  // every key of these rows is padding: a sum over nothing
@@ -201,8 +226,15 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
                           [&](index_t n, index_t i, T* row, index_t kept) {
                             softmax_row(row, kept, row, scale, st ? st + n * e.L + i : nullptr);
                           });
-      block_gemm<T>(e.heads, false, false, rows, e.dim, c, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
-                    V, T(0), ob + l0 * ld, ld, e.dim);
+      block_operand<T> P;
+      if (probs16) {  // rounded once, into the kept copy the GEMM reads
+        bf16* const h = probs16 + (b * e.heads * e.L + l0) * e.T;
+        for (index_t n = 0; n < e.heads; ++n) convert_rows(p + n * p_stride, rows, c, e.T, h + n * e.L * e.T, e.T);
+        P = {p, e.T, p_stride, h, e.T, e.L * e.T};
+      } else {
+        P = block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16);
+      }
+      block_gemm<T>(e.heads, false, false, rows, e.dim, c, P, V, T(0), ob + l0 * ld, ld, e.dim);
     }
   }
 }
@@ -216,9 +248,14 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
 //   dv[0:c] += Pᵀ · do[l0:l1]     dP = do[l0:l1] · v[0:c]ᵀ
 //   dS = scale · P ⊙ (dP − Σ_t dP ⊙ P)   (softmax_row_backward, kept entries)
 //   dq[l0:l1] = dS · k[0:c]       dk[0:c] += dSᵀ · q[l0:l1]
+//
+// With `copies` (fp32 only; q, k and v may then be null), the GEMMs
+// multiply copies.q, .k and .v, and the kept probabilities are
+// copies.probs (probs null) — unless it is null too: computed again.
 template <class T>
 void attention_backward_blocks(const attention_extents& e, const T* dout, const T* q, const T* k, const T* v,
-                               const T* probs, T scale, T* dq, T* dk, T* dv, const softmax_row_stats<T>* stats = nullptr) {
+                               const T* probs, T scale, T* dq, T* dk, T* dv, const softmax_row_stats<T>* stats = nullptr,
+                               const attention_copies* copies = nullptr) {
   const index_t ld = e.heads * e.dim, R = attention_extents::block;
   std::fill(dk, dk + e.batch * e.T * ld, T(0));  // accumulated over the row blocks; rows t >= L get nothing
   std::fill(dv, dv + e.batch * e.T * ld, T(0));
@@ -227,20 +264,25 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
     return;
   }
   if (e.batch * e.heads * e.dim == 0) return;
-  // dP, then dS, of one block: [heads, rows, c]; its probabilities: [heads, R, T]
+  const bf16* const probs16 = copies ? copies->probs : nullptr;
+  const bool recompute = !probs && !probs16;
+  // dP, then dS, of one block: [heads, rows, c]; its probabilities (computed
+  // again, or widened from probs16): [heads, R, T]
   thread_local aligned_buffer<T> scratch, again;
   if (scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
   if (!probs && again.size() < e.heads * R * e.T) again.resize(e.heads * R * e.T);
   T* g = scratch.data();
   const index_t p_stride = probs ? e.L * e.T : R * e.T;
-  const bool rounds = gemm_rounds_to_bf16();
+  const bool rounds = copies || gemm_rounds_to_bf16();
   thread_local std::vector<bf16> do16, q16, k16, v16, p16, g16;
   for (index_t b = 0; b < e.batch; ++b) {
     const index_t at = b * e.L * ld, kt = b * e.T * ld;
-    const block_operand<T> dO = heads_operand(rounds, dout + at, e.L * ld, e, do16),
-                           Q = heads_operand(rounds, q + at, e.L * ld, e, q16),
-                           K = heads_operand(rounds, k + kt, e.T * ld, e, k16),
-                           V = heads_operand(rounds, v + kt, e.T * ld, e, v16);
+    const auto in = [&](const T* f, index_t offset, index_t n, std::vector<bf16>& buf, const bf16* copy) {
+      return heads_operand(rounds, f ? f + offset : nullptr, n, e, buf, copy ? copy + offset : nullptr);
+    };
+    const block_operand<T> dO = in(dout, at, e.L * ld, do16, nullptr), Q = in(q, at, e.L * ld, q16, copies ? copies->q : nullptr),
+                           K = in(k, kt, e.T * ld, k16, copies ? copies->k : nullptr),
+                           V = in(v, kt, e.T * ld, v16, copies ? copies->v : nullptr);
     for (index_t l0 = 0; l0 < e.L; l0 += R, progress()) {
       const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);
       if (c == 0) {  // rows that saw no key: no gradient
@@ -248,16 +290,21 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
         continue;
       }
       const T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : again.data();
-      if (!probs) {  // the forward's block again, each row from its stats
+      const bf16* const p_kept = probs16 ? probs16 + (b * e.heads * e.L + l0) * e.T : nullptr;
+      if (recompute) {  // the forward's block again, each row from its stats
         const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
         block_probabilities(e, b, Q, K, l0, rows, again.data(), p_stride,
                             [&](index_t n, index_t i, T* row, index_t kept) {
                               softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
                             });
+      } else if (p_kept) {  // the rows the GEMM reads, widened for dS
+        for (index_t n = 0; n < e.heads; ++n)
+          convert_rows(p_kept + n * e.L * e.T, rows, c, e.T, again.data() + n * p_stride, e.T);
       }
+      const block_operand<T> P = p_kept ? block_operand<T>{p, e.T, p_stride, p_kept, e.T, e.L * e.T}
+                                        : block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16);
       const block_operand<T> dob = dO + l0 * ld;
-      block_gemm<T>(e.heads, true, false, c, e.dim, rows, block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16),
-                    dob, T(1), dv + kt, ld, e.dim);
+      block_gemm<T>(e.heads, true, false, c, e.dim, rows, P, dob, T(1), dv + kt, ld, e.dim);
       block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V, T(0), g, c, rows * c);
       for (index_t n = 0; n < e.heads; ++n)
         for (index_t i = 0; i < rows; ++i) {

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/types.hpp"
 
 namespace gshard::detail {
@@ -62,6 +63,16 @@ void zero_where_at_most(T* g, const T* y, T threshold, index_t n) {
     for (; i + w <= n; i += w) ei::pstoreu(g + i, ei::pandnot(ei::ploadu<P>(g + i), ei::pcmp_le(ei::ploadu<P>(y + i), t)));
   }
   for (; i < n; ++i) g[i] = y[i] <= threshold ? T(0) : g[i];
+}
+
+// The same against bf16 values (a bf16 copy of y), widened exactly.
+inline void zero_where_at_most(float* g, const bf16* y, float threshold, index_t n) {
+  constexpr index_t block = 32;  // a fixed trip count: vectorized at -O2 (core/bf16.hpp)
+  const auto one = [&](index_t i) { g[i] = bf16_detail::widen(y[i]) <= threshold ? 0.0f : g[i]; };
+  index_t i = 0;
+  for (; i + block <= n; i += block)
+    for (index_t k = 0; k < block; ++k) one(i + k);
+  for (; i < n; ++i) one(i);
 }
 
 }  // namespace gshard::detail

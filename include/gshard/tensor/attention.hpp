@@ -186,7 +186,10 @@ inline void trace_attention(const char* name, double t0, const attention_extents
 
 // What the forward keeps for the backward: the probabilities
 // (attention_extents::probs_size() elements, aligned), or each row's
-// softmax_row_stats (batch · heads · L), or nothing.
+// softmax_row_stats (batch · heads · L), or nothing. Where its GEMMs round
+// (fp32 under gemm_rounds_to_bf16()), the bf16 copies they read instead of
+// q, k, v and fp32 probabilities (kernels/attention.hpp's attention_copies):
+// the rule then keeps no fp32 operand, half the bytes.
 template <class T>
 struct attention_kept {
   attention_kept() = default;
@@ -198,6 +201,13 @@ struct attention_kept {
   attention_keys keys;   // the rows' keys, pointing into
   key_padding padding;   // ... these
   const char* what = "";  // the function, for messages and the trace
+  attention_extents shape;  // this rank's, as the forward checked them
+  double model_flops = 0;   // attention_model_flops of the forward
+  bool rounded = false;     // the copies below hold what the GEMMs read
+  aligned_buffer<bf16> q16, k16, v16, probs16;
+  attention_copies copies() {
+    return {q16.data(), k16.data(), v16.data(), memory == attention_memory::keep_probabilities ? probs16.data() : nullptr};
+  }
 };
 
 // o = attention of q, k, v (checked) over the keys `keys` and `padding`
@@ -219,43 +229,62 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
   typename Q::local_type o(q.local_extents());
   T* probs = nullptr;
   softmax_row_stats<T>* stats = nullptr;
-  if (kept) kept->memory = memory;
-  if (kept && memory == attention_memory::keep_probabilities) {
+  attention_copies copies;
+  if (kept) {
+    kept->memory = memory;
+    kept->shape = e;
+    kept->model_flops = attention_model_flops(q, k);
+    if constexpr (std::is_same_v<T, float>)
+      if (gemm_rounds_to_bf16()) {
+        const auto round = [](const auto& x, aligned_buffer<bf16>& to) {
+          to.resize(x.local().size());
+          to_bf16(x.data(), std::size_t(x.local().size()), to.data());
+        };
+        round(q, kept->q16), round(k, kept->k16), round(v, kept->v16);
+        if (memory == attention_memory::keep_probabilities) kept->probs16.resize(e.probs_size());
+        kept->rounded = true;
+        copies = kept->copies();
+      }
+  }
+  if (kept && memory == attention_memory::keep_probabilities && !kept->rounded) {
     kept->probs.resize(e.probs_size());
     probs = kept->probs.data();
-  } else if (kept) {
+  } else if (kept && memory != attention_memory::keep_probabilities) {
     kept->stats.resize(std::size_t(e.batch * e.heads * e.L));
     stats = kept->stats.data();
   }
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  attention_forward_blocks<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats);
+  attention_forward_blocks<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats,
+                              kept && kept->rounded ? &copies : nullptr);
   add_model_flops(attention_model_flops(q, k));
   trace_attention(what, t0, e, 1.0);
   return Q(q.mesh(), q.extents(), std::move(o));
 }
 
-// {dq, dk, dv} (of the types given) from dy and the forward's operands and
-// what it kept.
-template <class DQ, class DK, class DV, class DY, class Q, class K, class V>
-std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const Q& q, const K& k, const V& v,
-                                          const attention_kept<typename Q::value_type>& kept, double scale) {
-  using T = typename Q::value_type;
-  const attention_extents e = attention_shape(kept.what, q, k, v, kept.keys, scale);
-  typename DQ::local_type dq(q.local_extents());
-  typename DK::local_type dk(k.local_extents());
-  typename DV::local_type dv(v.local_extents());
+// {dq, dk, dv} (of the types given: on `mesh`, q's extents eq, k's and v's
+// ek) from dy and what the forward kept — and the forward's q, k and v,
+// which a rounded forward's backward does not read (they may be null).
+template <class DQ, class DK, class DV, class DY, class T = typename DY::value_type>
+std::tuple<DQ, DK, DV> attention_backward(const DY& dy, const T* q, const T* k, const T* v,
+                                          const typename DQ::mesh_type& mesh, const typename DQ::extents_type& eq,
+                                          const typename DQ::extents_type& ek, attention_kept<T>& kept, double scale) {
+  const attention_extents& e = kept.shape;
+  typename DQ::local_type dq(e.batch, e.L, e.heads, e.dim);
+  typename DK::local_type dk(e.batch, e.T, e.heads, e.dim);
+  typename DV::local_type dv(e.batch, e.T, e.heads, e.dim);
   const bool again = kept.memory != attention_memory::keep_probabilities;  // as the forward kept
+  const attention_copies copies = kept.rounded ? kept.copies() : attention_copies{};
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  attention_backward_blocks<T>(e, dy.data(), q.data(), k.data(), v.data(), again ? nullptr : kept.probs.data(), T(scale),
-                               dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr);
-  add_model_flops(2 * attention_model_flops(q, k));  // the four einsums of the two's backward
+  attention_backward_blocks<T>(e, dy.data(), q, k, v, again || kept.rounded ? nullptr : kept.probs.data(), T(scale),
+                               dq.data(), dk.data(), dv.data(), again ? kept.stats.data() : nullptr,
+                               kept.rounded ? &copies : nullptr);
+  add_model_flops(2 * kept.model_flops);  // the four einsums of the two's backward
   if (again) {  // the logits computed again: work the hardware repeats, not the model's
     recomputing_flops r;
-    add_model_flops(attention_model_flops(q, k) / 2);
+    add_model_flops(kept.model_flops / 2);
   }
   trace_attention((std::string(kept.what) + " backward").c_str(), t0, e, again ? 2.5 : 2.0);
-  return {DQ(q.mesh(), q.extents(), std::move(dq)), DK(k.mesh(), k.extents(), std::move(dk)),
-          DV(v.mesh(), v.extents(), std::move(dv))};
+  return {DQ(mesh, eq, std::move(dq)), DK(mesh, ek, std::move(dk)), DV(mesh, ek, std::move(dv))};
 }
 
 }  // namespace detail

@@ -55,6 +55,7 @@ T gelu_cdf(T x) {
 }
 struct relu_op {
   static constexpr bool needs_x = false, needs_y = true;
+  static constexpr bool reads_sign_of_y = true;  // df passes dy where y > 0: a bf16 copy of y serves
   template <class T> static T f(T x) { return x <= T(0) ? T(0) : x; }  // NaN stays NaN, as fv's packets give it
   template <class T> static T df(T, T y, T dy) { return y <= T(0) ? T(0) : dy; }  // as df_n's mask
   template <class A> static auto fv(const A& x) { return x.max(scalar_of<A>(0)); }
