@@ -565,7 +565,8 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     tensor<float, 4, grid2, bn, "BLNK"> r(m, {B, f.L, N, K});
     fill_normal(r, 1.0, 14, 3);
     local_tensor<std::int32_t, 1> lengths_global(B);
-    for (index_t b = 0; b < B; ++b) lengths_global(b) = std::int32_t(b % 2 == 0 ? f.T : (3 * b) % (f.T + 1));
+    for (index_t b = 0; b < B; ++b)  // all keys, none (the last sequence: its rows see nothing), some
+      lengths_global(b) = std::int32_t(b % 2 == 0 ? f.T : b == B - 1 ? 0 : (3 * b) % (f.T + 1));
     const auto lengths = distribute<bs>(m, lengths_global);
     const attention_options opts{.causal = f.causal};
     const auto run = [&](matmul_precision precision, attention_memory memory) {
@@ -591,6 +592,7 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     // dv = Pᵀ·dout multiplies the same rounded P either way; dq and dk
     // differ by dS's P (rounded when kept, fp32 when computed again).
     GSHARD_REQUIRE(same_bits(kept[3], again[3]));
+    if (native) GSHARD_REQUIRE(!same_bits(kept[1], again[1]));  // the kept P is the rounded one
     if (!native) GSHARD_REQUIRE((same_bits(kept[1], f32[1]) && same_bits(kept[2], f32[2]) && same_bits(kept[3], f32[3])));
     // Against fp32: each logit's products and P·v's carry operands rounded
     // to bf16 (2⁻⁸ relative each), P and dS once more.
@@ -624,13 +626,19 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
       return causal_attention(qv, relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(t.use(x), wq)),
                               relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(t.use(x), wq)), scale);
     }();
+    const bool rounds = precision == matmul_precision::bf16 && native;
+    INFO((rounds ? "GEMMs round" : "fp32 GEMMs"));
     auto y = [&] {
       auto h = relu(einsum<"BLM,MH->BLH">(t.use(x), w1));
       relu_alive = h.shared();
-      return einsum<"BLH,HM->BLM">(h, w2);
+      auto out = einsum<"BLH,HM->BLM">(h, w2);
+      // One bf16 copy of h, which the ReLU's rule and the einsum's keep
+      // (the tape's cache holds it weakly), and nobody else.
+      using H16 = with_element<detail::tensor_of<decltype(h)>, bf16>;
+      const auto copy = t.derived<H16>(h.shared(), [](const auto& u) { return convert<bf16>(u); });
+      GSHARD_REQUIRE(copy.use_count() == (rounds ? 3 : 1));
+      return out;
     }();
-    const bool rounds = precision == matmul_precision::bf16 && native;
-    INFO((rounds ? "GEMMs round" : "fp32 GEMMs"));
     GSHARD_REQUIRE(q_alive.expired() == rounds);
     GSHARD_REQUIRE(relu_alive.expired() == rounds);
     auto ys = all_reduce<"model">(std::move(y));

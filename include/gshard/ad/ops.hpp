@@ -39,9 +39,8 @@ auto unary(V&& x) {
     if (y.tracked() && gemm_rounds_to_bf16()) {
       // With bf16 GEMMs the einsum that reads y (a ReLU's output: the FFN's
       // second GEMM) rounds it once (tape::derived); the rule keeps that
-      // copy, half the bytes, and not y. Its sign is y's but where y is at
-      // most 2⁻¹³⁴, which rounds to 0: the gradient is 0 there, where the
-      // GEMM multiplied a 0.
+      // copy, half the bytes, and not y; the gradient passes where the copy
+      // is > 0, which is where y is but for y at most 2⁻¹³⁴ (rounded to 0).
       auto y16 = t.derived<with_element<X, bf16>>(y.shared(), [](const X& u) { return convert<bf16>(u); });
       t.record([tp = &t, ys = y.slot(), xs, y16] {
         auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();

@@ -305,6 +305,10 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
   }
 }
 
+// The result types an einsum of T operands gives: T, or float for bf16 operands.
+template <class T, class C>
+inline constexpr bool einsum_result_type_ok = std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>);
+
 // out (contiguous, spec.out term) = einsum of a (and b) over their labels;
 // every sum taken in sum_t<T> (bf16's in fp32: the products in the GEMM's
 // accumulators, across the loop's GEMMs in an fp32 C) and rounded once to
@@ -312,8 +316,7 @@ void gemm_over_loop(const einsum_spec& s, const gemm_groups& g, const T* a, cons
 template <class T, class C>
 void local_einsum(const einsum_spec& s, const T* a, const index_t* a_ext, const T* b, const index_t* b_ext, C* out,
                   const index_t* out_ext) {
-  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
-                "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
+  static_assert(einsum_result_type_ok<T, C>);  // the public einsums (tensor/einsum.hpp) say so in words
   const labeled_view vo = contiguous_view(s.out_term(), out_ext);
   labeled_view va = contiguous_view(s.term(0), a_ext);
   if (s.nin == 1) {

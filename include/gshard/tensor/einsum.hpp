@@ -149,7 +149,7 @@ auto einsum(const A& a, const B& b) {
                 "gshard::einsum: the operands have different element types; convert one first");
   using T = typename A::value_type;
   using C = std::conditional_t<std::is_void_v<Element>, T, Element>;
-  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
+  static_assert(detail::einsum_result_type_ok<T, C>,
                 "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
@@ -166,7 +166,7 @@ template <fixed_string Spec, class Out = natural_sharding, class Element = void,
 auto einsum(const A& a) {
   using T = typename A::value_type;
   using C = std::conditional_t<std::is_void_v<Element>, T, Element>;
-  static_assert(std::is_same_v<C, T> || (std::is_same_v<T, bf16> && std::is_same_v<C, float>),
+  static_assert(detail::einsum_result_type_ok<T, C>,
                 "gshard::einsum: the result's element type is the operands' or, for bf16 operands, float");
   static_assert(detail::check_einsum_spec<Spec>::ok);
   static_assert(detail::check_operand_rank<Spec, 0, A::rank>::ok);
