@@ -27,6 +27,11 @@ using rows = sharding<split<0, "x">>;
 
 using grid_de = mesh<axis<"data">, axis<"expert">>;
 
+// A "data" x "model" mesh of P ranks: model 2 where P is even, else 1.
+std::array<index_t, 2> data_model_sizes(int P) {
+  return P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+}
+
 template <class X>
 X random_like(const X& t, std::uint64_t seed) {
   X r = t;
@@ -346,7 +351,7 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
           "and heads, across its row blocks",
           "[autodiff][grad][attention]") {
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 7);
   using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
@@ -415,7 +420,7 @@ TEST_CASE("autodiff: dot_product_attention — bidirectional, cross, causal at a
           "paddings — against long double and finite differences, split over batch and heads",
           "[autodiff][grad][attention][padding]") {
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 9);
   using bn = sharding<split<0, "data">, split<2, "model">>;
@@ -540,7 +545,7 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
   // copy of its output that the next einsum multiplies. Their fp32 values
   // are then freed after the forward.
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 10);
   using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
@@ -737,7 +742,7 @@ TEST_CASE("autodiff: the maximum and minimum over a dim, split or whole, pass th
 
 TEST_CASE("autodiff: reshards and the one-collective forms transpose their collectives", "[autodiff][grad]") {
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 3);
   using bm = sharding<split<0, "data">, split<1, "model">>;
@@ -778,7 +783,7 @@ TEST_CASE("autodiff: reshards and the one-collective forms transpose their colle
 TEST_CASE("autodiff: reshards started and finished later, chunks and concat: the blocking forms' values and gradients",
           "[autodiff][grad][nonblocking]") {
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   const index_t D = sizes[0];
   parameters ps(m, 5);
@@ -1114,7 +1119,7 @@ TEST_CASE("positions: the sinusoid table and each token's position, sharded like
 
 TEST_CASE("autodiff: uses of one value are summed while pending and reduced once", "[autodiff][collectives]") {
   const int P = world_size();
-  const auto sizes = P % 2 == 0 ? std::array<index_t, 2>{P / 2, 2} : std::array<index_t, 2>{P, 1};
+  const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 5);
   const index_t B = 2 * P, M = 4, N = 4;
