@@ -239,6 +239,31 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
   }
 }
 
+// Block l0's probabilities (rows l0 .. l0 + rows of sequence b, every
+// head) as the backward reads them, as the forward made them: .f the fp32
+// rows dS reads — the kept probs, or in `again` ([heads, R, T]) the block
+// computed again from each row's stats or the kept bf16 rows
+// (probs16) widened — and .h the bf16 ones Pᵀ·dout multiplies: the kept
+// ones, or made in p16 where the GEMMs round.
+template <class T>
+block_operand<T> backward_probabilities(const attention_extents& e, index_t b, index_t l0, index_t rows, const T* probs,
+                                        const bf16* probs16, const softmax_row_stats<T>* stats, const block_operand<T>& Q,
+                                        const block_operand<T>& K, T scale, bool rounds, T* again, std::vector<bf16>& p16) {
+  const index_t c = e.block_columns(b, l0, rows), first = (b * e.heads * e.L + l0) * e.T;
+  if (probs) return block_operand_of(rounds, probs + first, e.heads, rows, c, e.T, e.L * e.T, p16);
+  const index_t p_stride = attention_extents::block * e.T;
+  if (probs16) {
+    const bf16* kept = probs16 + first;
+    for (index_t n = 0; n < e.heads; ++n) convert_rows(kept + n * e.L * e.T, rows, c, e.T, again + n * p_stride, e.T);
+    return {again, e.T, p_stride, kept, e.T, e.L * e.T};
+  }
+  const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
+  block_probabilities(e, b, Q, K, l0, rows, again, p_stride, [&](index_t n, index_t i, T* row, index_t kept) {
+    softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
+  });
+  return block_operand_of(rounds, static_cast<const T*>(again), e.heads, rows, c, e.T, p_stride, p16);
+}
+
 // dq, dk, dv (overwritten) from dout and the forward's q, k, v and probs —
 // or, with probs null, the forward's row stats: each block's probabilities
 // computed again (one more GEMM and exp per block), bit for bit the
@@ -264,15 +289,12 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
     return;
   }
   if (e.batch * e.heads * e.dim == 0) return;
-  const bf16* const probs16 = copies ? copies->probs : nullptr;
-  const bool recompute = !probs && !probs16;
   // dP, then dS, of one block: [heads, rows, c]; its probabilities (computed
-  // again, or widened from probs16): [heads, R, T]
+  // again, or widened from the kept bf16 ones): [heads, R, T]
   thread_local aligned_buffer<T> scratch, again;
   if (scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
   if (!probs && again.size() < e.heads * R * e.T) again.resize(e.heads * R * e.T);
   T* g = scratch.data();
-  const index_t p_stride = probs ? e.L * e.T : R * e.T;
   const bool rounds = copies || gemm_rounds_to_bf16();
   thread_local std::vector<bf16> do16, q16, k16, v16, p16, g16;
   for (index_t b = 0; b < e.batch; ++b) {
@@ -289,20 +311,10 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
         std::fill_n(dq + at + l0 * ld, rows * ld, T(0));
         continue;
       }
-      const T* p = probs ? probs + (b * e.heads * e.L + l0) * e.T : again.data();
-      const bf16* const p_kept = probs16 ? probs16 + (b * e.heads * e.L + l0) * e.T : nullptr;
-      if (recompute) {  // the forward's block again, each row from its stats
-        const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
-        block_probabilities(e, b, Q, K, l0, rows, again.data(), p_stride,
-                            [&](index_t n, index_t i, T* row, index_t kept) {
-                              softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
-                            });
-      } else if (p_kept) {  // the rows the GEMM reads, widened for dS
-        for (index_t n = 0; n < e.heads; ++n)
-          convert_rows(p_kept + n * e.L * e.T, rows, c, e.T, again.data() + n * p_stride, e.T);
-      }
-      const block_operand<T> P = p_kept ? block_operand<T>{p, e.T, p_stride, p_kept, e.T, e.L * e.T}
-                                        : block_operand_of(rounds, p, e.heads, rows, c, e.T, p_stride, p16);
+      const block_operand<T> P = backward_probabilities(e, b, l0, rows, probs, copies ? copies->probs : nullptr, stats, Q, K,
+                                                          scale, rounds, again.data(), p16);
+      const T* p = P.f;
+      const index_t p_stride = P.stride;
       const block_operand<T> dob = dO + l0 * ld;
       block_gemm<T>(e.heads, true, false, c, e.dim, rows, P, dob, T(1), dv + kt, ld, e.dim);
       block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V, T(0), g, c, rows * c);

@@ -229,11 +229,12 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
   typename Q::local_type o(q.local_extents());
   T* probs = nullptr;
   softmax_row_stats<T>* stats = nullptr;
+  const double model_flops = attention_model_flops(q, k);
   attention_copies copies;
   if (kept) {
     kept->memory = memory;
     kept->shape = e;
-    kept->model_flops = attention_model_flops(q, k);
+    kept->model_flops = model_flops;
     if constexpr (std::is_same_v<T, float>)
       if (gemm_rounds_to_bf16()) {
         const auto round = [](const auto& x, aligned_buffer<bf16>& to) {
@@ -256,7 +257,7 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
   const double t0 = trace::enabled() ? trace::now() : 0.0;
   attention_forward_blocks<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats,
                               kept && kept->rounded ? &copies : nullptr);
-  add_model_flops(attention_model_flops(q, k));
+  add_model_flops(model_flops);
   trace_attention(what, t0, e, 1.0);
   return Q(q.mesh(), q.extents(), std::move(o));
 }
