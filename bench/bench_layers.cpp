@@ -288,8 +288,13 @@ void moe_layer_bf16(benchmark::State& state) {
 // of_gemm_rate > 1: causal_attention beats the dense GEMMs alone, by not
 // computing the blocks above the diagonal; recompute_ratio: the cost of
 // attention_memory::recompute_probabilities), and GFLOP/s of the dense
-// einsums' FLOPs (model FLOPs) over causal_attention's time.
+// einsums' FLOPs (model FLOPs) over causal_attention's time. Also
+// interleaved: causal_attention in blocks of 32, 64 and 128 rows
+// (rows32_ratio …: their time over that of the block this backend chooses,
+// detail::attention_block_rows). bf16:1 runs all of it under
+// matmul_precision::bf16 (the fp32 forms where the CPU has no bf16 units).
 void attention_forms(benchmark::State& state) {
+  const matmul_precision_scope precision(state.range(0) ? matmul_precision::bf16 : matmul_precision::f32);
   const grid& m = gshard::bench::world_mesh<grid>();
   const index_t P = m.nranks(), B = 8, L = 128, N = 4, K = 32;
   using bt = sharding<split<0, "expert">>;
@@ -300,7 +305,8 @@ void attention_forms(benchmark::State& state) {
   fill_normal(dy, 1.0, 2, 3);
   const double scale = 1.0 / std::sqrt(double(K));
   enum form { fused, recomputing, composed };
-  auto run = [&](form f) {
+  auto run = [&](form f, index_t rows = 0) {
+    const gshard::detail::attention_block_scope blocks(rows);
     tape t(ps);
     auto o = f == fused         ? causal_attention(t.use(q), t.use(k), t.use(v), scale)
              : f == recomputing ? causal_attention(t.use(q), t.use(k), t.use(v), scale, attention_memory::recompute_probabilities)
@@ -325,7 +331,10 @@ void attention_forms(benchmark::State& state) {
         gemm<float>(true, false, L, K, L, 1.f, g, L, bq.data() + a, ld, 0.f, bdk.data() + a, ld);
       }
   };
-  const auto c = gshard::bench::compare(state, {[&] { run(fused); }, [&] { run(composed); }, gemms, [&] { run(recomputing); }}, 0);
+  const auto c = gshard::bench::compare(state,
+                                        {[&] { run(fused); }, [&] { run(composed); }, gemms, [&] { run(recomputing); },
+                                         [&] { run(fused, 32); }, [&] { run(fused, 64); }, [&] { run(fused, 128); }},
+                                        0);
   const double flop = 3.0 * 2.0 * 2.0 * double(B * N * L * L * K);  // the two einsums, forward and backward
   state.counters["fused_ms"] = c.median_time[0] * 1e3;
   state.counters["einsums_ms"] = c.median_time[1] * 1e3;
@@ -333,6 +342,10 @@ void attention_forms(benchmark::State& state) {
   state.counters["einsums_ratio"] = c.median_ratio[1];
   state.counters["of_gemm_rate"] = c.median_ratio[2];
   state.counters["recompute_ratio"] = c.median_ratio[3];
+  state.counters["rows"] = double(gshard::detail::attention_block_rows<float>());
+  state.counters["rows32_ratio"] = c.median_ratio[4];
+  state.counters["rows64_ratio"] = c.median_ratio[5];
+  state.counters["rows128_ratio"] = c.median_ratio[6];
   state.counters["gflops"] = flop / c.median_time[0] * 1e-9;
   state.counters["peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();
 }
@@ -440,7 +453,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("moe_layer", moe_layer)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer_uneven", moe_layer_uneven)->Arg(8)->Arg(5)->MinTime(6)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_layer_bf16", moe_layer_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attention_forms", attention_forms)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attention_forms", attention_forms)->ArgName("bf16")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("moe_overlap", moe_overlap)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("decode", decode)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();

@@ -559,38 +559,56 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
              return std::bit_cast<std::uint32_t>(u) == std::bit_cast<std::uint32_t>(v);
            });
   };
+  enum keys_given { all_keys, lengths_given, paddings_given };
   struct form {
     index_t L, T;
-    bool causal, lengths;
+    bool causal;
+    keys_given keys;
+    index_t rows;  // of a block; 0: the backend's (one block of 128 on oneDNN)
   };
-  for (const form f : {form{40, 40, true, false}, form{5, 37, false, true}}) {
-    param<tensor<float, 4, grid2, bn, "BLNK">> q(ps, "q" + std::to_string(f.T), {B, f.L, N, K}, init::normal(1.0));
-    param<tensor<float, 4, grid2, bn, "BTNK">> k(ps, "k" + std::to_string(f.T), {B, f.T, N, K}, init::normal(1.0));
-    param<tensor<float, 4, grid2, bn, "BTNK">> v(ps, "v" + std::to_string(f.T), {B, f.T, N, K}, init::normal(1.0));
+  for (const form f : {form{40, 40, true, all_keys, 16}, form{40, 40, true, all_keys, 0}, form{5, 37, false, lengths_given, 0},
+                       form{36, 36, true, paddings_given, 16}}) {
+    const detail::attention_block_scope blocks(f.rows);
+    const std::string at = std::to_string(f.L) + "x" + std::to_string(f.T) + "k" + std::to_string(int(f.keys)) + "r" +
+                           std::to_string(f.rows);
+    param<tensor<float, 4, grid2, bn, "BLNK">> q(ps, "q" + at, {B, f.L, N, K}, init::normal(1.0));
+    param<tensor<float, 4, grid2, bn, "BTNK">> k(ps, "k" + at, {B, f.T, N, K}, init::normal(1.0));
+    param<tensor<float, 4, grid2, bn, "BTNK">> v(ps, "v" + at, {B, f.T, N, K}, init::normal(1.0));
     tensor<float, 4, grid2, bn, "BLNK"> r(m, {B, f.L, N, K});
     fill_normal(r, 1.0, 14, 3);
     local_tensor<std::int32_t, 1> lengths_global(B);
-    for (index_t b = 0; b < B; ++b)  // all keys, none (the last sequence: its rows see nothing), some
+    local_tensor<float, 2> paddings_global(B, f.T);
+    for (index_t b = 0; b < B; ++b) {  // all keys, none (the last sequence: its rows see nothing), some
       lengths_global(b) = std::int32_t(b % 2 == 0 ? f.T : b == B - 1 ? 0 : (3 * b) % (f.T + 1));
+      for (index_t t = 0; t < f.T; ++t)  // holes in every other sequence; the last one all padding
+        paddings_global(b, t) = b == B - 1 || (b % 2 == 1 && (t + b) % 3 == 1) ? 1.0f : 0.0f;
+    }
     const auto lengths = distribute<bs>(m, lengths_global);
+    const auto paddings = distribute<bs>(m, paddings_global);
     const attention_options opts{.causal = f.causal};
     const auto run = [&](matmul_precision precision, attention_memory memory) {
       tape t(ps);
       const matmul_precision_scope s(precision);
-      auto o = f.lengths ? dot_product_attention(t.use(q), t.use(k), t.use(v), lengths, scale, {.causal = f.causal, .memory = memory})
-                         : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, {.causal = f.causal, .memory = memory});
-      auto value = gather(o.value());
-      t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, t.constant(r))));
+      const attention_options o{.causal = f.causal, .memory = memory};
+      auto out = f.keys == lengths_given    ? dot_product_attention(t.use(q), t.use(k), t.use(v), lengths, scale, o)
+                 : f.keys == paddings_given ? dot_product_attention(t.use(q), t.use(k), t.use(v), paddings, scale, o)
+                                            : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, o);
+      auto value = gather(out.value());
+      t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(out, t.constant(r))));
       return std::array{value, gather(q.grad()), gather(k.grad()), gather(v.grad())};
     };
     const auto f32 = run(matmul_precision::f32, attention_memory::keep_probabilities);
     const auto kept = run(matmul_precision::bf16, attention_memory::keep_probabilities);
     const auto again = run(matmul_precision::bf16, attention_memory::recompute_probabilities);
-    INFO("L " << f.L << ", T " << f.T << (f.causal ? ", causal" : "") << (f.lengths ? ", key lengths" : ""));
+    INFO("L " << f.L << ", T " << f.T << (f.causal ? ", causal" : "")
+              << (f.keys == lengths_given ? ", key lengths" : f.keys == paddings_given ? ", key paddings" : "") << ", blocks of "
+              << detail::attention_block_rows<float>() << " rows");
     {  // the value is the tensor form's under bf16, to the bit
       const matmul_precision_scope s(matmul_precision::bf16);
-      const auto want = gather(f.lengths ? dot_product_attention(q.value(), k.value(), v.value(), lengths, scale, opts)
-                                         : dot_product_attention(q.value(), k.value(), v.value(), scale, opts));
+      const auto want =
+          gather(f.keys == lengths_given    ? dot_product_attention(q.value(), k.value(), v.value(), lengths, scale, opts)
+                 : f.keys == paddings_given ? dot_product_attention(q.value(), k.value(), v.value(), paddings, scale, opts)
+                                            : dot_product_attention(q.value(), k.value(), v.value(), scale, opts));
       GSHARD_REQUIRE(same_bits(kept[0], want));
       GSHARD_REQUIRE(same_bits(again[0], want));
     }
@@ -689,6 +707,8 @@ TEST_CASE("autodiff: causal_attention in float; operands that do not fit", "[aut
   // The plain tensors' form computes the same.
   const auto plain = gather(causal_attention(q.value(), k.value(), v.value(), 0.25));
   GSHARD_REQUIRE(attention_worst(o, plain) == 0.0);
+  GSHARD_REQUIRE_THROWS_WITH(detail::attention_block_scope(-1), error,
+                             "gshard::attention_block_scope: rows = -1; >= 1, or 0 for the default");
   // Extents that do not fit: the same error on every rank, before any work.
   param<tensor<float, 4, grid1, b_>> k_short(ps, "k_short", {index_t(P), 130, 2, 8}, init::normal(1.0));
   const std::string p = std::to_string(P);

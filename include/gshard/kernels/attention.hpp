@@ -4,7 +4,7 @@
 // the tape). Each query row sees a prefix of the keys (attention_keys: the
 // causal mask at a query offset, a sequence's valid length, both or
 // neither). The [L, T] logits never exist whole: a block of
-// attention_extents::block rows is made, normalised and used while it is in
+// attention_block_rows() rows is made, normalised and used while it is in
 // cache, and the columns no row of a block sees are never computed (causal,
 // L = T = 128 and 32-row blocks: 5/8 of the dense product's FLOPs).
 #pragma once
@@ -13,11 +13,14 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gshard/kernels/gemm.hpp"
 #include "gshard/kernels/softmax_row.hpp"
 #include "gshard/core/bf16.hpp"
+#include "gshard/core/error.hpp"
 #include "gshard/core/types.hpp"
 #include "gshard/core/progress.hpp"
 
@@ -46,11 +49,9 @@ struct attention_keys {
 struct attention_extents {
   index_t batch = 0, L = 0, T = 0, heads = 0, dim = 0;
   attention_keys keys{};
-  // The rows of the output one block makes. On an AVX-512 Xeon with
-  // OpenBLAS, L = T = 128, D = 32, forward and backward: blocks of 32 rows
-  // 1.4x faster than the dense GEMMs with a softmax pass between, blocks of
-  // 64 1.35x, one block of 128 1.15x (docs/10).
-  static constexpr index_t block = 32;
+  // The rows of the output one block makes (attention_block_rows()). The
+  // forward records it and its backward runs the same blocks.
+  index_t block = 32;
   // Elements of the kept probabilities: [batch, heads, L, T].
   index_t probs_size() const { return batch * heads * L * T; }
   // FLOPs of the dense einsums attention stands for (BLNK,BTNK->BNLT and
@@ -69,6 +70,44 @@ struct attention_extents {
       }
     return 2.0 * 2.0 * double(heads) * cols * double(dim);
   }
+};
+
+inline index_t& attention_block_rows_now() {
+  thread_local index_t rows = 0;  // 0: attention_block_rows<T>() chooses
+  return rows;
+}
+
+// The rows of one block for elements T: 128 where T's GEMMs run on oneDNN,
+// whose calls cost microseconds each however small (the trainer's
+// attention, L = T = 128 and 4 heads of 32, forward + backward on an EPYC
+// Zen 5 VM: blocks of 32 took 1.11–1.26× the time of blocks of 128, and the
+// bf16 step ran 3–4% slower; at L = 512 with heads of 64, 32 to 256 rows
+// within 2%); 32 on OpenBLAS and Eigen, where that is fastest (docs/10).
+// attention_block_scope sets another for a stretch of code.
+template <class T>
+index_t attention_block_rows() {
+  if (const index_t r = attention_block_rows_now()) return r;
+  return std::is_same_v<T, float> && options().gemm == int(gemm_kind::onednn) ? 128 : 32;
+}
+
+// attention_block_scope rows(16): attention computed on this thread until
+// the scope ends runs in blocks of 16 rows (its backward runs the blocks
+// its forward ran, wherever it is called); 0 gives the choice back to
+// attention_block_rows<T>(). For tests that must cross a block's edge with
+// short sequences, and for measuring the block size.
+class attention_block_scope {
+ public:
+  explicit attention_block_scope(index_t rows) : before_(attention_block_rows_now()) {
+    if (rows < 0)
+      throw error("gshard::attention_block_scope: rows = " + std::to_string(rows) + "; >= 1, or 0 for the default");
+    attention_block_rows_now() = rows;
+  }
+  ~attention_block_scope() { attention_block_rows_now() = before_; }
+  attention_block_scope(const attention_block_scope&) = delete;
+  attention_block_scope& operator=(const attention_block_scope&) = delete;
+
+ private:
+  index_t before_;
 };
 
 // An aligned buffer of T (Eigen's heap arrays are aligned to its largest packet).
@@ -196,7 +235,7 @@ void block_probabilities(const attention_extents& e, index_t b, const block_oper
 template <class T>
 void attention_forward_blocks(const attention_extents& e, const T* q, const T* k, const T* v, T scale, T* o, T* probs,
                               softmax_row_stats<T>* stats = nullptr, const attention_copies* copies = nullptr) {
-  const index_t ld = e.heads * e.dim, R = attention_extents::block;
+  const index_t ld = e.heads * e.dim, R = e.block;
   if (e.batch * e.heads * e.L * e.dim == 0) return;  // no output
   if (e.T == 0) {  // a sum over no positions
     std::fill(o, o + e.batch * e.L * ld, T(0));
@@ -251,7 +290,7 @@ block_operand<T> backward_probabilities(const attention_extents& e, index_t b, i
                                         const block_operand<T>& K, T scale, bool rounds, T* again, std::vector<bf16>& p16) {
   const index_t c = e.block_columns(b, l0, rows), first = (b * e.heads * e.L + l0) * e.T;
   if (probs) return block_operand_of(rounds, probs + first, e.heads, rows, c, e.T, e.L * e.T, p16);
-  const index_t p_stride = attention_extents::block * e.T;
+  const index_t p_stride = e.block * e.T;
   if (probs16) {
     const bf16* kept = probs16 + first;
     for (index_t n = 0; n < e.heads; ++n) convert_rows(kept + n * e.L * e.T, rows, c, e.T, again + n * p_stride, e.T);
@@ -281,7 +320,7 @@ template <class T>
 void attention_backward_blocks(const attention_extents& e, const T* dout, const T* q, const T* k, const T* v,
                                const T* probs, T scale, T* dq, T* dk, T* dv, const softmax_row_stats<T>* stats = nullptr,
                                const attention_copies* copies = nullptr) {
-  const index_t ld = e.heads * e.dim, R = attention_extents::block;
+  const index_t ld = e.heads * e.dim, R = e.block;
   std::fill(dk, dk + e.batch * e.T * ld, T(0));  // accumulated over the row blocks; rows t >= L get nothing
   std::fill(dv, dv + e.batch * e.T * ld, T(0));
   if (e.T == 0 || e.L == 0) {

@@ -110,7 +110,7 @@ attention_extents attention_shape(const char* what, const Q& q, const K& k, cons
                       " keys; the last query must sit at the last key (query_offset + L = T, as when L new queries "
                       "follow T - L cached keys), or drop causal for cross-attention");
   const auto lq = q.local_extents(), lk = k.local_extents();
-  return {lq[0], lq[1], lk[1], lq[2], lq[3], keys};
+  return {lq[0], lq[1], lk[1], lq[2], lq[3], keys, attention_block_rows<typename Q::value_type>()};
 }
 
 // Which keys each sequence has: valid counts, or a mask of padded keys.
