@@ -286,7 +286,7 @@ void moe_layer_bf16(benchmark::State& state) {
 // probabilities again in the backward. Counters: each form's time, the
 // ratios to causal_attention's (einsums_ratio > 1: the einsums are slower;
 // of_gemm_rate > 1: causal_attention beats the dense GEMMs alone, by not
-// computing the blocks above the diagonal; recompute_ratio: the cost of
+// computing the columns no row of a block sees; recompute_ratio: the cost of
 // attention_memory::recompute_probabilities), and GFLOP/s of the dense
 // einsums' FLOPs (model FLOPs) over causal_attention's time. Also
 // interleaved: causal_attention in blocks of 32, 64 and 128 rows

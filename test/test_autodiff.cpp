@@ -6,6 +6,7 @@
 #include <gshard/gshard.hpp>
 
 #include <bit>
+#include <optional>
 
 #include "gradcheck.hpp"
 #include "layouts.hpp"
@@ -357,8 +358,10 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
   using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
   const index_t B = 2 * sizes[0], N = 2 * sizes[1], K = 3;
   const double scale = 0.6;
-  for (const auto& [L, Tn] : {std::pair<index_t, index_t>{5, 5}, {33, 33}, {70, 70}, {1, 1}}) {
-    const std::string at = std::to_string(L) + "x" + std::to_string(Tn);
+  // rows of a block: 0 the backend's (32 for double), 64 one edge at 64
+  for (const auto& [L, Tn, rows] : {std::array<index_t, 3>{5, 5, 0}, {33, 33, 0}, {70, 70, 0}, {70, 70, 64}, {1, 1, 0}}) {
+    const detail::attention_block_scope blocks(rows);
+    const std::string at = std::to_string(L) + "x" + std::to_string(Tn) + "r" + std::to_string(rows);
     param<tensor<double, 4, grid2, bn, "BLNK">> q(ps, "q" + at, {B, L, N, K}, init::normal(1.0));
     param<tensor<double, 4, grid2, bn, "BTNK">> k(ps, "k" + at, {B, Tn, N, K}, init::normal(1.0));
     param<tensor<double, 4, grid2, bn, "BTNK">> v(ps, "v" + at, {B, Tn, N, K}, init::normal(1.0));
@@ -388,7 +391,8 @@ TEST_CASE("autodiff: causal_attention is the einsums around causal_softmax in va
     const double model2 = model_flops(), again2 = recomputed_flops();
     const auto einsums = run(composed);
     const auto reference = attention_reference(gather(q.value()), gather(k.value()), gather(v.value()), scale);
-    INFO("L " << L << ", T " << Tn << " on " << sizes[0] << " x " << sizes[1] << " ranks");
+    INFO("L " << L << ", T " << Tn << " in blocks of " << detail::attention_block_rows<double>() << " rows on " << sizes[0]
+              << " x " << sizes[1] << " ranks");
     GSHARD_REQUIRE(attention_worst(kept[0], reference) < 1e-12);
     for (std::size_t i = 0; i < kept.size(); ++i) {
       INFO("output and gradients of q, k, v: " << i);
@@ -550,7 +554,7 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
   parameters ps(m, 10);
   using bn = sharding<split<0, "data">, split<2, "model">>;  // [B{data},L,N{model},K]
   using bs = sharding<split<0, "data">>;
-  const index_t B = 2 * sizes[0], N = 2 * sizes[1], K = 8;
+  const index_t B = 4 * sizes[0], N = 2 * sizes[1], K = 8;
   const double scale = 0.35;
   const bool native = detail::gemm_bf16_native();
   INFO((native ? "bf16 units: the rounding path" : "no bf16 units: fp32 GEMMs only"));
@@ -586,7 +590,9 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     const auto lengths = distribute<bs>(m, lengths_global);
     const auto paddings = distribute<bs>(m, paddings_global);
     const attention_options opts{.causal = f.causal};
-    const auto run = [&](matmul_precision precision, attention_memory memory) {
+    // backward_in: the rows of the blocks in force when the backward runs
+    // (it runs the forward's blocks whatever they are).
+    const auto run = [&](matmul_precision precision, attention_memory memory, index_t backward_in = -1) {
       tape t(ps);
       const matmul_precision_scope s(precision);
       const attention_options o{.causal = f.causal, .memory = memory};
@@ -594,12 +600,18 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
                  : f.keys == paddings_given ? dot_product_attention(t.use(q), t.use(k), t.use(v), paddings, scale, o)
                                             : dot_product_attention(t.use(q), t.use(k), t.use(v), scale, o);
       auto value = gather(out.value());
+      std::optional<detail::attention_block_scope> later;
+      if (backward_in >= 0) later.emplace(backward_in);
       t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(out, t.constant(r))));
       return std::array{value, gather(q.grad()), gather(k.grad()), gather(v.grad())};
     };
     const auto f32 = run(matmul_precision::f32, attention_memory::keep_probabilities);
     const auto kept = run(matmul_precision::bf16, attention_memory::keep_probabilities);
     const auto again = run(matmul_precision::bf16, attention_memory::recompute_probabilities);
+    if (f.rows != 0) {  // blocks of 128 rows (oneDNN) or 32 in force at the backward: the same bits
+      const auto later = run(matmul_precision::bf16, attention_memory::recompute_probabilities, 0);
+      for (std::size_t i = 0; i < later.size(); ++i) GSHARD_REQUIRE(same_bits(later[i], again[i]));
+    }
     INFO("L " << f.L << ", T " << f.T << (f.causal ? ", causal" : "")
               << (f.keys == lengths_given ? ", key lengths" : f.keys == paddings_given ? ", key paddings" : "") << ", blocks of "
               << detail::attention_block_rows<float>() << " rows");
@@ -632,13 +644,15 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     }
   }
 
-  // What the rules keep: attention's q (an einsum's output) and a ReLU's
-  // output are freed after the forward where the GEMMs round, and kept
-  // where they do not.
+  // What the rules keep: attention's q (an einsum's output), a ReLU's
+  // output and an RMS norm's input are freed after the forward where the
+  // GEMMs round, and kept where they do not.
   param<tensor<float, 3, grid2, bs, "BLM">> x(ps, "x", {B, 12, 16}, init::normal(1.0));
   param<tensor<float, 3, grid2, sharding<split<1, "model">>, "MNK">> wq(ps, "wq", {16, N, K}, init::normal(0.25));
   param<tensor<float, 2, grid2, sharding<split<1, "model">>, "MH">> w1(ps, "w1", {16, 8 * sizes[1]}, init::normal(0.25));
   param<tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">> w2(ps, "w2", {8 * sizes[1], 16}, init::normal(0.25));
+  param<tensor<float, 1, grid2, replicate>> gain(ps, "gain", {16}, init::normal(1.0));
+  std::array<std::array<std::vector<float>, 2>, 2> norm_grads;  // [f32, bf16][w2, the gain]
   for (const matmul_precision precision : {matmul_precision::f32, matmul_precision::bf16}) {
     const matmul_precision_scope s(precision);
     tape t(ps);
@@ -664,10 +678,35 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     }();
     GSHARD_REQUIRE(q_alive.expired() == rounds);
     GSHARD_REQUIRE(relu_alive.expired() == rounds);
-    auto ys = all_reduce<"model">(std::move(y));
-    t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, o)) + reshard<replicate>(einsum<"BLM,BLM->">(ys, ys)));
+    std::weak_ptr<const void> norm_in_alive;
+    auto normed = [&] {
+      auto ys = all_reduce<"model">(std::move(y));
+      norm_in_alive = ys.shared();
+      return rms_norm(ys, gain);
+    }();
+    GSHARD_REQUIRE(norm_in_alive.expired() == rounds);
+    t.backward(reshard<replicate>(einsum<"BLNK,BLNK->">(o, o)) + reshard<replicate>(einsum<"BLM,BLM->">(normed, normed)));
     const auto g1 = gather(w1.grad());
     GSHARD_REQUIRE(std::any_of(g1.data(), g1.data() + g1.size(), [](float g) { return g != 0.0f; }));
+    const auto g2 = gather(w2.grad());
+    const auto& gg = gain.grad();
+    norm_grads[precision == matmul_precision::bf16 ? 1 : 0] = {std::vector<float>(g2.data(), g2.data() + g2.size()),
+                                                               std::vector<float>(gg.data(), gg.data() + 16)};
+  }
+  // The norm's gradients (w2's passes through it; the gain's is its own)
+  // from the rounded x and fp32 statistics: within bf16 roundings of fp32's.
+  for (std::size_t i = 0; i < 2; ++i) {
+    const auto& want = norm_grads[0][i];
+    const auto& got = norm_grads[1][i];
+    double largest = 0, worst = 0;
+    for (std::size_t e = 0; e < want.size(); ++e) {
+      largest = std::max(largest, double(std::abs(want[e])));
+      worst = std::max(worst, double(std::abs(got[e] - want[e])));
+    }
+    INFO("gradient of " << (i == 0 ? "w2" : "the gain") << ": " << worst << " of " << largest);
+    GSHARD_REQUIRE(largest > 0);
+    GSHARD_REQUIRE(worst <= 8 * 0x1p-8 * largest);
+    if (!native) GSHARD_REQUIRE(worst == 0);
   }
 
   // The ReLU's gradient passes where the kept copy is > 0: y > 2⁻¹³⁴ (at

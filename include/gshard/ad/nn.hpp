@@ -288,9 +288,22 @@ auto dot_product_attention(const Q&, const K&, const V&, const Rest&...) {
                 "tensors as gshard::param (to train them) or pass tape.constant(t) (to hold them fixed)");
 }
 
+namespace detail {
+// What rms_norm's rule keeps of a float x where the GEMMs round to bf16:
+// x rounded, and each row's r computed from the fp32 x.
+struct rms_norm_rounded {
+  std::vector<bf16> x;
+  std::vector<double> inverse;
+};
+}  // namespace detail
+
 // GShard's RMS norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
 // The scale's gradient is a sum over x's rows: pending over the axes that
-// split them, reduced once with the scale's other contributions.
+// split them, reduced once with the scale's other contributions. Where the
+// GEMMs round to bf16 (float under gemm_rounds_to_bf16()) the rule keeps x
+// in bf16 and each row's r in double (the statistic from the fp32 x), not
+// the fp32 x: the residual stream a pre-norm block normalises is then
+// freed after the forward; the gradients see x rounded (2⁻⁹ relative).
 template <class V, class S>
   requires(var_type<V> && detail::ad_operand<S>)
 auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
@@ -301,15 +314,30 @@ auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
   static_assert(XS::rank == 1 && XS::resolved == detail::rlayout{},
                 "gshard::rms_norm: the scale is a replicated vector of the last dim's extent");
   const int xs = x.slot(), ss = sc.slot();
-  std::shared_ptr<const X> keep_x = x.tracked() || sc.tracked() ? x.shared() : nullptr;
-  auto y = t.output(rms_norm(detail::value_of(std::forward<V>(x)), sc.value().local(), eps), xs >= 0 || ss >= 0);
+  const bool keeps = x.tracked() || sc.tracked();
+  std::shared_ptr<detail::rms_norm_rounded> rounded;
+  if constexpr (std::is_same_v<typename X::value_type, float>)
+    if (keeps && detail::gemm_rounds_to_bf16()) {
+      const X& v = x.value();
+      const index_t n = v.local().dimension(X::rank - 1), size = index_t(v.local().size());
+      rounded = std::make_shared<detail::rms_norm_rounded>();
+      rounded->x.resize(std::size_t(size));
+      detail::to_bf16(v.data(), std::size_t(size), rounded->x.data());
+      rounded->inverse.resize(std::size_t(n > 0 ? size / n : 0));
+    }
+  std::shared_ptr<const X> keep_x = keeps && !rounded ? x.shared() : nullptr;
+  auto y = t.output(detail::rms_norm_keeping(detail::value_of(std::forward<V>(x)), sc.value().local(), eps,
+                                             rounded ? rounded->inverse.data() : nullptr),
+                    xs >= 0 || ss >= 0);
   if (y.tracked())
-    t.record([tp = &t, ys = y.slot(), xs, ss, keep_x, keep_s = sc.shared(), eps] {
+    t.record([tp = &t, ys = y.slot(), xs, ss, keep_x, rounded, keep_s = sc.shared(), eps] {
       auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
       if (!dy) return;
       using DS = typename detail::sum_over_shards<X, 1>::type;
-      DS ds(keep_x->mesh(), {keep_x->extent(X::rank - 1)});
-      auto dx = rms_norm_backward(std::move(*dy), *keep_x, keep_s->local(), ds.data(), eps);
+      DS ds(keep_s->mesh(), {keep_s->extent(0)});
+      auto dx = rounded ? detail::rms_norm_backward_rounded(std::move(*dy), rounded->x.data(), rounded->inverse.data(),
+                                                            keep_s->local(), ds.data())
+                        : rms_norm_backward(std::move(*dy), *keep_x, keep_s->local(), ds.data(), eps);
       if (xs >= 0) tp->slot<X>(xs).add(std::move(dx));
       if (ss >= 0) tp->slot<XS>(ss).add(std::move(ds));
     });

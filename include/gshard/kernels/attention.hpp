@@ -77,13 +77,13 @@ inline index_t& attention_block_rows_now() {
   return rows;
 }
 
-// The rows of one block for elements T: 128 where T's GEMMs run on oneDNN,
-// whose calls cost microseconds each however small (the trainer's
+// The rows of one block for element type T: 128 where T's GEMMs run on
+// oneDNN, whose calls cost microseconds each however small (the trainer's
 // attention, L = T = 128 and 4 heads of 32, forward + backward on an EPYC
 // Zen 5 VM: blocks of 32 took 1.11–1.26× the time of blocks of 128, and the
-// bf16 step ran 3–4% slower; at L = 512 with heads of 64, 32 to 256 rows
-// within 2%); 32 on OpenBLAS and Eigen, where that is fastest (docs/10).
-// attention_block_scope sets another for a stretch of code.
+// bf16 step ran about 4% slower); 32 on OpenBLAS and Eigen, where that is
+// fastest (128 took 1.24× and 1.33× as long there). docs/10 has the
+// figures; attention_block_scope sets another for a stretch of code.
 template <class T>
 index_t attention_block_rows() {
   if (const index_t r = attention_block_rows_now()) return r;

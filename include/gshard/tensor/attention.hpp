@@ -10,6 +10,7 @@
 // row sees are not computed.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
@@ -110,7 +111,9 @@ attention_extents attention_shape(const char* what, const Q& q, const K& k, cons
                       " keys; the last query must sit at the last key (query_offset + L = T, as when L new queries "
                       "follow T - L cached keys), or drop causal for cross-attention");
   const auto lq = q.local_extents(), lk = k.local_extents();
-  return {lq[0], lq[1], lk[1], lq[2], lq[3], keys, attention_block_rows<typename Q::value_type>()};
+  // No block longer than the sequence: its scratch is [heads, rows, T].
+  const index_t rows = std::max<index_t>(1, std::min(attention_block_rows<typename Q::value_type>(), lq[1]));
+  return {lq[0], lq[1], lk[1], lq[2], lq[3], keys, rows};
 }
 
 // Which keys each sequence has: valid counts, or a mask of padded keys.

@@ -398,15 +398,39 @@ DY causal_softmax_backward(DY dy, const Y& y, double scale) {
   return dy;
 }
 
-// GShard's RMS-style norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
-// `scale` holds the last dim's extent of values, on every rank. Float and
-// double rows take Eigen's packets (the sum of squares in T, in several
-// accumulators), which -O2 would not vectorise.
+namespace detail {
+
+// rms_norm over rows of n in place; each row's r = (mean(x²) + eps)^-1/2,
+// in double, into `inverse` unless it is null.
+template <class T>
+void rms_norm_rows(T* p, index_t rows, index_t n, const T* scale, double eps, double* inverse) {
+  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const row> s(scale, n);
+  for (index_t r = 0; r < rows; ++r, p += n) {
+    Eigen::Map<row> v(p, n);
+    const double inv = 1.0 / std::sqrt(double(v.matrix().squaredNorm()) / double(n) + eps);
+    if (inverse) inverse[r] = inv;
+    v = v * T(inv) * s;
+  }
+}
+
+// One row of rms_norm's backward: g (dy in, dx out) from the row x and its r;
+// the row's share of the scale's gradient added to ds.
+template <class T>
+void rms_norm_backward_row(T* g, const T* x, double inv, const T* scale, T* ds, index_t n) {
+  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const row> s(scale, n), xv(x, n);
+  Eigen::Map<row> gv(g, n), dsum(ds, n);
+  const double c = inv * inv * inv * double((gv * s * xv).sum()) / double(n);
+  dsum += gv * xv * T(inv);
+  gv = s * T(inv) * gv - xv * T(c);
+}
+
+// rms_norm(x, scale, eps), each row's r (double) into `inverse` unless null.
 template <class X, class Scale>
   requires sharded_tensor<X>
-std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
+std::remove_cvref_t<X> rms_norm_keeping(X&& x, const Scale& scale, double eps, double* inverse) {
   using Y = std::remove_cvref_t<X>;
-  using T = typename Y::value_type;
   static_assert(!detail::has_pending_sums<Y>(), "gshard::rms_norm: the tensor has pending sums; all_reduce it first");
   static_assert(std::is_floating_point_v<typename std::remove_cvref_t<Y>::value_type>,
                 "gshard::rms_norm: the tensor is float or double (a row's sum of bf16 needs fp32: convert it first)");
@@ -416,16 +440,20 @@ std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
   if (index_t(scale.size()) != n)
     throw shape_error("gshard::rms_norm: the scale has " + std::to_string(scale.size()) + " values for a last dim of " +
                       std::to_string(n));
-  if (n == 0) return out;
-  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
-  const Eigen::Map<const row> s(scale.data(), n);
-  T* p = out.data();
-  for (index_t r = 0, rows = out.local().size() / n; r < rows; ++r, p += n) {
-    Eigen::Map<row> v(p, n);
-    const T inv = T(1.0 / std::sqrt(double(v.matrix().squaredNorm()) / double(n) + eps));
-    v = v * inv * s;
-  }
+  if (n > 0) rms_norm_rows(out.data(), index_t(out.local().size()) / n, n, scale.data(), eps, inverse);
   return out;
+}
+
+}  // namespace detail
+
+// GShard's RMS-style norm over the last dim: x · rsqrt(mean(x²) + eps) · scale.
+// `scale` holds the last dim's extent of values, on every rank. Float and
+// double rows take Eigen's packets (the sum of squares in T, in several
+// accumulators), which -O2 would not vectorise.
+template <class X, class Scale>
+  requires sharded_tensor<X>
+std::remove_cvref_t<X> rms_norm(X&& x, const Scale& scale, double eps = 1e-6) {
+  return detail::rms_norm_keeping(std::forward<X>(x), scale, eps, nullptr);
 }
 
 // The RMS norm y = x · r · s, r = (mean(x²) + eps)^-1/2, over the last dim:
@@ -441,21 +469,38 @@ DY rms_norm_backward(DY dy, const X& x, const Scale& scale, typename X::value_ty
   using T = typename X::value_type;
   const index_t n = x.local().dimension(X::rank - 1);
   if (n == 0) return dy;
-  using row = Eigen::Array<T, Eigen::Dynamic, 1>;
-  const Eigen::Map<const row> s(scale.data(), n);
-  Eigen::Map<row> dsum(ds, n);
   T* g = dy.data();
   const T* v = x.data();
   for (index_t r = 0, rows = x.local().size() / n; r < rows; ++r, g += n, v += n) {
-    Eigen::Map<row> gv(g, n);
-    const Eigen::Map<const row> xv(v, n);
+    const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> xv(v, n);
     const double inv = 1.0 / std::sqrt(double(xv.matrix().squaredNorm()) / double(n) + eps);
-    const double c = inv * inv * inv * double((gv * s * xv).sum()) / double(n);
-    dsum += gv * xv * T(inv);
-    gv = s * T(inv) * gv - xv * T(c);
+    detail::rms_norm_backward_row(g, v, inv, scale.data(), ds, n);
   }
   return dy;
 }
+
+namespace detail {
+
+// rms_norm_backward from x rounded to bf16 (x16: this rank's elements of x,
+// dy's shape) and each row's r as the forward computed it from the fp32 x
+// (rms_norm_keeping): only the x in the formulas is rounded.
+template <sharded_tensor DY, class Scale>
+DY rms_norm_backward_rounded(DY dy, const bf16* x16, const double* inverse, const Scale& scale,
+                             typename DY::value_type* ds) {
+  using T = typename DY::value_type;
+  const index_t n = index_t(scale.size());
+  if (n == 0) return dy;
+  thread_local Eigen::Array<T, Eigen::Dynamic, 1> x;
+  x.resize(n);
+  T* g = dy.data();
+  for (index_t r = 0, rows = index_t(dy.local().size()) / n; r < rows; ++r, g += n) {
+    from_bf16(x16 + r * n, std::size_t(n), x.data());
+    rms_norm_backward_row(g, x.data(), inverse[r], scale.data(), ds, n);
+  }
+  return dy;
+}
+
+}  // namespace detail
 
 // The tensor with its elements converted to To, on every rank's shard, the
 // sharding and labels kept (x.astype(To)): to bf16 rounded to nearest even
