@@ -568,7 +568,7 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     index_t L, T;
     bool causal;
     keys_given keys;
-    index_t rows;  // of a block; 0: the backend's (one block of 128 on oneDNN)
+    index_t rows;  // of a block; 0: the backend's (on oneDNN 128: one block for these sequences)
   };
   for (const form f : {form{40, 40, true, all_keys, 16}, form{40, 40, true, all_keys, 0}, form{5, 37, false, lengths_given, 0},
                        form{36, 36, true, paddings_given, 16}}) {
@@ -729,6 +729,60 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
       INFO("relu at " << values[std::size_t(j)]);
       GSHARD_REQUIRE(z.grad().local()(i, j) == (values[std::size_t(j)] > (native ? 0x1p-134f : 0.0f) ? 1.0f : 0.0f));
     }
+}
+
+TEST_CASE("autodiff: the RMS norm's backward from its bf16 input uses x rounded and the forward's fp32 statistic",
+          "[autodiff][bf16]") {
+  // The kernels alone, so every machine runs them (the tape takes them
+  // only where the GEMMs round): the forward with its statistics is the
+  // plain norm to the bit; the backward from x rounded to bf16 and the
+  // forward's r is the formula's, in double, on those two.
+  grid1 line(MPI_COMM_WORLD);
+  const index_t P = world_size(), R = 3, M = 37;  // rows of M elements: not a whole number of packets
+  tensor<float, 2, grid1, rows> x(line, {R * P, M}), dy(line, {R * P, M});
+  fill_normal(x, 1.0, 21, 3);
+  fill_normal(dy, 1.0, 22, 3);
+  local_tensor<float, 1> scale(M);
+  for (index_t i = 0; i < M; ++i) scale(i) = 0.5f + 0.03f * float(i);
+  const double eps = 1e-6;
+  std::vector<double> inverse(static_cast<std::size_t>(R));
+  const auto y = detail::rms_norm_keeping(x, scale, eps, inverse.data());
+  const auto plain = rms_norm(x, scale, eps);
+  GSHARD_REQUIRE(std::equal(y.data(), y.data() + R * M, plain.data(), [](float u, float v) {
+    return std::bit_cast<std::uint32_t>(u) == std::bit_cast<std::uint32_t>(v);
+  }));
+  std::vector<bf16> x16(static_cast<std::size_t>(R * M));
+  detail::to_bf16(x.data(), x16.size(), x16.data());
+  std::vector<float> ds(static_cast<std::size_t>(M), 0.0f);
+  const auto dx = detail::rms_norm_backward_rounded(dy, x16.data(), inverse.data(), scale, ds.data());
+  double worst = 0, largest = 0, worst_ds = 0, largest_ds = 0;
+  std::vector<double> want_ds(static_cast<std::size_t>(M), 0.0);
+  for (index_t r = 0; r < R; ++r) {
+    const float* xr = x.data() + r * M;
+    const float* g = dy.data() + r * M;
+    double squares = 0, dot = 0;
+    for (index_t i = 0; i < M; ++i) squares += double(xr[i]) * double(xr[i]);
+    const double inv = 1.0 / std::sqrt(squares / double(M) + eps);  // from the fp32 x
+    GSHARD_REQUIRE(std::abs(inverse[std::size_t(r)] - inv) <= 1e-6 * inv);
+    std::vector<double> rounded(static_cast<std::size_t>(M));
+    for (index_t i = 0; i < M; ++i) rounded[std::size_t(i)] = double(float(x16[std::size_t(r * M + i)]));
+    for (index_t i = 0; i < M; ++i) dot += double(g[i]) * double(scale(i)) * rounded[std::size_t(i)];
+    for (index_t i = 0; i < M; ++i) {
+      const double want = double(scale(i)) * inv * double(g[i]) - rounded[std::size_t(i)] * inv * inv * inv * dot / double(M);
+      worst = std::max(worst, std::abs(double(dx.data()[r * M + i]) - want));
+      largest = std::max(largest, std::abs(want));
+      want_ds[std::size_t(i)] += double(g[i]) * rounded[std::size_t(i)] * inv;
+    }
+  }
+  for (index_t i = 0; i < M; ++i) {
+    worst_ds = std::max(worst_ds, std::abs(double(ds[std::size_t(i)]) - want_ds[std::size_t(i)]));
+    largest_ds = std::max(largest_ds, std::abs(want_ds[std::size_t(i)]));
+  }
+  // fp32 arithmetic on the rounded x: within a few 2⁻²⁴. The fp32 x, or r
+  // from the rounded x, would be off by about 2⁻⁹ and 2⁻¹² of the largest.
+  INFO("dx " << worst << " of " << largest << ", the scale's " << worst_ds << " of " << largest_ds);
+  GSHARD_REQUIRE(worst <= 1e-5 * largest);
+  GSHARD_REQUIRE(worst_ds <= 1e-5 * largest_ds);
 }
 
 TEST_CASE("autodiff: causal_attention in float; operands that do not fit", "[autodiff][attention][errors]") {

@@ -303,7 +303,7 @@ struct rms_norm_rounded {
 // GEMMs round to bf16 (float under gemm_rounds_to_bf16()) the rule keeps x
 // in bf16 and each row's r in double (the statistic from the fp32 x), not
 // the fp32 x: the residual stream a pre-norm block normalises is then
-// freed after the forward; the gradients see x rounded (2⁻⁹ relative).
+// freed after the forward; the gradients see x rounded (at most 2⁻⁸ relative).
 template <class V, class S>
   requires(var_type<V> && detail::ad_operand<S>)
 auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
