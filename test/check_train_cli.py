@@ -17,7 +17,7 @@ import struct
 import sys
 import time
 
-from checks import interrupted, rank_pids, refusal, run, run_refusals, verdict
+from checks import NO_KILL_GRACE, interrupted, rank_pids, refusal, run, run_refusals, verdict
 
 SMALL = ["--batch", "4", "--seq", "32"]
 
@@ -250,7 +250,7 @@ def main() -> int:
     for var, value, want in [("GSHARD_GEMM", "fast", "GSHARD_GEMM=fast is not allowed; use eigen"),
                              # Below a second, a healthy collective could be taken for a stuck one.
                              ("GSHARD_WATCHDOG", "0.001", "GSHARD_WATCHDOG=0.001 is not allowed; use a number of seconds >= 1, or 0 (off)")]:
-        code, out = run(base + ["--steps", "2"], env={var: value}, timeout=60)
+        code, out = run(base + ["--steps", "2"], env={var: value, **NO_KILL_GRACE}, timeout=60)
         if wrong := refusal(code, out, want):
             problems.append(f"{var}={value}: {wrong}:\n{out[-1500:]}")
 
@@ -276,7 +276,8 @@ def main() -> int:
         problems.append(f"--save-every 2 --steps 4: exit {code}, wanted one save at steps 2 and 4:\n{out[-1500:]}")
     # A metrics file that cannot be written (a full disk): the checkpoint is saved first, then the run ends.
     full = os.path.join(work, "full.ckpt")
-    code, out = run(base + small + ["--steps", "5", "--metrics", "/dev/full", "--save", full, "--sample-bytes", "0"])
+    code, out = run(base + small + ["--steps", "5", "--metrics", "/dev/full", "--save", full, "--sample-bytes", "0"],
+                    env=NO_KILL_GRACE)
     want = f"--metrics /dev/full: writing failed: No space left on device; saved {full} at step 1"
     if wrong := refusal(code, out.replace("step     1", ""), want):
         problems.append(f"--metrics /dev/full: {wrong}:\n{out[-1500:]}")
@@ -355,13 +356,13 @@ def main() -> int:
             problems.append(f"no checkpoint {ckpt} to damage")
             break
         with_step(ckpt, bad, **kw)
-        code, out = run(base + small + ["--resume", bad, "--steps", "10"])
+        code, out = run(base + small + ["--resume", bad, "--steps", "10"], env=NO_KILL_GRACE)
         if wrong := refusal(code, out, want):
             problems.append(f"checkpoint with a {name} step: {wrong}:\n{out[-1500:]}")
     # Another optimizer than the checkpoint's: refused, naming both; Adafactor
     # saves and resumes its own state.
     if os.path.exists(ckpt):
-        code, out = run(base + small + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"])
+        code, out = run(base + small + ["--resume", ckpt, "--steps", "3000", "--optimizer", "adafactor"], env=NO_KILL_GRACE)
         want = f"{ckpt} holds the state of --optimizer adam, but this run uses --optimizer adafactor; resume with --optimizer adam"
         if wrong := refusal(code, out, want):
             problems.append(f"an Adam checkpoint resumed with --optimizer adafactor: {wrong}:\n{out[-1500:]}")

@@ -5,11 +5,12 @@ a usage error: exit status 2, each text said once, no MPI_Abort.
 
 usage: expect_abort.py TIMEOUT_SECONDS [--usage] EXPECTED_TEXT [EXPECTED_TEXT...] -- MPIEXEC [ARGS...]
 """
+import os
 import subprocess
 import sys
 import time
 
-from checks import refusal
+from checks import NO_KILL_GRACE, refusal
 
 
 def main() -> int:
@@ -20,7 +21,8 @@ def main() -> int:
     cmd = sys.argv[sep + 1:]
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = dict(os.environ, **NO_KILL_GRACE) if usage else None
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         code, out = None, (e.stdout or b"").decode() + (e.stderr or b"").decode()
