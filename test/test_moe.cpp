@@ -10,8 +10,12 @@
 #include <map>
 #include <optional>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
+#include <random>
 #include <set>
+#include <tuple>
 
 #include "cost_tally.hpp"
 #include "gradcheck.hpp"
@@ -473,6 +477,97 @@ TEST_CASE("MoE layer under matmul_precision bf16: the router is fp32's to the bi
                      << " of " << scale);
   if (detail::gemm_bf16_native()) GSHARD_REQUIRE((worst > 0 && worst < 0x1p-6 * scale));
   else GSHARD_REQUIRE(worst == 0);
+}
+
+TEST_CASE("combine keeps expert outputs of bf16 values as bf16 rows: the same gradients to the bit, y's fp32 freed",
+          "[moe][combine][bf16]") {
+  // The kernels: the bf16 rows give the fp32 rows' output and gradients to
+  // the bit; one value that is not bf16 anywhere, and they are not kept.
+  {
+    moe::gating_config c;
+    c.capacity_factor = 1.0;  // tight: some choices dropped
+    const index_t G = 3, S = 64, E = 8, M = 24;
+    const auto logits = random_tensor<3, float>({G, S, E}, 5);
+    moe::routing<float> r;
+    moe::route_tokens<float>(logits.data(), G, S, E, 0, 7, c, r);
+    std::mt19937 gen(11);
+    std::normal_distribution<float> normal;
+    std::vector<float> ye(std::size_t(E * G * r.capacity * M)), dout(std::size_t(G * S * M));
+    for (float& v : ye) v = float(bf16(normal(gen)));
+    for (float& v : dout) v = normal(gen);
+    std::vector<float> y(dout.size()), y_kept(dout.size()), dy(ye.size()), dy_kept(ye.size());
+    std::vector<float> dw(r.expert.size()), dw_kept(r.expert.size());
+    std::vector<std::uint16_t> rows(r.expert.size() * std::size_t(M));
+    GSHARD_REQUIRE(moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
+    GSHARD_REQUIRE(!moe::detail::combine_rows(r, r.weight.data(), ye.data(), M, y.data()));
+    GSHARD_REQUIRE(moe::detail::combine_rows(r, r.weight.data(), ye.data(), M, y_kept.data(), rows.data()));
+    GSHARD_REQUIRE(y_kept == y);
+    moe::detail::combine_rows_backward(r, r.weight.data(), dout.data(), ye.data(), nullptr, M, dy.data(), dw.data());
+    moe::detail::combine_rows_backward(r, r.weight.data(), dout.data(), static_cast<const float*>(nullptr), rows.data(), M,
+                                       dy_kept.data(), dw_kept.data());
+    GSHARD_REQUIRE((dw_kept == dw && dy_kept == dy));
+    GSHARD_REQUIRE(std::any_of(dw.begin(), dw.end(), [](float v) { return v != 0; }));
+    // The last placed row's last value made one fp32 unit off a bf16 value.
+    std::size_t last = 0;
+    for (std::size_t ch = 0; ch < r.expert.size(); ++ch)
+      if (r.expert[ch] >= 0) last = ch;
+    float& v = ye[std::size_t((r.slot_row(last, index_t(last) / (r.k * S)) + 1) * M - 1)];
+    v = std::nextafter(v, 1e9f);
+    GSHARD_REQUIRE(moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
+    GSHARD_REQUIRE(!moe::detail::combine_rows(r, r.weight.data(), ye.data(), M, y_kept.data(), rows.data()));
+  }
+  // On the tape, at every mesh: the routed tokens' rows arrive as bf16
+  // values (x rounded, as a bf16 all_to_all wire leaves them), and combine
+  // keeps its bf16 rows — y's fp32 storage is freed after the forward —, or,
+  // with x unrounded, y itself (a rank with no groups keeps nothing). Either way the gradients are the einsum
+  // form's (dense_dispatch and dense_combine) to fp32 rounding.
+  const int P = world_size();
+  const index_t G = 2 * P + 1, S = 16, M = 16, E = 8;  // groups that need not divide
+  moe::gating_config cfg;
+  cfg.capacity_factor = 1.5;
+  grid2 m(MPI_COMM_WORLD, {1, P});
+  using at_tokens = moe::layer<float, grid2>::at_tokens;
+  const matmul_precision_scope fp32(matmul_precision::f32);  // the einsum form's GEMMs as exact as the rows
+  const index_t G_local = named<float, "GSM", grid2, at_tokens>(m, {G, S, M}).local().dimension(0);  // 0 on the last ranks at P ≥ 4
+  for (bool rounded : {true, false}) {
+    // The gradients of x and the router; and whether y's storage was freed
+    // by the end of the forward (index form).
+    auto grads = [&](bool dense) {
+      parameters ps(m, 42);
+      param<named<float, "GSM", grid2, at_tokens>> x(ps, "x", {G, S, M}, init::normal(1.0));
+      param<named<float, "ME", grid2, at_tokens>> router(ps, "router", {M, E}, init::normal(0.5));  // replicated
+      if (rounded)
+        for (index_t i = 0; i < x.value().local().size(); ++i) x.value().data()[i] = float(bf16(x.value().data()[i]));
+      named<float, "GSM", grid2, at_tokens> c(m, {G, S, M});
+      fill_normal(c, 1.0, 8, 98);
+      tape t(ps);
+      const auto xv = t.use(x);
+      const auto route = moe::gate(einsum<"GSM,ME->GSE">(xv, t.use(router)), cfg, 3);
+      std::weak_ptr<const void> y_alive;
+      auto out = [&] {
+        if (dense)
+          return einsum<"GSEC,EGCM->GSM">(moe::dense_combine(route), einsum<"GSEC,GSM->EGCM">(moe::dense_dispatch(route), xv));
+        auto ye = moe::dispatch(route, xv);
+        y_alive = ye.shared();
+        return moe::combine(route, std::move(ye));
+      }();
+      const bool y_freed = !dense && y_alive.expired();
+      t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out, t.constant(c))));
+      return std::tuple{gather(x.grad()), gather(router.grad()), y_freed};
+    };
+    const auto [gx, gr, y_freed] = grads(false);
+    const auto [gx_dense, gr_dense, unused] = grads(true);
+    INFO((rounded ? "x rounded to bf16" : "x unrounded") << " at " << P << " ranks: x's gradient against the einsum form's "
+                                                          << max_rel_diff(gx, gx_dense));
+    GSHARD_REQUIRE(y_freed == (rounded || G_local == 0));
+    GSHARD_REQUIRE(max_rel_diff(gx, gx_dense) < 1e-5);
+    double router_diff = 0;
+    for (index_t i = 0; i < gr.size(); ++i)
+      router_diff = std::max(router_diff, std::abs(double(gr.data()[i]) - double(gr_dense.data()[i])) /
+                                              (1.0 + std::abs(double(gr_dense.data()[i]))));
+    INFO("the router's gradient against the einsum form's " << router_diff);
+    GSHARD_REQUIRE(router_diff < 1e-5);
+  }
 }
 
 TEST_CASE("MoE layer with bf16 all_to_alls: 1 rank's result at every mesh in half the bytes, within bf16 of fp32's",

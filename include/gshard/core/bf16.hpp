@@ -48,6 +48,27 @@ inline void to_bf16(const double* from, std::size_t n, bf16* to) {
   }
 }
 
+// The upper halves of n floats into `to` (bf16 bit patterns); true when
+// every lower half was zero: each value a bf16 value, kept to the bit (a
+// NaN's payload too), so that widening `to` gives `from` back exactly.
+inline bool to_bf16_if_exact(const float* from, std::size_t n, std::uint16_t* to) {
+  using bf16_detail::block;
+  std::uint32_t lost = 0;
+  std::size_t i = 0;
+  for (; i + block <= n; i += block)
+    for (std::size_t k = 0; k < block; ++k) {
+      const std::uint32_t u = std::bit_cast<std::uint32_t>(from[i + k]);
+      to[i + k] = std::uint16_t(u >> 16);
+      lost |= u & 0xFFFFu;
+    }
+  for (; i < n; ++i) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(from[i]);
+    to[i] = std::uint16_t(u >> 16);
+    lost |= u & 0xFFFFu;
+  }
+  return lost == 0;
+}
+
 template <class T>  // float or double
 void from_bf16(const bf16* from, std::size_t n, T* to) {
   using bf16_detail::block;

@@ -5,8 +5,12 @@
 // dense_combine) give the executable specification the tests compare with.
 #pragma once
 
+#include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "gshard/ad/operands.hpp"
@@ -50,10 +54,14 @@ void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx)
       }
 }
 
-// y[g, s, :] = Σ_k weight_k · ye[e_k, g, c_k, :].
+// y[g, s, :] = Σ_k weight_k · ye[e_k, g, c_k, :]. With `kept` (fp32 only):
+// each placed choice c's row of ye also copied to kept[c·M ..] as bf16 bit
+// patterns while every row copied so far was bf16 values; returns whether
+// all were (then `kept` holds every placed row exactly).
 template <class T>
-void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, T* y) {
+bool combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, T* y, std::uint16_t* kept = nullptr) {
   const index_t G = r.groups, S = r.tokens;
+  bool exact = kept != nullptr;
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s) {
       T* out = y + (g * S + s) * M;
@@ -64,18 +72,36 @@ void combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
         const T w = weight[c];
         const T* row = ye + r.slot_row(c, g) * M;
         for (index_t i = 0; i < M; ++i) out[i] += w * row[i];
+        if constexpr (std::is_same_v<T, float>)
+          if (exact) exact = gshard::detail::to_bf16_if_exact(row, std::size_t(M), kept + c * std::size_t(M));
       }
     }
+  return exact;
+}
+
+// Whether combine's rule may keep ye's placed rows as bf16: the first
+// placed choice's row holds bf16 values, or no choice is placed (nothing
+// of ye is read then).
+inline bool placed_rows_may_be_bf16(const routing<float>& r, const float* ye, index_t M) {
+  for (std::size_t c = 0; c < r.expert.size(); ++c)
+    if (r.expert[c] >= 0) {
+      const float* row = ye + r.slot_row(c, index_t(c) / (r.k * r.tokens)) * M;
+      return std::all_of(row, row + M, [](float v) { return (std::bit_cast<std::uint32_t>(v) & 0xFFFFu) == 0; });
+    }
+  return true;
 }
 
 // The transpose of combine_rows: dy[e,g,c,:] = w_k · dout[g,s,:] for placed
-// choices, zero elsewhere; and each combine weight's gradient
-// dw_k = <dout[g,s,:], y[e_k,g,c_k,:]>.
+// choices, zero elsewhere; and, when `dweight` is given, each combine
+// weight's gradient dw_k = <dout[g,s,:], y[e_k,g,c_k,:]>, reading y's row
+// from ye or, when given, from combine_rows' bf16 copy `kept`: the same
+// values, summed in the same order.
 template <class T>
-void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, const T* y, index_t M, T* dy, T* dweight) {
+void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, const T* ye, const std::uint16_t* kept,
+                           index_t M, T* dy, T* dweight) {
   const index_t G = r.groups, S = r.tokens;
   std::memset(dy, 0, sizeof(T) * std::size_t(r.experts * G * r.capacity * M));
-  std::fill(dweight, dweight + r.k * G * S, T(0));
+  if (dweight) std::fill(dweight, dweight + r.k * G * S, T(0));
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s)
       for (int k = 0; k < r.k; ++k) {
@@ -83,10 +109,14 @@ void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, 
         if (r.expert[c] < 0) continue;
         const index_t at = r.slot_row(c, g) * M;
         const T* go = dout + (g * S + s) * M;
+        for (index_t i = 0; i < M; ++i) dy[at + i] = weight[c] * go[i];
+        if (!dweight) continue;
         T dot = 0;
-        for (index_t i = 0; i < M; ++i) {
-          dy[at + i] = weight[c] * go[i];
-          dot += go[i] * y[at + i];
+        if (kept) {
+          const std::uint16_t* row = kept + c * std::size_t(M);
+          for (index_t i = 0; i < M; ++i) dot += go[i] * T(std::bit_cast<float>(std::uint32_t(row[i]) << 16));
+        } else {
+          for (index_t i = 0; i < M; ++i) dot += go[i] * ye[at + i];
         }
         dweight[c] = dot;
       }
@@ -174,22 +204,38 @@ auto combine(const gate_output<L>& g, V&& y_in) {
   const routing<T>& r = *g.route;
   const index_t M = y.extent(3);
   O out_t(y.mesh(), {y.extent(1), r.tokens, M});
+  // The weights' gradient reads each placed choice's row of y. When those
+  // are bf16 values — a bf16 all_to_all wire delivers them so — the rule
+  // keeps them as bf16, one row per choice: the same gradient to the bit,
+  // and y's fp32 storage freed after the forward. Otherwise it keeps y. (The
+  // first placed row tells, before anything is allocated; with none placed
+  // nothing of y is read.)
+  std::shared_ptr<std::uint16_t[]> rows;
+  if constexpr (std::is_same_v<T, float>)
+    if (g.weights.tracked() && detail::placed_rows_may_be_bf16(r, y.value().data(), M))
+      rows = std::make_shared_for_overwrite<std::uint16_t[]>(r.expert.size() * std::size_t(M));
+  bool kept_rows = false;
   {
     trace::span s("combine", "moe");
-    detail::combine_rows(r, g.weights.value().data(), y.value().data(), M, out_t.data());
+    kept_rows = detail::combine_rows(r, g.weights.value().data(), y.value().data(), M, out_t.data(), rows.get());
   }
+  if (!kept_rows) rows.reset();
   auto out = t.output(std::move(out_t), y.tracked() || g.weights.tracked());
-  if (out.tracked())
-    t.record([tp = &t, os = out.slot(), ys = y.slot(), ws = g.weights.slot(), route = g.route, keep_y = y.shared(),
-              keep_w = g.weights.shared(), M] {
+  if (out.tracked()) {
+    std::shared_ptr<const Y> keep_y = g.weights.tracked() && !rows ? y.shared() : nullptr;
+    t.record([tp = &t, os = out.slot(), ys = y.slot(), ws = g.weights.slot(), route = g.route, keep_y, rows,
+              keep_w = g.weights.shared(), extents = y.extents(), mesh = &y.mesh(), M] {
       auto dout = tp->slot<O>(os).template take<typename O::sharding_type>();
       if (!dout) return;
-      gshard::detail::gradient_of<Y> dy(keep_y->mesh(), keep_y->extents());
-      gshard::detail::gradient_of<W> dw(keep_w->mesh(), keep_w->extents());
-      detail::combine_rows_backward(*route, keep_w->data(), dout->data(), keep_y->data(), M, dy.data(), dw.data());
+      gshard::detail::gradient_of<Y> dy(*mesh, extents);
+      std::optional<gshard::detail::gradient_of<W>> dw;
+      if (ws >= 0) dw.emplace(keep_w->mesh(), keep_w->extents());
+      detail::combine_rows_backward(*route, keep_w->data(), dout->data(), keep_y ? keep_y->data() : nullptr, rows.get(), M,
+                                    dy.data(), dw ? dw->data() : nullptr);
       if (ys >= 0) tp->slot<Y>(ys).add(std::move(dy));
-      if (ws >= 0) tp->slot<W>(ws).add(std::move(dw));
+      if (dw) tp->slot<W>(ws).add(std::move(*dw));
     });
+  }
   return out;
 }
 
