@@ -511,16 +511,30 @@ TEST_CASE("combine keeps expert outputs of bf16 values as bf16 rows: the same gr
     std::size_t last = 0;
     for (std::size_t ch = 0; ch < r.expert.size(); ++ch)
       if (r.expert[ch] >= 0) last = ch;
-    float& v = ye[std::size_t((r.slot_row(last, index_t(last) / (r.k * S)) + 1) * M - 1)];
+    float& v = ye[std::size_t((r.slot_row(last, r.group_of(last)) + 1) * M - 1)];
     v = std::nextafter(v, 1e9f);
     GSHARD_REQUIRE(moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
     GSHARD_REQUIRE(!moe::detail::combine_rows(r, r.weight.data(), ye.data(), M, y_kept.data(), rows.data()));
+    // Group 0's choices dropped: the first placed row is group 1's, which
+    // the up-front check reads (and refuses once one value is not bf16).
+    std::fill(r.expert.begin(), r.expert.begin() + r.k * S, -1);
+    std::size_t first = 0;
+    while (r.expert[first] < 0) ++first;
+    GSHARD_REQUIRE(r.group_of(first) == 1);
+    GSHARD_REQUIRE(moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
+    ye[std::size_t(r.slot_row(first, 1) * M)] = std::nextafter(ye[std::size_t(r.slot_row(first, 1) * M)], 1e9f);
+    GSHARD_REQUIRE(!moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
+    // Nothing placed: nothing of ye is read, so the rows may be kept (none).
+    std::fill(r.expert.begin(), r.expert.end(), -1);
+    GSHARD_REQUIRE(moe::detail::placed_rows_may_be_bf16(r, ye.data(), M));
+    GSHARD_REQUIRE(moe::detail::combine_rows(r, r.weight.data(), ye.data(), M, y_kept.data(), rows.data()));
   }
   // On the tape, at every mesh: the routed tokens' rows arrive as bf16
   // values (x rounded, as a bf16 all_to_all wire leaves them), and combine
-  // keeps its bf16 rows — y's fp32 storage is freed after the forward —, or,
-  // with x unrounded, y itself (a rank with no groups keeps nothing). Either way the gradients are the einsum
-  // form's (dense_dispatch and dense_combine) to fp32 rounding.
+  // keeps its bf16 rows — y's fp32 storage is freed after the forward —,
+  // or, with x unrounded, y itself (a rank with no groups keeps nothing).
+  // Either way the gradients are the einsum form's (dense_dispatch and
+  // dense_combine) to fp32 rounding.
   const int P = world_size();
   const index_t G = 2 * P + 1, S = 16, M = 16, E = 8;  // groups that need not divide
   moe::gating_config cfg;

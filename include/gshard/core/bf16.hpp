@@ -28,8 +28,13 @@ inline std::uint16_t narrow(float f) {
   const std::uint32_t nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
   return std::uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
 }
-inline float widen(bf16 b) { return std::bit_cast<float>(std::uint32_t(b.value) << 16); }
+inline float widen(std::uint16_t bits) { return std::bit_cast<float>(std::uint32_t(bits) << 16); }
+inline float widen(bf16 b) { return widen(b.value); }
 }  // namespace bf16_detail
+
+// Whether f is a bf16 value: its lower half zero, so that its upper half,
+// widened, gives f back to the bit (a NaN's payload too).
+inline bool is_bf16_value(float f) { return (std::bit_cast<std::uint32_t>(f) & 0xFFFFu) == 0; }
 
 inline void to_bf16(const float* from, std::size_t n, bf16* to) {
   using bf16_detail::block;
@@ -48,25 +53,26 @@ inline void to_bf16(const double* from, std::size_t n, bf16* to) {
   }
 }
 
-// The upper halves of n floats into `to` (bf16 bit patterns); true when
-// every lower half was zero: each value a bf16 value, kept to the bit (a
-// NaN's payload too), so that widening `to` gives `from` back exactly.
-inline bool to_bf16_if_exact(const float* from, std::size_t n, std::uint16_t* to) {
+// The upper halves of n floats into `to` (bf16 bit patterns, truncated);
+// returns whether every value was a bf16 value (is_bf16_value), so that
+// widening `to` gives `from` back exactly. The lower halves are OR-ed, a
+// reduction GCC vectorizes.
+inline bool truncate_to_bf16(const float* from, std::size_t n, std::uint16_t* to) {
   using bf16_detail::block;
-  std::uint32_t lost = 0;
+  std::uint32_t lower = 0;
   std::size_t i = 0;
   for (; i + block <= n; i += block)
     for (std::size_t k = 0; k < block; ++k) {
       const std::uint32_t u = std::bit_cast<std::uint32_t>(from[i + k]);
       to[i + k] = std::uint16_t(u >> 16);
-      lost |= u & 0xFFFFu;
+      lower |= u & 0xFFFFu;
     }
   for (; i < n; ++i) {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(from[i]);
     to[i] = std::uint16_t(u >> 16);
-    lost |= u & 0xFFFFu;
+    lower |= u & 0xFFFFu;
   }
-  return lost == 0;
+  return lower == 0;
 }
 
 template <class T>  // float or double

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -15,6 +14,7 @@
 
 #include "gshard/ad/operands.hpp"
 #include "gshard/ad/tape.hpp"
+#include "gshard/core/bf16.hpp"
 #include "gshard/moe/gate.hpp"
 
 namespace gshard::moe {
@@ -61,7 +61,7 @@ void dispatch_rows_backward(const routing<T>& r, const T* dxe, index_t M, T* dx)
 template <class T>
 bool combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, T* y, std::uint16_t* kept = nullptr) {
   const index_t G = r.groups, S = r.tokens;
-  bool exact = kept != nullptr;
+  bool exact = std::is_same_v<T, float> && kept != nullptr;
   for (index_t g = 0; g < G; ++g)
     for (index_t s = 0; s < S; ++s) {
       T* out = y + (g * S + s) * M;
@@ -73,7 +73,7 @@ bool combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
         const T* row = ye + r.slot_row(c, g) * M;
         for (index_t i = 0; i < M; ++i) out[i] += w * row[i];
         if constexpr (std::is_same_v<T, float>)
-          if (exact) exact = gshard::detail::to_bf16_if_exact(row, std::size_t(M), kept + c * std::size_t(M));
+          if (exact) exact = gshard::detail::truncate_to_bf16(row, std::size_t(M), kept + c * std::size_t(M));
       }
     }
   return exact;
@@ -85,8 +85,8 @@ bool combine_rows(const routing<T>& r, const T* weight, const T* ye, index_t M, 
 inline bool placed_rows_may_be_bf16(const routing<float>& r, const float* ye, index_t M) {
   for (std::size_t c = 0; c < r.expert.size(); ++c)
     if (r.expert[c] >= 0) {
-      const float* row = ye + r.slot_row(c, index_t(c) / (r.k * r.tokens)) * M;
-      return std::all_of(row, row + M, [](float v) { return (std::bit_cast<std::uint32_t>(v) & 0xFFFFu) == 0; });
+      const float* row = ye + r.slot_row(c, r.group_of(c)) * M;
+      return std::all_of(row, row + M, gshard::detail::is_bf16_value);
     }
   return true;
 }
@@ -114,7 +114,7 @@ void combine_rows_backward(const routing<T>& r, const T* weight, const T* dout, 
         T dot = 0;
         if (kept) {
           const std::uint16_t* row = kept + c * std::size_t(M);
-          for (index_t i = 0; i < M; ++i) dot += go[i] * T(std::bit_cast<float>(std::uint32_t(row[i]) << 16));
+          for (index_t i = 0; i < M; ++i) dot += go[i] * T(gshard::detail::bf16_detail::widen(row[i]));
         } else {
           for (index_t i = 0; i < M; ++i) dot += go[i] * ye[at + i];
         }
@@ -204,16 +204,17 @@ auto combine(const gate_output<L>& g, V&& y_in) {
   const routing<T>& r = *g.route;
   const index_t M = y.extent(3);
   O out_t(y.mesh(), {y.extent(1), r.tokens, M});
-  // The weights' gradient reads each placed choice's row of y. When those
-  // are bf16 values — a bf16 all_to_all wire delivers them so — the rule
-  // keeps them as bf16, one row per choice: the same gradient to the bit,
-  // and y's fp32 storage freed after the forward. Otherwise it keeps y. (The
-  // first placed row tells, before anything is allocated; with none placed
-  // nothing of y is read.)
+  // The weights' gradient reads each placed choice's row of y (nothing of y
+  // when the weights are not tracked). When those rows are bf16 values — a
+  // bf16 all_to_all wire delivers them so — the rule keeps them as bf16, one
+  // row per choice: the same gradient to the bit, and the rule no longer
+  // holds y (the layer then frees it after the forward). Otherwise it keeps
+  // y. The first placed row tells, before anything is allocated; with none
+  // placed nothing of y is read.
   std::shared_ptr<std::uint16_t[]> rows;
   if constexpr (std::is_same_v<T, float>)
     if (g.weights.tracked() && detail::placed_rows_may_be_bf16(r, y.value().data(), M))
-      rows = std::make_shared_for_overwrite<std::uint16_t[]>(r.expert.size() * std::size_t(M));
+      rows = std::make_shared_for_overwrite<std::uint16_t[]>(std::max<std::size_t>(r.expert.size() * std::size_t(M), 1));
   bool kept_rows = false;
   {
     trace::span s("combine", "moe");
@@ -224,10 +225,10 @@ auto combine(const gate_output<L>& g, V&& y_in) {
   if (out.tracked()) {
     std::shared_ptr<const Y> keep_y = g.weights.tracked() && !rows ? y.shared() : nullptr;
     t.record([tp = &t, os = out.slot(), ys = y.slot(), ws = g.weights.slot(), route = g.route, keep_y, rows,
-              keep_w = g.weights.shared(), extents = y.extents(), mesh = &y.mesh(), M] {
+              keep_w = g.weights.shared(), extents = y.extents(), M] {
       auto dout = tp->slot<O>(os).template take<typename O::sharding_type>();
       if (!dout) return;
-      gshard::detail::gradient_of<Y> dy(*mesh, extents);
+      gshard::detail::gradient_of<Y> dy(dout->mesh(), extents);
       std::optional<gshard::detail::gradient_of<W>> dw;
       if (ws >= 0) dw.emplace(keep_w->mesh(), keep_w->extents());
       detail::combine_rows_backward(*route, keep_w->data(), dout->data(), keep_y ? keep_y->data() : nullptr, rows.get(), M,

@@ -110,6 +110,7 @@ struct routing {
   std::vector<index_t> real;         // per group: the tokens that are not padding (the aux loss's denominators)
 
   std::size_t choice(index_t g, index_t s, int j) const { return std::size_t(k * (g * tokens + s) + j); }
+  index_t group_of(std::size_t c) const { return index_t(c) / (index_t(k) * tokens); }  // choice()'s g
   bool dispatched(std::size_t c) const { return expert[c] >= 0 && weight[c] != T(0); }
   // The row of choice c (of group g) in the experts' [E, G, C] slots.
   index_t slot_row(std::size_t c, index_t g) const { return (index_t(expert[c]) * groups + g) * capacity + slot[c]; }
