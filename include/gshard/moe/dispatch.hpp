@@ -207,8 +207,8 @@ auto combine(const gate_output<L>& g, V&& y_in) {
   // The weights' gradient reads each placed choice's row of y (nothing of y
   // when the weights are not tracked). When those rows are bf16 values — a
   // bf16 all_to_all wire delivers them so — the rule keeps them as bf16, one
-  // row per choice: the same gradient to the bit, and the rule no longer
-  // holds y (the layer then frees it after the forward). Otherwise it keeps
+  // row per choice: the same gradient to the bit, and the rule does not
+  // hold y (the layer then frees it after the forward). Otherwise it keeps
   // y. The first placed row tells, before anything is allocated; with none
   // placed nothing of y is read.
   std::shared_ptr<std::uint16_t[]> rows;
