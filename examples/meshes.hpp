@@ -5,9 +5,9 @@
 // attention heads and dense FFN hidden units over model. Extents that do not
 // divide by their axes are sharded by gshard's rule (docs/02_sharding.md):
 // 8 experts on 3 ranks hold 3, 3 and 2. The axis sizes are bound at run
-// time, so the model is compiled once, for one mesh type (two types, 2-D
-// below 8 ranks, took a third longer to compile); an axis of size 1 moves
-// no data: its collectives are local copies at most.
+// time, so the model is compiled once, for one mesh type (a second type
+// would compile it twice: docs/10_performance.md, "Compile time"); an axis
+// of size 1 moves no data: its collectives are local copies at most.
 #pragma once
 
 #include <gshard/core/error.hpp>
