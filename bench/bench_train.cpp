@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <malloc.h>
 #include <map>
 #include <stdexcept>
 
@@ -250,6 +251,12 @@ double status_mib(const char* key) {
   std::fclose(f);
   return kb / 1024.0;
 }
+// The heap's bytes in use (glibc's arenas and mmapped blocks), in MiB: what
+// the program holds, without the heap's slack.
+double heap_in_use_mib() {
+  const struct mallinfo2 mi = mallinfo2();
+  return double(mi.uordblks + mi.hblkhd) / (1024.0 * 1024.0);
+}
 double local_mib(tensor_set& s) { return double(s.local_bytes()) / (1024.0 * 1024.0); }
 
 // memory_per_rank/sharded_update:0|1/adafactor:0|1/bf16:0/sequences:8 — GShard's weak scaling (paper §5.1):
@@ -266,6 +273,9 @@ double local_mib(tensor_set& s) { return double(s.local_bytes()) / (1024.0 * 102
 // before the model (MPI, the program). The peak is reset at its start, but
 // the heap keeps what earlier benchmarks freed: run it alone per process
 // (--benchmark_filter), as scripts/memory_per_rank does at 1, 2, 4 and 8 ranks.
+// activations_MiB is what the tape holds for the backward when the forward
+// ends: the heap's bytes in use then over those before it (one more step,
+// untimed), without the backward's transient gradients or the heap's slack.
 void memory_per_rank(benchmark::State& state) {
   // The peak from here on: "5" resets VmHWM to the current RSS (proc(5),
   // clear_refs), so earlier benchmarks of the process do not count.
@@ -290,6 +300,15 @@ void memory_per_rank(benchmark::State& state) {
   std::uint64_t s = 0;
   for (auto _ : state) state.SetIterationTime(gshard::bench::slowest([&] { model::train_step(tr, ps, *opt, tokens, s++); }));
   auto most = [](double v) { return gshard::bench::max_over_ranks(v); };
+  double activations = 0;
+  {
+    const double heap = heap_in_use_mib();
+    tape t(ps);
+    auto out = tr.forward(t, tokens, s++);
+    activations = heap_in_use_mib() - heap;
+    t.backward(out.loss);
+    opt->update(ps);
+  }
   const double params = most(local_mib(ps.values())), grads = most(local_mib(ps.grads()));
   const double optimizer = most(double(opt->state_bytes()) / (1024.0 * 1024.0));
   const double peak = most(status_mib("VmHWM:"));
@@ -300,6 +319,7 @@ void memory_per_rank(benchmark::State& state) {
   state.counters["grads_MiB"] = grads;
   state.counters["optimizer_MiB"] = optimizer;
   state.counters["rest_MiB"] = peak - before - params - grads - optimizer;
+  state.counters["activations_MiB"] = most(activations);
 }
 
 // remat/blocks:0|8 — the trainer's model at 8 blocks, no block or every

@@ -64,6 +64,7 @@ auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
     auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
     if (!dz) return;
     const auto dz16 = convert<bf16>(*dz);
+    dz.reset();  // both gradients read dz16: the fp32 dz is not held beside them
     if (as >= 0) tp->slot<XA>(as).add(einsum_operand_grad<Spec, 0, XA>(dz16, keep_b.get(), ea));
     if (bs >= 0) tp->slot<XB>(bs).add(einsum_operand_grad<Spec, 1, XB>(dz16, keep_a.get(), eb));
   });
