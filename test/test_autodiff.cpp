@@ -678,6 +678,16 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
     }();
     GSHARD_REQUIRE(q_alive.expired() == rounds);
     GSHARD_REQUIRE(relu_alive.expired() == rounds);
+    {
+      // An rvalue var given to an einsum, as ffn gives its hidden
+      // activations to the second GEMM: where the GEMMs round, it is let go
+      // once rounded and its fp32 value freed before the einsum returns;
+      // where they do not, the rule keeps it.
+      auto h = relu(einsum<"BLM,MH->BLH">(t.use(x), w1));
+      const std::weak_ptr<const void> h_alive = h.shared();
+      const auto out = einsum<"BLH,HM->BLM">(std::move(h), w2);
+      GSHARD_REQUIRE(h_alive.expired() == rounds);
+    }
     std::weak_ptr<const void> norm_in_alive;
     auto normed = [&] {
       auto ys = all_reduce<"model">(std::move(y));

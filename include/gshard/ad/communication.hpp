@@ -44,9 +44,11 @@ namespace detail {
 // same, except where no GEMM reads an operand as it is: a scalar output,
 // or a label one operand holds alone (summed before the GEMM, now over the
 // rounded values). Einsums of one var or weight share its copy
-// (tape::derived).
+// (tape::derived). With `release` (a, an rvalue var the caller gives up),
+// a's fp32 value is let go once it is rounded, before the GEMMs: freed
+// there if nothing else holds it.
 template <fixed_string Spec, class Out, class VA, class VB>
-auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
+auto einsum_rounded_once(tape& t, const VA& a, const VB& b, VA* release = nullptr) {
   using XA = tensor_of<VA>;
   using XB = tensor_of<VB>;
   using A16 = with_element<XA, bf16>;
@@ -54,13 +56,18 @@ auto einsum_rounded_once(tape& t, const VA& a, const VB& b) {
   const auto round = [](const auto& x) { return convert<bf16>(x); };
   auto a16 = t.derived<A16>(a.shared(), round);
   auto b16 = t.derived<B16>(b.shared(), round);
+  const int as = a.slot(), bs = b.slot();
+  const auto ea = a.extents(), eb = b.extents();
+  if (release) {
+    const VA gone = std::move(*release);  // a refers to *release: not read from here on
+  }
   auto z = einsum<Spec, Out, float>(*a16, *b16);
   using Z = decltype(z);
   auto out = t.output(std::move(z), true);
   using natural = typename einsum_plan_of<Spec, Out, XA, XB>::natural;
-  std::shared_ptr<const A16> keep_a = b.tracked() ? std::move(a16) : nullptr;
-  std::shared_ptr<const B16> keep_b = a.tracked() ? std::move(b16) : nullptr;
-  t.record([tp = &t, zs = out.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), keep_a, keep_b] {
+  std::shared_ptr<const A16> keep_a = bs >= 0 ? std::move(a16) : nullptr;
+  std::shared_ptr<const B16> keep_b = as >= 0 ? std::move(b16) : nullptr;
+  t.record([tp = &t, zs = out.slot(), as, bs, ea, eb, keep_a, keep_b] {
     auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
     if (!dz) return;
     const auto dz16 = convert<bf16>(*dz);
@@ -101,6 +108,21 @@ auto einsum(const A& a_in, const B& b_in) {
     });
   }
   return out;
+}
+
+// An rvalue var as the first operand: under bf16 GEMMs its fp32 value is
+// let go once rounded, before the GEMMs (an FFN's hidden activations,
+// [tokens, H], need not outlive their bf16 copy); otherwise as above.
+template <fixed_string Spec, class Out = natural_sharding, class X, class B>
+  requires detail::ad_operand<B>
+auto einsum(var<X>&& a, const B& b_in) {
+  if constexpr (std::is_same_v<typename X::value_type, float> &&
+                std::is_same_v<typename detail::tensor_of<B>::value_type, float>) {
+    tape& t = a.on_tape();
+    if (t.recording() && a.tracked() && detail::gemm_rounds_to_bf16())
+      return detail::einsum_rounded_once<Spec, Out>(t, a, detail::as_var(t, b_in), &a);
+  }
+  return einsum<Spec, Out>(std::as_const(a), b_in);
 }
 
 template <fixed_string Spec, class Out = natural_sharding, class A>

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gshard/ad/communication.hpp"
@@ -559,16 +560,18 @@ struct ffn_specs {
 // turn w2's contraction over a split H into one all_reduce).
 //   auto y = ffn<at_tokens>(h, block.ffn);                  // [B,L,M]: "BLM,MH->BLH", "BLH,HM->BLM"
 //   auto ye = ffn<at_experts>(xe, experts);                  // [E,G,C,M]: "EGCM,EMH->EGCH", "EGCH,EHM->EGCM"
+// An rvalue x is given up at its last einsum, as the hidden activations are
+// at theirs: under bf16 GEMMs each fp32 tensor is then freed once rounded.
 template <class Out, class V, class W1, class W2>
   requires var_type<V>
-auto ffn(const V& x, const ffn_weights<W1, W2>& w) {
+auto ffn(V&& x, const ffn_weights<W1, W2>& w) {
   using S = detail::ffn_specs<detail::tensor_of<V>::label_string, W1::label_string, W2::label_string>;
   auto h = [&] {
-    if (!w.w1_up) return relu(einsum<S::up>(x, w.w1));
-    auto gated = silu(einsum<S::up>(x, w.w1));  // w1 before w1_up: their declaration order
-    return std::move(gated) * einsum<S::up>(x, *w.w1_up);
+    if (!w.w1_up) return relu(einsum<S::up>(std::forward<V>(x), w.w1));
+    auto gated = silu(einsum<S::up>(std::as_const(x), w.w1));  // w1 before w1_up: their declaration order
+    return std::move(gated) * einsum<S::up>(std::forward<V>(x), *w.w1_up);
   }();
-  return einsum<S::down, Out>(h, w.w2);
+  return einsum<S::down, Out>(std::move(h), w.w2);
 }
 
 }  // namespace gshard

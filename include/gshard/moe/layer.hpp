@@ -201,8 +201,8 @@ struct layer {
   // Each expert's FFN on its tokens: [E{expert},G{data},C,M] |->
   // [E{expert},G{data},C,M], with model axes one all_reduce over them at the end.
   template <class XE>
-  auto experts_ffn(const XE& xe) const {
-    return ffn<at_experts>(xe, expert_ffn);
+  auto experts_ffn(XE&& xe) const {
+    return ffn<at_experts>(std::forward<XE>(xe), expert_ffn);
   }
 
   // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices
