@@ -652,6 +652,10 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
   param<tensor<float, 2, grid2, sharding<split<1, "model">>, "MH">> w1(ps, "w1", {16, 8 * sizes[1]}, init::normal(0.25));
   param<tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">> w2(ps, "w2", {8 * sizes[1], 16}, init::normal(0.25));
   param<tensor<float, 1, grid2, replicate>> gain(ps, "gain", {16}, init::normal(1.0));
+  using W1 = tensor<float, 2, grid2, sharding<split<1, "model">>, "MH">;
+  using W2 = tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">;
+  const ffn_weights<W1, W2> relu_ffn(ps, ffn_kind::relu, {"r1", "r1_up", "r2"}, {16, 4 * sizes[1]}, {4 * sizes[1], 16});
+  const ffn_weights<W1, W2> swiglu_ffn(ps, ffn_kind::swiglu, {"s1", "s1_up", "s2"}, {16, 4 * sizes[1]}, {4 * sizes[1], 16});
   std::array<std::array<std::vector<float>, 2>, 2> norm_grads;  // [f32, bf16][w2, the gain]
   for (const matmul_precision precision : {matmul_precision::f32, matmul_precision::bf16}) {
     const matmul_precision_scope s(precision);
@@ -687,6 +691,14 @@ TEST_CASE("autodiff: under bf16 GEMMs attention and relu keep the bf16 copies th
       const std::weak_ptr<const void> h_alive = h.shared();
       const auto out = einsum<"BLH,HM->BLM">(std::move(h), w2);
       GSHARD_REQUIRE(h_alive.expired() == rounds);
+    }
+    for (const ffn_weights<W1, W2>* fw : {&relu_ffn, &swiglu_ffn}) {
+      // ffn gives up an rvalue input at its last up-projection.
+      auto in = 1.0 * t.use(x);  // an owned var (x is a view)
+      const std::weak_ptr<const void> in_alive = in.shared();
+      const auto out = ffn<natural_sharding>(std::move(in), *fw);
+      INFO((fw == &relu_ffn ? "relu" : "swiglu"));
+      GSHARD_REQUIRE(in_alive.expired() == rounds);
     }
     std::weak_ptr<const void> norm_in_alive;
     auto normed = [&] {

@@ -110,13 +110,16 @@ auto einsum(const A& a_in, const B& b_in) {
   return out;
 }
 
-// An rvalue var as the first operand: under bf16 GEMMs its fp32 value is
-// let go once rounded, before the GEMMs (an FFN's hidden activations,
-// [tokens, H], need not outlive their bf16 copy); otherwise as above.
-template <fixed_string Spec, class Out = natural_sharding, class X, class B>
-  requires detail::ad_operand<B>
-auto einsum(var<X>&& a, const B& b_in) {
-  if constexpr (std::is_same_v<typename X::value_type, float> &&
+// A tracked rvalue var as the first operand: under bf16 GEMMs its fp32
+// value is let go once rounded, before the GEMMs (an FFN's hidden
+// activations, [tokens, H], need not outlive their bf16 copy); otherwise
+// as above. A is deduced (a non-const rvalue var only: an lvalue deduces a
+// reference), so an explicit third template argument — the tensor
+// einsum's element type — never names a var.
+template <fixed_string Spec, class Out = natural_sharding, class A, class B>
+  requires(detail::is_var<A>::value && detail::ad_operand<B>)
+auto einsum(A&& a, const B& b_in) {
+  if constexpr (std::is_same_v<typename detail::tensor_of<A>::value_type, float> &&
                 std::is_same_v<typename detail::tensor_of<B>::value_type, float>) {
     tape& t = a.on_tape();
     if (t.recording() && a.tracked() && detail::gemm_rounds_to_bf16())
