@@ -11,6 +11,11 @@
 // (gemm_bf16 through the backend the build chose: oneDNN's bf16 matmul on
 // CPUs with bf16 units, else widened to fp32).
 //   scripts/mpirun -np 1 build/bench/bench_einsum --benchmark_filter=gemm_backends
+// bf16_convert/<KiB>: rounding KiB of fp32 to bf16 and widening it back
+// (core/bf16.hpp: every rounded GEMM operand, bf16 message and kept copy
+// goes through these), against memcpy of the fp32 bytes in the same
+// iterations: GB/s of fp32 each, and memcpy's time over theirs.
+//   scripts/mpirun -np 1 build/bench/bench_einsum --benchmark_filter=bf16_convert
 #include <gshard/gshard.hpp>
 
 #include <algorithm>
@@ -100,6 +105,29 @@ void gemm_backends(benchmark::State& state, index_t m, index_t n, index_t k) {
   state.SetLabel(detail::gemm_bf16_native() ? "bf16 on the bf16 units (oneDNN)" : "bf16 converted to fp32");
 }
 
+void bf16_convert(benchmark::State& state) {
+  const std::size_t n = std::size_t(state.range(0)) * 1024 / sizeof(float);
+  std::vector<float> f(n), back(n);
+  std::vector<bf16> h(n);
+  for (std::size_t i = 0; i < n; ++i) f[i] = float(i % 1000) * 1.37e-3f - 0.6f;
+  const auto c = gshard::bench::compare(
+      state,
+      {[&] { std::memcpy(back.data(), f.data(), n * sizeof(float)); }, [&] { detail::to_bf16(f.data(), n, h.data()); },
+       [&] { detail::from_bf16(h.data(), n, back.data()); }},
+      1);
+  const double bytes = double(n * sizeof(float));
+  state.counters["memcpy_GBps"] = bytes / c.median_time[0] * 1e-9;
+  state.counters["to_bf16_GBps"] = bytes / c.median_time[1] * 1e-9;
+  state.counters["from_bf16_GBps"] = bytes / c.median_time[2] * 1e-9;
+  state.counters["to_bf16_vs_memcpy"] = 1.0 / c.median_ratio[1];
+  state.counters["from_bf16_vs_memcpy"] = 1.0 / c.median_ratio[2];
+#ifdef GSHARD_BF16_CONVERT_INSTRUCTION
+  state.SetLabel("to_bf16 on VCVTNE2PS2BF16");
+#else
+  state.SetLabel("to_bf16 in a vector loop");
+#endif
+}
+
 // ij,jk->ik with j split over every rank: the partial product is summed by an
 // all_reduce into a replicated output, or by a reduce_scatter into rows.
 void matmul_split(benchmark::State& state) {
@@ -147,6 +175,8 @@ const int registered = [] {
                                                                     {512, 512, 32}, {512, 32, 512}})
     reg(("gemm_backends/" + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k)).c_str(),
         [m = m, n = n, k = k](benchmark::State& s) { gemm_backends(s, m, n, k); });
+  benchmark::RegisterBenchmark("bf16_convert", bf16_convert)->ArgName("KiB")->Arg(256)->Arg(16384)->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("matmul_split", matmul_split)->Arg(1024)->UseManualTime()->Unit(benchmark::kMillisecond);
   gshard::bench::add_gemm_context();
   return 0;

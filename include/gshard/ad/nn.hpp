@@ -293,7 +293,7 @@ namespace detail {
 // What rms_norm's rule keeps of a float x where the GEMMs round to bf16:
 // x rounded, and each row's r computed from the fp32 x.
 struct rms_norm_rounded {
-  std::vector<bf16> x;
+  Eigen::Array<bf16, Eigen::Dynamic, 1> x;  // written whole by to_bf16: Eigen leaves bf16 uninitialised
   std::vector<double> inverse;
 };
 }  // namespace detail
@@ -322,7 +322,7 @@ auto rms_norm(V&& x, const S& scale_in, double eps = 1e-6) {
       const X& v = x.value();
       const index_t n = v.local().dimension(X::rank - 1), size = index_t(v.local().size());
       rounded = std::make_shared<detail::rms_norm_rounded>();
-      rounded->x.resize(std::size_t(size));
+      rounded->x.resize(size);
       detail::to_bf16(v.data(), std::size_t(size), rounded->x.data());
       rounded->inverse.resize(std::size_t(n > 0 ? size / n : 0));
     }

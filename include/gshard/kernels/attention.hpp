@@ -281,9 +281,9 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
 // Block l0's probabilities (rows l0 .. l0 + rows of sequence b, every
 // head) as the backward reads them, as the forward made them: .f the fp32
 // rows dS reads — the kept probs, or in `again` ([heads, R, T]) the block
-// computed again from each row's stats or the kept bf16 rows
-// (probs16) widened — and .h the bf16 ones Pᵀ·dout multiplies: the kept
-// ones, or made in p16 where the GEMMs round.
+// computed again from each row's stats; null where the forward kept bf16
+// rows (probs16), which dS reads as they are — and .h the bf16 ones Pᵀ·dout
+// multiplies: the kept ones, or made in p16 where the GEMMs round.
 template <class T>
 block_operand<T> backward_probabilities(const attention_extents& e, index_t b, index_t l0, index_t rows, const T* probs,
                                         const bf16* probs16, const softmax_row_stats<T>* stats, const block_operand<T>& Q,
@@ -291,11 +291,7 @@ block_operand<T> backward_probabilities(const attention_extents& e, index_t b, i
   const index_t c = e.block_columns(b, l0, rows), first = (b * e.heads * e.L + l0) * e.T;
   if (probs) return block_operand_of(rounds, probs + first, e.heads, rows, c, e.T, e.L * e.T, p16);
   const index_t p_stride = e.block * e.T;
-  if (probs16) {
-    const bf16* kept = probs16 + first;
-    for (index_t n = 0; n < e.heads; ++n) convert_rows(kept + n * e.L * e.T, rows, c, e.T, again + n * p_stride, e.T);
-    return {again, e.T, p_stride, kept, e.T, e.L * e.T};
-  }
+  if (probs16) return {nullptr, 0, 0, probs16 + first, e.T, e.L * e.T};
   const softmax_row_stats<T>* st = stats + b * e.heads * e.L + l0;
   block_probabilities(e, b, Q, K, l0, rows, again, p_stride, [&](index_t n, index_t i, T* row, index_t kept) {
     softmax_row_again(row, kept, row, scale, st[n * e.L + i]);
@@ -328,11 +324,12 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
     return;
   }
   if (e.batch * e.heads * e.dim == 0) return;
-  // dP, then dS, of one block: [heads, rows, c]; its probabilities (computed
-  // again, or widened from the kept bf16 ones): [heads, R, T]
+  // dP, then dS, of one block: [heads, rows, c]; its probabilities computed
+  // again: [heads, R, T]
   thread_local aligned_buffer<T> scratch, again;
   if (scratch.size() < e.heads * R * e.T) scratch.resize(e.heads * R * e.T);
-  if (!probs && again.size() < e.heads * R * e.T) again.resize(e.heads * R * e.T);
+  const bool recomputes = !probs && !(copies && copies->probs);
+  if (recomputes && again.size() < e.heads * R * e.T) again.resize(e.heads * R * e.T);
   T* g = scratch.data();
   const bool rounds = copies || gemm_rounds_to_bf16();
   thread_local std::vector<bf16> do16, q16, k16, v16, p16, g16;
@@ -352,8 +349,11 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
       }
       const block_operand<T> P = backward_probabilities(e, b, l0, rows, probs, copies ? copies->probs : nullptr, stats, Q, K,
                                                           scale, rounds, again.data(), p16);
-      const T* p = P.f;
-      const index_t p_stride = P.stride;
+      const auto row_backward = [&](T* gi, index_t n, index_t i, index_t kept) {
+        if constexpr (std::is_same_v<T, float>)
+          if (!P.f) return softmax_row_backward(gi, P.h + n * P.h_stride + i * P.h_ld, kept, scale);  // kept in bf16
+        softmax_row_backward(gi, P.f + n * P.stride + i * e.T, kept, scale);
+      };
       const block_operand<T> dob = dO + l0 * ld;
       block_gemm<T>(e.heads, true, false, c, e.dim, rows, P, dob, T(1), dv + kt, ld, e.dim);
       block_gemm<T>(e.heads, false, true, rows, c, e.dim, dob, V, T(0), g, c, rows * c);
@@ -361,7 +361,7 @@ void attention_backward_blocks(const attention_extents& e, const T* dout, const 
         for (index_t i = 0; i < rows; ++i) {
           T* gi = g + (n * rows + i) * c;
           const index_t kept = e.keys.end(b, l0 + i, e.T);
-          softmax_row_backward(gi, p + n * p_stride + i * e.T, kept, scale);
+          row_backward(gi, n, i, kept);
           std::fill(gi + kept, gi + c, T(0));
         }
       const block_operand<T> ds = block_operand_of(rounds, static_cast<const T*>(g), e.heads, rows, c, c, rows * c, g16);

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -92,17 +94,24 @@ void round_through_bf16(const T* from, std::size_t n, T* to) {
 // master[i] = weight[i] where weight[i] is not master[i] rounded through
 // bf16, bit for bit (a NaN compares by its bits too): a master follows the
 // elements of its bf16 weight that were set elsewhere, and keeps the rest.
+// One pass per block of 32 (whose differences are OR-ed, a reduction GCC
+// vectorizes) unless the block has such an element.
 template <class T>
 void follow_rounded(T* master, const T* weight, std::size_t n) {
-  constexpr std::size_t block = 512;
-  T rounded[block];
-  for (std::size_t at = 0; at < n; at += block) {
-    const std::size_t k = std::min(block, n - at);
-    round_through_bf16(master + at, k, rounded);
-    if (std::memcmp(rounded, weight + at, k * sizeof(T)) == 0) continue;
-    for (std::size_t i = 0; i < k; ++i)
-      if (std::memcmp(rounded + i, weight + at + i, sizeof(T)) != 0) master[at + i] = weight[at + i];
+  using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  const auto rounded = [](T m) { return std::bit_cast<U>(T(bf16_detail::widen(bf16_detail::narrow(float(m))))); };
+  const auto follow = [&](std::size_t i) {
+    if (rounded(master[i]) != std::bit_cast<U>(weight[i])) master[i] = weight[i];
+  };
+  constexpr std::size_t block = bf16_detail::block;
+  std::size_t at = 0;
+  for (; at + block <= n; at += block) {
+    U differ = 0;
+    for (std::size_t i = 0; i < block; ++i) differ |= rounded(master[at + i]) ^ std::bit_cast<U>(weight[at + i]);
+    if (differ != 0)
+      for (std::size_t i = at; i < at + block; ++i) follow(i);
   }
+  for (; at < n; ++at) follow(at);
 }
 
 // Whether `w` sends a tensor of T as bf16: for float and double; bf16

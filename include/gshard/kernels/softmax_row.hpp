@@ -11,8 +11,9 @@
 #include <limits>
 #include <type_traits>
 
-#include "gshard/kernels/blockwise.hpp"
+#include "gshard/core/bf16.hpp"
 #include "gshard/core/types.hpp"
+#include "gshard/kernels/blockwise.hpp"
 
 namespace gshard::detail {
 
@@ -226,6 +227,25 @@ void softmax_row_backward(T* g, const T* p, index_t n, T scale = T(1)) {
     for (index_t i = 0; i < n; ++i) dot += g[i] * p[i];
     for (index_t i = 0; i < n; ++i) g[i] = scale * p[i] * (g[i] - dot);
   }
+}
+
+// The same with p in bf16 (the probabilities a bf16 forward kept), widened
+// as they are read: the dot summed in 16 lanes, then across them in order
+// — the same sum wherever the row sits. Both passes run in blocks of 16 (a
+// fixed trip count: GCC vectorizes them at -O2) and a tail.
+inline void softmax_row_backward(float* g, const bf16* p, index_t n, float scale = 1.0f) {
+  using bf16_detail::widen;
+  constexpr index_t lanes = 16;
+  const index_t whole = n - n % lanes;
+  float lane[lanes] = {};
+  for (index_t i = 0; i < whole; i += lanes)
+    for (index_t k = 0; k < lanes; ++k) lane[k] += g[i + k] * widen(p[i + k]);
+  float dot = 0;
+  for (const float l : lane) dot += l;
+  for (index_t i = whole; i < n; ++i) dot += g[i] * widen(p[i]);
+  for (index_t i = 0; i < whole; i += lanes)
+    for (index_t k = 0; k < lanes; ++k) g[i + k] = scale * widen(p[i + k]) * (g[i + k] - dot);
+  for (index_t i = whole; i < n; ++i) g[i] = scale * widen(p[i]) * (g[i] - dot);
 }
 
 }  // namespace gshard::detail
