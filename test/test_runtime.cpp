@@ -4,6 +4,7 @@
 #include <gshard/core/bf16.hpp>
 #include <gshard/core/counters.hpp>
 #include <gshard/core/io.hpp>
+#include <gshard/core/raw_storage.hpp>
 #include <gshard/runtime/collectives.hpp>
 #include <gshard/runtime/mesh.hpp>
 #include <gshard/runtime/nonblocking.hpp>
@@ -15,8 +16,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
+#include <span>
 #include <sstream>
+#include <utility>
 
 #include "testing.hpp"
 
@@ -389,4 +393,33 @@ TEST_CASE("read_file reads at most its limit: a regular file by its size, a stre
   CHECK(out == std::string(100, 'x'));
   CHECK(io::read_file(path, out) == "");
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("raw_vector keeps what it held as it grows, its memory through clear(), and nothing after a move",
+          "[buffers]") {
+  detail::raw_vector<bf16> v;
+  CHECK((v.empty() && v.capacity() == 0 && v.data() == nullptr));
+  const std::array<float, 5> x{1.0f, -2.5f, 3.25f, 0.0f, 65504.0f};  // h: x in bf16 (65504 rounds to 65536)
+  std::array<bf16, 5> h;
+  for (std::size_t i = 0; i < x.size(); ++i) h[i] = bf16(x[i]);
+  v.append(std::span<const bf16>(h.data(), 3));
+  v.append(std::span<const bf16>(h.data() + 3, 2));
+  REQUIRE(v.size() == 5);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(float(v.data()[i]) == float(h[i]));
+  v.resize(1000);  // grows past the first allocation: the five kept
+  CHECK(v.capacity() >= 1000);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(float(v.data()[i]) == float(h[i]));
+  const bf16* at = v.data();
+  v.resize(2);
+  CHECK((v.size() == 2 && v.data() == at));
+  v.clear();
+  v.resize(1000);  // within the capacity: the same memory
+  CHECK((v.size() == 1000 && v.data() == at));
+  detail::raw_vector<bf16> w = std::move(v);
+  CHECK((w.data() == at && w.size() == 1000 && v.size() == 0 && v.capacity() == 0 && v.data() == nullptr));
+  v = std::move(w);
+  CHECK((v.data() == at && w.data() == nullptr));
+  std::span<const bf16> s = std::as_const(v);
+  CHECK((s.data() == at && s.size() == 1000));
+  CHECK_THROWS_AS(detail::uninitialized<double>(std::numeric_limits<std::size_t>::max() / 4), std::bad_array_new_length);
 }

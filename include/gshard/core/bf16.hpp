@@ -37,6 +37,9 @@ inline std::uint16_t narrow(float f) {
 }
 inline float widen(std::uint16_t bits) { return std::bit_cast<float>(std::uint32_t(bits) << 16); }
 inline float widen(bf16 b) { return widen(b.value); }
+inline void narrow_block(const float* from, bf16* to) {
+  for (std::size_t k = 0; k < block; ++k) to[k].value = narrow(from[k]);
+}
 }  // namespace bf16_detail
 
 // Whether f is a bf16 value: its lower half zero, so that its upper half,
@@ -58,11 +61,10 @@ inline void to_bf16(const float* from, std::size_t n, bf16* to) {
       _mm512_storeu_si512(static_cast<void*>(to + i), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
       continue;
     }
-    for (std::size_t k = 0; k < block; ++k) to[i + k].value = bf16_detail::narrow(from[i + k]);
+    bf16_detail::narrow_block(from + i, to + i);
   }
 #endif
-  for (; i + block <= n; i += block)
-    for (std::size_t k = 0; k < block; ++k) to[i + k].value = bf16_detail::narrow(from[i + k]);
+  for (; i + block <= n; i += block) bf16_detail::narrow_block(from + i, to + i);
   for (; i < n; ++i) to[i].value = bf16_detail::narrow(from[i]);
 }
 

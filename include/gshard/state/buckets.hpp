@@ -20,6 +20,7 @@
 
 #include "gshard/runtime/nonblocking.hpp"
 #include "gshard/core/error.hpp"
+#include "gshard/core/raw_storage.hpp"
 #include "gshard/kernels/copy_box.hpp"
 #include "gshard/runtime/mesh.hpp"
 #include "gshard/layout/reshard_steps.hpp"
@@ -60,31 +61,33 @@ constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
 // gives them back when it is destroyed, so a step's buckets reuse the last
 // step's memory instead of the heap's (fresh pages cost ~10 us per 4 KiB on
 // these machines, and the heap does not fragment around buffers that come
-// and go). Owned by `parameters`, one per element type.
+// and go). Raw storage: what a bucket's buffers grow by is written by the
+// packing or the collective before it is read, never zeroed first. Owned by
+// `parameters`, one per element type.
 template <class T>
 class bucket_memory {
  public:
-  std::vector<T> take() { return take_from(free_); }
-  void give(std::vector<T>&& v) { give_to(free_, std::move(v)); }
+  raw_vector<T> take() { return take_from(free_); }
+  void give(raw_vector<T>&& v) { give_to(free_, std::move(v)); }
   // The buffers of a bucket whose messages carry bf16 (wire::bf16).
-  std::vector<bf16> take_wire() { return take_from(free_wire_); }
-  void give_wire(std::vector<bf16>&& v) { give_to(free_wire_, std::move(v)); }
+  raw_vector<bf16> take_wire() { return take_from(free_wire_); }
+  void give_wire(raw_vector<bf16>&& v) { give_to(free_wire_, std::move(v)); }
 
  private:
   template <class U>
-  static std::vector<U> take_from(std::vector<std::vector<U>>& free) {
+  static raw_vector<U> take_from(std::vector<raw_vector<U>>& free) {
     if (free.empty()) return {};
-    std::vector<U> v = std::move(free.back());
+    raw_vector<U> v = std::move(free.back());
     free.pop_back();
     v.clear();
     return v;
   }
   template <class U>
-  static void give_to(std::vector<std::vector<U>>& free, std::vector<U>&& v) {
+  static void give_to(std::vector<raw_vector<U>>& free, raw_vector<U>&& v) {
     if (v.capacity() > 0) free.push_back(std::move(v));
   }
-  std::vector<std::vector<T>> free_;
-  std::vector<std::vector<bf16>> free_wire_;
+  std::vector<raw_vector<T>> free_;
+  std::vector<raw_vector<bf16>> free_wire_;
 };
 
 // Tensors waiting to take one stackable plan together. Each member gives
@@ -95,8 +98,8 @@ class bucket_memory {
 // finish() advances to the end. Where each step starts is the caller's
 // program point (start, advance, finish), never a test's finding, so every
 // rank issues the same collectives in the same order. With wire::bf16 each
-// step's message is rounded to bf16 (a sum's parts added in fp32, rounded
-// once) and widened back when the step ends.
+// step's message is rounded to bf16 as it is packed (a sum's parts added in
+// fp32, rounded once) and widened back as it is unpacked.
 template <class T>
 class bucket {
  public:
@@ -133,7 +136,7 @@ class bucket {
       throw error("gshard::detail::bucket: a block of " + std::to_string(block.size()) + " elements does not split into the " +
                   std::to_string(parts) + " parts its reduce_scatters make");
     members_.push_back({block.size(), std::move(done)});
-    data_.insert(data_.end(), block.begin(), block.end());
+    data_.append(block);
   }
 
   // Posts the first step's collective.
@@ -178,38 +181,65 @@ class bucket {
   // Pack and start one step's collective; end_step unpacks once it has finished.
   collective_request begin_step(const reshard_step& s) {
     if (s.kind == step_kind::all_reduce) {  // partial{x} |-> replicated on x, in place
-      if (narrow_) return start_all_reduce<bf16>(mesh_->group(s.mask), narrowed(data_));
+      if (narrow_) return start_all_reduce<bf16>(mesh_->group(s.mask), narrowed(data_.data(), data_.size()));
       return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
     }
     const axis_group& g = mesh_->group(1u << s.axis);
     const std::size_t p = std::size_t(g.size);
     if (s.kind == step_kind::reduce_scatter) {  // partial{x} |-> dim 0 split by x
-      // Pack: rank j's part of every member, member after member.
-      scratch_.resize(data_.size());
-      std::size_t out = 0;
-      for (std::size_t j = 0; j < p; ++j) {
-        std::size_t at = 0;
-        for (const member& m : members_) {
-          const std::size_t part = m.size / p;
-          std::copy_n(data_.data() + at + j * part, part, scratch_.data() + out);
-          out += part;
-          at += m.size;
-        }
+      // Pack: rank j's part of every member, member after member (rounded
+      // to bf16 on the way, with wire::bf16).
+      const std::size_t n = data_.size();
+      if (narrow_) {
+        wire_in_.resize(n);
+        pack(data_.data(), wire_in_.data(), p);
+      } else {
+        scratch_.resize(n);
+        pack(data_.data(), scratch_.data(), p);
       }
-      data_.resize(data_.size() / p);
+      data_.resize(n / p);
       // Communicate: this rank's parts, member after member
-      if (narrow_) return start_reduce_scatter<bf16>(g, narrowed(scratch_), arriving(data_.size()));
+      if (narrow_) return start_reduce_scatter<bf16>(g, std::span<const bf16>(wire_in_), arriving(data_.size()));
       return start_reduce_scatter<T>(g, std::span<const T>(scratch_), std::span<T>(data_));
     }
     // all_gather: dim 0 split by x |-> replicated on x
+    if (narrow_) return start_all_gather<bf16>(g, narrowed(data_.data(), data_.size()), arriving(data_.size() * p));
     scratch_.resize(data_.size() * p);
-    if (narrow_) return start_all_gather<bf16>(g, narrowed(data_), arriving(scratch_.size()));
     return start_all_gather<T>(g, std::span<const T>(data_), std::span<T>(scratch_));  // every rank's blocks, rank after rank
   }
+  // to = rank 0's part of every member, then rank 1's, ... of `from` (the
+  // members' blocks in order), converted to To.
+  template <class To>
+  void pack(const T* from, To* to, std::size_t p) const {
+    std::size_t out = 0;
+    for (std::size_t j = 0; j < p; ++j) {
+      std::size_t at = 0;
+      for (const member& m : members_) {
+        const std::size_t part = m.size / p;
+        convert_elements(from + at + j * part, part, to + out);
+        out += part;
+        at += m.size;
+      }
+    }
+  }
+  // to = each member's blocks from every rank, in rank order, out of `from`
+  // (rank after rank, each holding its `total` elements member after
+  // member), converted to T.
+  template <class From>
+  void unpack(const From* from, T* to, std::size_t p, std::size_t total) const {
+    std::size_t out = 0, at = 0;
+    for (const member& m : members_) {
+      for (std::size_t j = 0; j < p; ++j) {
+        convert_elements(from + j * total + at, m.size, to + out);
+        out += m.size;
+      }
+      at += m.size;
+    }
+  }
   // wire::bf16: the message rounded into wire_in_; what arrives lands in wire_out_.
-  std::span<bf16> narrowed(const std::vector<T>& from) {
-    wire_in_.resize(from.size());
-    convert_elements(from.data(), from.size(), wire_in_.data());
+  std::span<bf16> narrowed(const T* from, std::size_t n) {
+    wire_in_.resize(n);
+    convert_elements(from, n, wire_in_.data());
     return wire_in_;
   }
   std::span<bf16> arriving(std::size_t n) {
@@ -217,36 +247,26 @@ class bucket {
     return wire_out_;
   }
   void end_step(const reshard_step& s) {
-    if (narrow_) {  // the result widened: into data_ (all_reduce in place, reduce_scatter), or scratch_ (all_gather)
-      const std::vector<bf16>& from = s.kind == step_kind::all_reduce ? wire_in_ : wire_out_;
-      std::vector<T>& to = s.kind == step_kind::all_gather ? scratch_ : data_;
-      convert_elements(from.data(), to.size(), to.data());
-    }
-    if (s.kind == step_kind::all_reduce) return;
-    const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size);
-    if (s.kind == step_kind::reduce_scatter) {
-      for (member& m : members_) m.size /= p;
+    if (s.kind == step_kind::all_reduce || s.kind == step_kind::reduce_scatter) {
+      // The result is data_ (reduce_scatter: this rank's parts of the members)
+      if (narrow_) convert_elements((s.kind == step_kind::all_reduce ? wire_in_ : wire_out_).data(), data_.size(), data_.data());
+      if (s.kind == step_kind::reduce_scatter)
+        for (member& m : members_) m.size /= std::size_t(mesh_->group(1u << s.axis).size);
       return;
     }
-    const std::size_t total = data_.size();
+    const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size), total = data_.size();
     data_.resize(total * p);
-    std::size_t out = 0, at = 0;  // Unpack: each member's blocks in rank order
-    for (member& m : members_) {
-      for (std::size_t j = 0; j < p; ++j) {
-        std::copy_n(scratch_.data() + j * total + at, m.size, data_.data() + out);
-        out += m.size;
-      }
-      at += m.size;
-      m.size *= p;
-    }
+    if (narrow_) unpack(wire_out_.data(), data_.data(), p, total);
+    else unpack(scratch_.data(), data_.data(), p, total);
+    for (member& m : members_) m.size *= p;
   }
 
   const mesh_base* mesh_;
   reshard_steps plan_;
   bucket_memory<T>* memory_;
-  std::vector<T> data_, scratch_;
-  bool narrow_;                            // wire::bf16 on a T that is not
-  std::vector<bf16> wire_in_, wire_out_;  // the rounded message and what arrives
+  raw_vector<T> data_, scratch_;
+  bool narrow_;                          // wire::bf16 on a T that is not
+  raw_vector<bf16> wire_in_, wire_out_;  // the rounded message and what arrives
   std::vector<member> members_;
   int step_ = -1;   // the step in flight; -1: none
   collective_request flight_;  // its collective (finished in ~bucket before the buffers go back)

@@ -12,6 +12,7 @@
 #include <span>
 #include <type_traits>
 
+#include "gshard/core/raw_storage.hpp"
 #include "gshard/runtime/collectives.hpp"
 #include "gshard/kernels/copy_box.hpp"
 #include "gshard/layout/shard_geometry.hpp"
@@ -134,22 +135,6 @@ struct all_to_all_geometry {
     }
   }
 };
-
-// n elements to be overwritten (a std::vector would zero them first: a pass
-// over the buffer, 0.7% of a training step's time). Raw storage, so that
-// bf16 — whose default constructor writes 0 — is not zeroed either: its
-// elements, trivially copyable and destructible, begin their lifetime as
-// they are written.
-struct raw_delete {
-  void operator()(void* p) const { ::operator delete[](p); }
-};
-template <class T>
-using uninitialized_buffer = std::unique_ptr<T[], raw_delete>;
-template <class T>
-uninitialized_buffer<T> uninitialized(std::size_t n) {
-  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
-  return uninitialized_buffer<T>(static_cast<T*>(::operator new[](n * sizeof(T))));
-}
 
 // An all_gather step (.., d{..,x}, ..) |-> (.., d{..}, ..): the pieces lie
 // in order in the gathered buffer when dim d is the outermost (and they are
