@@ -406,19 +406,21 @@ TEST_CASE("raw_vector keeps what it held as it grows, its memory through clear()
   v.append(std::span<const bf16>(h.data() + 3, 2));
   REQUIRE(v.size() == 5);
   for (std::size_t i = 0; i < 5; ++i) CHECK(float(v.data()[i]) == float(h[i]));
-  v.resize(1000);  // grows past the first allocation: the five kept
+  v.resize(1000);  // grows past its capacity: the five kept
   CHECK(v.capacity() >= 1000);
   for (std::size_t i = 0; i < 5; ++i) CHECK(float(v.data()[i]) == float(h[i]));
   const bf16* at = v.data();
   v.resize(2);
   CHECK((v.size() == 2 && v.data() == at));
   v.clear();
+  CHECK((v.empty() && v.capacity() >= 1000));
   v.resize(1000);  // within the capacity: the same memory
   CHECK((v.size() == 1000 && v.data() == at));
   detail::raw_vector<bf16> w = std::move(v);
   CHECK((w.data() == at && w.size() == 1000 && v.size() == 0 && v.capacity() == 0 && v.data() == nullptr));
   v = std::move(w);
-  CHECK((v.data() == at && w.data() == nullptr));
+  CHECK((v.data() == at && v.size() == 1000 && v.capacity() >= 1000 && w.data() == nullptr && w.size() == 0 &&
+         w.capacity() == 0));
   std::span<const bf16> s = std::as_const(v);
   CHECK((s.data() == at && s.size() == 1000));
   CHECK_THROWS_AS(detail::uninitialized<double>(std::numeric_limits<std::size_t>::max() / 4), std::bad_array_new_length);

@@ -57,7 +57,8 @@ constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
   return true;
 }
 
-// Buffers kept from step to step: each bucket takes its two from here and
+// Buffers kept from step to step: each bucket takes its two (fp32 data and
+// scratch, or with wire::bf16 fp32 data and two bf16 messages) from here and
 // gives them back when it is destroyed, so a step's buckets reuse the last
 // step's memory instead of the heap's (fresh pages cost ~10 us per 4 KiB on
 // these machines, and the heap does not fragment around buffers that come
@@ -106,9 +107,9 @@ class bucket {
   using done_fn = std::function<void(std::span<const T>)>;
 
   bucket(const mesh_base& m, const reshard_steps& plan, bucket_memory<T>& memory, wire w = wire::same)
-      : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), scratch_(memory.take()),
-        narrow_(narrows<T>(w)) {
+      : mesh_(&m), plan_(plan), memory_(&memory), data_(memory.take()), narrow_(narrows<T>(w)) {
     if (narrow_) wire_in_ = memory.take_wire(), wire_out_ = memory.take_wire();
+    else scratch_ = memory.take();  // bf16 messages are packed and unpacked straight from and into data_
   }
   bucket(const bucket&) = delete;  // lives in a std::list: never moved, so its buffers stay where MPI writes
   bucket& operator=(const bucket&) = delete;
@@ -250,8 +251,9 @@ class bucket {
     if (s.kind == step_kind::all_reduce || s.kind == step_kind::reduce_scatter) {
       // The result is data_ (reduce_scatter: this rank's parts of the members)
       if (narrow_) convert_elements((s.kind == step_kind::all_reduce ? wire_in_ : wire_out_).data(), data_.size(), data_.data());
-      if (s.kind == step_kind::reduce_scatter)
-        for (member& m : members_) m.size /= std::size_t(mesh_->group(1u << s.axis).size);
+      if (s.kind == step_kind::all_reduce) return;
+      const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size);
+      for (member& m : members_) m.size /= p;
       return;
     }
     const std::size_t p = std::size_t(mesh_->group(1u << s.axis).size), total = data_.size();
