@@ -57,8 +57,8 @@ constexpr bool same_steps(const reshard_steps& a, const reshard_steps& b) {
   return true;
 }
 
-// Buffers kept from step to step: each bucket takes its two (fp32 data and
-// scratch, or with wire::bf16 fp32 data and two bf16 messages) from here and
+// Buffers kept from step to step: each bucket takes its buffers (data and
+// scratch; with wire::bf16, data and the two bf16 messages) from here and
 // gives them back when it is destroyed, so a step's buckets reuse the last
 // step's memory instead of the heap's (fresh pages cost ~10 us per 4 KiB on
 // these machines, and the heap does not fragment around buffers that come
