@@ -182,7 +182,7 @@ class bucket {
   // Pack and start one step's collective; end_step unpacks once it has finished.
   collective_request begin_step(const reshard_step& s) {
     if (s.kind == step_kind::all_reduce) {  // partial{x} |-> replicated on x, in place
-      if (narrow_) return start_all_reduce<bf16>(mesh_->group(s.mask), narrowed(data_.data(), data_.size()));
+      if (narrow_) return start_all_reduce<bf16>(mesh_->group(s.mask), narrowed());
       return start_all_reduce<T>(mesh_->group(s.mask), std::span<T>(data_));
     }
     const axis_group& g = mesh_->group(1u << s.axis);
@@ -204,7 +204,7 @@ class bucket {
       return start_reduce_scatter<T>(g, std::span<const T>(scratch_), std::span<T>(data_));
     }
     // all_gather: dim 0 split by x |-> replicated on x
-    if (narrow_) return start_all_gather<bf16>(g, narrowed(data_.data(), data_.size()), arriving(data_.size() * p));
+    if (narrow_) return start_all_gather<bf16>(g, narrowed(), arriving(data_.size() * p));
     scratch_.resize(data_.size() * p);
     return start_all_gather<T>(g, std::span<const T>(data_), std::span<T>(scratch_));  // every rank's blocks, rank after rank
   }
@@ -237,10 +237,10 @@ class bucket {
       at += m.size;
     }
   }
-  // wire::bf16: the message rounded into wire_in_; what arrives lands in wire_out_.
-  std::span<bf16> narrowed(const T* from, std::size_t n) {
-    wire_in_.resize(n);
-    convert_elements(from, n, wire_in_.data());
+  // wire::bf16: data_ rounded into wire_in_; what arrives lands in wire_out_.
+  std::span<bf16> narrowed() {
+    wire_in_.resize(data_.size());
+    convert_elements(data_.data(), data_.size(), wire_in_.data());
     return wire_in_;
   }
   std::span<bf16> arriving(std::size_t n) {

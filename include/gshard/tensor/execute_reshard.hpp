@@ -7,8 +7,6 @@
 #pragma once
 
 #include <algorithm>
-#include <memory>
-#include <new>
 #include <span>
 #include <type_traits>
 
