@@ -34,6 +34,25 @@ using einsum_plan_of = einsum_plan<Spec, typename ZA::mesh_type, typename ZA::sh
 
 namespace detail {
 
+// The bf16 form of an fp32 var an einsum's GEMMs read: what a var held in
+// bf16 holds, else its value rounded — once per tape for one var or weight
+// (tape::derived: the q, k and v projections of one input share a copy).
+template <class V>
+std::shared_ptr<const with_element<tensor_of<V>, bf16>> rounded_operand(tape& t, const V& v) {
+  if (auto h = v.held()) return h;
+  return t.derived<with_element<tensor_of<V>, bf16>>(v.shared(), [](const auto& x) { return convert<bf16>(x); });
+}
+
+// Whether einsum<Spec, Out> may write its output in bf16 as its GEMMs make
+// it: no sum left pending and no collective after the GEMMs (a sum of
+// partial products is taken in fp32 and rounded once; a product the GEMMs
+// finish is rounded once where they store it).
+template <fixed_string Spec, class Out, class XA, class XB>
+inline constexpr bool output_from_gemms = [] {
+  using plan = einsum_plan_of<Spec, Out, XA, XB>;
+  return plan::sharding.out.partial == 0 && plan::finish::steps.n == 0;
+}();
+
 // An fp32 einsum on the tape whose GEMMs round their operands to bf16
 // (matmul_precision::bf16 on bf16 units), its operands rounded once: the
 // forward multiplies the rounded copies into fp32, the rule keeps them —
@@ -44,29 +63,30 @@ namespace detail {
 // same, except where no GEMM reads an operand as it is: a scalar output,
 // or a label one operand holds alone (summed before the GEMM, now over the
 // rounded values). Einsums of one var or weight share its copy
-// (tape::derived). With `release` (a, an rvalue var the caller gives up),
-// a's fp32 value is let go once it is rounded, before the GEMMs: freed
-// there if nothing else holds it.
-template <fixed_string Spec, class Out, class VA, class VB>
+// (tape::derived); an operand held in bf16 is its own copy. With `release`
+// (a, an rvalue var the caller gives up), a's fp32 value is let go once it
+// is rounded, before the GEMMs: freed there if nothing else holds it. With
+// Held, the GEMMs write the output in bf16 (rounded to nearest even as
+// to_bf16 rounds) and the var holds it so (var's held form).
+template <fixed_string Spec, class Out, bool Held = false, class VA, class VB>
 auto einsum_rounded_once(tape& t, const VA& a, const VB& b, VA* release = nullptr) {
   using XA = tensor_of<VA>;
   using XB = tensor_of<VB>;
-  using A16 = with_element<XA, bf16>;
-  using B16 = with_element<XB, bf16>;
-  const auto round = [](const auto& x) { return convert<bf16>(x); };
-  auto a16 = t.derived<A16>(a.shared(), round);
-  auto b16 = t.derived<B16>(b.shared(), round);
+  auto a16 = rounded_operand(t, a);
+  auto b16 = rounded_operand(t, b);
   const int as = a.slot(), bs = b.slot();
   const auto ea = a.extents(), eb = b.extents();
   if (release) {
     const VA gone = std::move(*release);  // a refers to *release: not read from here on
   }
-  auto z = einsum<Spec, Out, float>(*a16, *b16);
-  using Z = decltype(z);
-  auto out = t.output(std::move(z), true);
+  auto out = [&] {
+    if constexpr (Held) return t.output_held(einsum<Spec, Out>(*a16, *b16), true);
+    else return t.output(einsum<Spec, Out, float>(*a16, *b16), true);
+  }();
+  using Z = tensor_of<decltype(out)>;
   using natural = typename einsum_plan_of<Spec, Out, XA, XB>::natural;
-  std::shared_ptr<const A16> keep_a = bs >= 0 ? std::move(a16) : nullptr;
-  std::shared_ptr<const B16> keep_b = as >= 0 ? std::move(b16) : nullptr;
+  std::shared_ptr<const with_element<XA, bf16>> keep_a = bs >= 0 ? std::move(a16) : nullptr;
+  std::shared_ptr<const with_element<XB, bf16>> keep_b = as >= 0 ? std::move(b16) : nullptr;
   t.record([tp = &t, zs = out.slot(), as, bs, ea, eb, keep_a, keep_b] {
     auto dz = tp->slot<Z>(zs).template take<gradient_sharding<natural>>();
     if (!dz) return;
@@ -126,6 +146,40 @@ auto einsum(A&& a, const B& b_in) {
       return detail::einsum_rounded_once<Spec, Out>(t, a, detail::as_var(t, b_in), &a);
   }
   return einsum<Spec, Out>(std::as_const(a), b_in);
+}
+
+// einsum<Spec, Out, bf16_activation>(h, w): an activation held in bf16.
+// Where mixed precision rounds the GEMMs' operands to bf16 (fp32 operands
+// under gemm_rounds_to_bf16(), the tape recording), the GEMMs write the
+// product in bf16 and the var holds it so: for an activation whose readers
+// round it anyway — attention's q, k and v, an FFN's hidden layer (its ReLU
+// keeps the sign, the next einsum rounds) — the fp32 product is never
+// written, read back or rounded, and the readers compute what they would
+// have from it. Reading the var's value() widens it (exactly), once.
+// Elsewhere — fp32 GEMMs, an untracked forward, or an einsum whose output
+// is summed or resharded after its GEMMs — the same as einsum<Spec, Out>.
+struct bf16_activation {};
+
+template <fixed_string Spec, class Out, class Held, class A, class B>
+  requires(std::is_same_v<Held, bf16_activation> && detail::ad_operand<A> && detail::ad_operand<B>)
+auto einsum(A&& a_in, const B& b_in) {
+  using XA = detail::tensor_of<A>;
+  using XB = detail::tensor_of<B>;
+  if constexpr (std::is_same_v<typename XA::value_type, float> && std::is_same_v<typename XB::value_type, float> &&
+                detail::output_from_gemms<Spec, Out, XA, XB>) {
+    tape& t = detail::tape_of(a_in, b_in);
+    const auto b = detail::as_var(t, b_in);
+    const auto rounds = [&](bool tracked) { return t.recording() && tracked && detail::gemm_rounds_to_bf16(); };
+    if constexpr (detail::is_var<A>::value) {  // an rvalue var, given up as einsum's own overload for one takes it
+      if (rounds(a_in.tracked() || b.tracked())) return detail::einsum_rounded_once<Spec, Out, true>(t, a_in, b, &a_in);
+      return einsum<Spec, Out>(std::move(a_in), b);
+    } else {
+      const auto a = detail::as_var(t, a_in);
+      if (rounds(a.tracked() || b.tracked())) return detail::einsum_rounded_once<Spec, Out, true>(t, a, b);
+      return einsum<Spec, Out>(a, b);
+    }
+  }
+  return einsum<Spec, Out>(std::forward<A>(a_in), b_in);
 }
 
 template <fixed_string Spec, class Out = natural_sharding, class A>

@@ -207,17 +207,28 @@ auto attention_on_tape(const char* what, const Q& q_in, const K& k_in, const V& 
   using XK = tensor_of<decltype(k)>;
   using XV = tensor_of<decltype(v)>;
   static_assert(check_attention<XQ, XK, XV>());
-  key_padding padding;
-  if constexpr (!std::is_same_v<Len, std::nullptr_t>) {
-    static_assert(check_key_padding<XQ, Len>());
-    padding = checked_key_padding(q.value(), *key_lengths, k.value().extent(1));
-  }
   using T = typename XQ::value_type;
   const bool track = q.tracked() || k.tracked() || v.tracked();
   auto kept = track && t.recording() ? std::make_shared<attention_kept<T>>() : nullptr;
-  auto y = t.output(attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(padding), kept.get(),
-                                          memory),
-                    track);
+  // q, k and v held in bf16 (einsum<.., bf16_activation>) are the copies
+  // the GEMMs multiply, taken as they are: their fp32 values are never made.
+  const bool held = kept && q.held() && k.held() && v.held() && gemm_rounds_to_bf16();
+  key_padding padding;
+  if constexpr (!std::is_same_v<Len, std::nullptr_t>) {
+    static_assert(check_key_padding<XQ, Len>());
+    padding = held ? checked_key_padding(*q.held(), *key_lengths, k.extent(1))
+                   : checked_key_padding(q.value(), *key_lengths, k.extent(1));
+  }
+  const auto forward = [&] {
+    if constexpr (std::is_same_v<T, float>)
+      if (held) {
+        kept->q16.hold(q.held()), kept->k16.hold(k.held()), kept->v16.hold(v.held());
+        return attention_forward<XQ>(what, *q.held(), *k.held(), *v.held(), scale, keys, std::move(padding), kept.get(),
+                                     memory);
+      }
+    return attention_forward<XQ>(what, q.value(), k.value(), v.value(), scale, keys, std::move(padding), kept.get(), memory);
+  };
+  auto y = t.output(forward(), track);
   if (y.tracked()) {
     // A rounded forward's backward multiplies the bf16 copies it kept: the
     // fp32 operands are not kept.
@@ -561,13 +572,14 @@ struct ffn_specs {
 //   auto y = ffn<at_tokens>(h, block.ffn);                  // [B,L,M]: "BLM,MH->BLH", "BLH,HM->BLM"
 //   auto ye = ffn<at_experts>(xe, experts);                  // [E,G,C,M]: "EGCM,EMH->EGCH", "EGCH,EHM->EGCM"
 // An rvalue x is given up at its last einsum, as the hidden activations are
-// at theirs: under bf16 GEMMs each fp32 tensor is then freed once rounded.
+// at theirs: under bf16 GEMMs each fp32 tensor is then freed once rounded,
+// and ReLU's hidden layer is never fp32 (held in bf16: bf16_activation).
 template <class Out, class V, class W1, class W2>
   requires var_type<V>
 auto ffn(V&& x, const ffn_weights<W1, W2>& w) {
   using S = detail::ffn_specs<detail::tensor_of<V>::label_string, W1::label_string, W2::label_string>;
   auto h = [&] {
-    if (!w.w1_up) return relu(einsum<S::up>(std::forward<V>(x), w.w1));
+    if (!w.w1_up) return relu(einsum<S::up, natural_sharding, bf16_activation>(std::forward<V>(x), w.w1));
     auto gated = silu(einsum<S::up>(std::as_const(x), w.w1));  // w1 before w1_up: their declaration order
     return std::move(gated) * einsum<S::up>(std::forward<V>(x), *w.w1_up);
   }();

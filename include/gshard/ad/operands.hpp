@@ -43,6 +43,15 @@ tensor_of<V> value_of(V&& v) {
   else return v.value();
 }
 
+// The bf16 tensor of a var held in bf16 (var::held()), taken as value_of
+// takes the tensor.
+template <class V>
+typename std::remove_cvref_t<V>::held_type held_of(V&& v) {
+  if constexpr (std::is_rvalue_reference_v<V&&> && !std::is_const_v<std::remove_reference_t<V>>)
+    return std::move(v).take_held();
+  else return *v.held();
+}
+
 // The layout with every axis that splits X pending instead: the sharding of
 // a sum over X's shards (a norm scale's or an embedding table's gradient).
 template <class X, int R, class T = typename X::value_type>

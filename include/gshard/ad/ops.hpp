@@ -31,6 +31,23 @@ auto unary(V&& x) {
   using X = tensor_of<V>;
   tape& t = x.on_tape();
   const int xs = x.slot();
+  if constexpr (std::is_same_v<Op, relu_op> && std::is_same_v<typename X::value_type, float>)
+    if (x.held() && gemm_rounds_to_bf16()) {
+      // x held in bf16 (einsum<.., bf16_activation>): the ReLU of the bf16
+      // values — what rounding the ReLU of the fp32 ones gives — held so;
+      // the rule passes dy where it is > 0.
+      auto y16 = held_of(std::forward<V>(x));
+      relu_in_place(y16.data(), y16.local().size());
+      auto y = t.output_held(std::move(y16), xs >= 0);
+      if (y.tracked())
+        t.record([tp = &t, ys = y.slot(), xs, keep = y.held()] {
+          auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+          if (!dy) return;
+          zero_where_at_most(dy->data(), keep->data(), 0.0f, dy->local().size());
+          tp->slot<X>(xs).add(std::move(*dy));
+        });
+      return y;
+    }
   std::shared_ptr<const X> keep_x = Op::needs_x && xs >= 0 ? x.shared() : nullptr;  // before x may be moved from
   X v = value_of(std::forward<V>(x));
   elementwise<Op>(v.data(), v.local().size());
@@ -267,6 +284,11 @@ auto relabel(V&& v) {
   using Y = with_labels<X, Labels>;
   tape& t = v.on_tape();
   const int slot = v.slot();  // a relabelled value shares its gradient slot: the same types but for the labels
+  if constexpr (std::is_same_v<typename X::value_type, float>)
+    if (v.held())  // held in bf16: stays so
+      return var<Y>(t, std::shared_ptr<const typename var<Y>::held_type>(std::make_shared<typename var<Y>::held_type>(
+                           relabel<Labels>(detail::held_of(std::forward<V>(v))))),
+                    slot);
   return var<Y>(t, std::make_shared<Y>(relabel<Labels>(detail::value_of(std::forward<V>(v)))), slot);
 }
 

@@ -251,12 +251,17 @@ class tape {
   // The output of an operation: tracked when the tape records and an input is.
   template <class X>
   var<X> output(X value, bool any_input_tracked) {
-    if (any_input_tracked && suspended_ > 0)
-      throw error("gshard::remat: the function uses a tracked value " + value.notation() +
-                  " that it was not given as an input; pass every value it reads as an argument of remat");
-    const int id = recording_ && any_input_tracked ? new_slot<X>(value.mesh(), value.extents()) : -1;
-    detail::progress_in_flight();  // as each operation ends: a reshard in flight moves while the forward computes
+    const int id = output_slot<X>(value, any_input_tracked);
     return {*this, std::make_shared<X>(std::move(value)), id};  // not const: take_value may move it
+  }
+  // The same for an fp32 output held in bf16 (`value`): a var<X> for X the
+  // fp32 tensor type, whose value() widens `value` if someone reads it.
+  template <class X16>
+    requires std::is_same_v<typename X16::value_type, bf16>
+  var<with_element<X16, float>> output_held(X16 value, bool any_input_tracked) {
+    using X = with_element<X16, float>;
+    const int id = output_slot<X>(value, any_input_tracked);
+    return {*this, std::shared_ptr<const X16>(std::make_shared<X16>(std::move(value))), id};  // not const: take_held may move it
   }
 
   // A gradient rule, run once during the backward (after every rule recorded
@@ -433,6 +438,16 @@ class tape {
   std::vector<rule> rules_;
   std::vector<rule>* recording_into_ = &rules_;  // a recomputed forward's own list
   std::vector<std::function<void()>> after_step_;
+  // The gradient slot of an output of type X (-1: untracked).
+  template <class X, class Value>
+  int output_slot(const Value& value, bool any_input_tracked) {
+    if (any_input_tracked && suspended_ > 0)
+      throw error("gshard::remat: the function uses a tracked value " + value.notation() +
+                  " that it was not given as an input; pass every value it reads as an argument of remat");
+    const int id = recording_ && any_input_tracked ? new_slot<X>(value.mesh(), value.extents()) : -1;
+    detail::progress_in_flight();  // as each operation ends: a reshard in flight moves while the forward computes
+    return id;
+  }
   struct derived_entry {
     std::weak_ptr<const void> of, value;
     std::shared_ptr<const void> held;  // a view's value

@@ -1,6 +1,7 @@
 // gshard/ad/var.hpp — var<X>: a value computed on a tape (gshard/ad/tape.hpp),
-// the tensor and whether (and where) its gradient is tracked; var_type, the
-// concept the operations on the tape take.
+// the tensor (or, under mixed precision, its bf16 form) and whether (and
+// where) its gradient is tracked; var_type, the concept the operations on
+// the tape take.
 #pragma once
 
 #include <memory>
@@ -9,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gshard/tensor/ops.hpp"
 #include "gshard/tensor/tensor.hpp"
 
 namespace gshard {
@@ -38,28 +40,57 @@ class var {
                 "gshard::var: the tape computes in float or double (bf16 tensors are moved, resharded and multiplied "
                 "outside it)");
 
-  var(gshard::tape& t, std::shared_ptr<const X> value, int slot) : tape_(&t), value_(std::move(value)), slot_(slot) {}
+  // The tensor's bf16 form, for a var held in bf16.
+  using held_type = with_element<X, bf16>;
 
-  const X& value() const { return *value_; }
-  const std::shared_ptr<const X>& shared() const { return value_; }
+  var(gshard::tape& t, std::shared_ptr<const X> value, int slot) : tape_(&t), value_(std::move(value)), slot_(slot) {}
+  // A var held in bf16 (an einsum's output under mixed precision, written
+  // in bf16 by its GEMM: einsum<Spec, Out, bf16_activation>): the readers
+  // that round their operands to bf16 anyway take held() as it is; value()
+  // widens it to X once, the first time anyone asks, for every copy of
+  // this var.
+  var(gshard::tape& t, std::shared_ptr<const held_type> held, int slot)
+    requires std::is_same_v<value_type, float>
+      : tape_(&t), held_(std::make_shared<held_value>(std::move(held))), slot_(slot) {}
+
+  const X& value() const { return *shared(); }
+  const std::shared_ptr<const X>& shared() const {
+    if (held_ && !held_->wide) held_->wide = std::make_shared<X>(convert<value_type>(*held_->bf16));
+    return held_ ? held_->wide : value_;
+  }
+  // The bf16 tensor a var held in bf16 holds; null for any other var.
+  std::shared_ptr<const held_type> held() const { return held_ ? held_->bf16 : nullptr; }
   gshard::tape& on_tape() const { return *tape_; }
   bool tracked() const { return slot_ >= 0; }
   int slot() const { return slot_; }
-  const mesh_type& mesh() const { return value_->mesh(); }
-  const extents_type& extents() const { return value_->extents(); }
-  index_t extent(int d) const { return value_->extent(d); }
-  std::string notation() const { return value_->notation(); }
+  const mesh_type& mesh() const { return held_ ? held_->bf16->mesh() : value_->mesh(); }
+  const extents_type& extents() const { return held_ ? held_->bf16->extents() : value_->extents(); }
+  index_t extent(int d) const { return extents()[std::size_t(d)]; }
+  std::string notation() const { return held_ ? held_->bf16->notation() : value_->notation(); }
 
   // The tensor, moved out when this is the only holder (an rvalue var whose
   // tensor no recorded rule keeps), else copied.
   X take_value() && {
+    if (held_) return held_->wide ? *held_->wide : convert<value_type>(*held_->bf16);
     if (value_.use_count() == 1) return std::move(const_cast<X&>(*value_));  // made by make_shared<X>: not const
     return *value_;
   }
+  // The bf16 tensor of a var held in bf16, moved out likewise.
+  held_type take_held() && {
+    if (held_.use_count() == 1 && held_->bf16.use_count() == 1)
+      return std::move(const_cast<held_type&>(*held_->bf16));  // made by make_shared<held_type>: not const
+    return *held_->bf16;
+  }
 
  private:
+  struct held_value {
+    explicit held_value(std::shared_ptr<const held_type> b) : bf16(std::move(b)) {}
+    std::shared_ptr<const held_type> bf16;
+    std::shared_ptr<const X> wide;  // made on the first read of value()
+  };
   gshard::tape* tape_;
-  std::shared_ptr<const X> value_;
+  std::shared_ptr<const X> value_;       // null for a var held in bf16
+  std::shared_ptr<held_value> held_;     // shared by the copies of a var held in bf16, else null
   int slot_;
 };
 

@@ -229,9 +229,9 @@ void block_probabilities(const attention_extents& e, index_t b, const block_oper
 // [batch, heads, L]) receives each row's softmax_row_stats, from which the
 // backward can compute the probabilities again instead of keeping them.
 //
-// With `copies` (fp32 only), the GEMMs multiply copies.q, .k and .v, and
-// the probabilities go, rounded, to copies.probs (probs null) — unless it
-// is null too: no probabilities kept.
+// With `copies` (fp32 only; q, k and v may then be null), the GEMMs
+// multiply copies.q, .k and .v, and the probabilities go, rounded, to
+// copies.probs (probs null) — unless it is null too: no probabilities kept.
 template <class T>
 void attention_forward_blocks(const attention_extents& e, const T* q, const T* k, const T* v, T scale, T* o, T* probs,
                               softmax_row_stats<T>* stats = nullptr, const attention_copies* copies = nullptr) {
@@ -249,9 +249,10 @@ void attention_forward_blocks(const attention_extents& e, const T* q, const T* k
   thread_local std::vector<bf16> q16, k16, v16, p16;
   for (index_t b = 0; b < e.batch; ++b) {
     const index_t at = b * e.L * ld, kt = b * e.T * ld;
-    const block_operand<T> Q = heads_operand(rounds, q + at, e.L * ld, e, q16, copies ? copies->q + at : nullptr),
-                           K = heads_operand(rounds, k + kt, e.T * ld, e, k16, copies ? copies->k + kt : nullptr),
-                           V = heads_operand(rounds, v + kt, e.T * ld, e, v16, copies ? copies->v + kt : nullptr);
+    const auto from = [](const T* p, index_t offset) { return p ? p + offset : nullptr; };  // null: read through a copy
+    const block_operand<T> Q = heads_operand(rounds, from(q, at), e.L * ld, e, q16, copies ? copies->q + at : nullptr),
+                           K = heads_operand(rounds, from(k, kt), e.T * ld, e, k16, copies ? copies->k + kt : nullptr),
+                           V = heads_operand(rounds, from(v, kt), e.T * ld, e, v16, copies ? copies->v + kt : nullptr);
     T* ob = o + at;
     for (index_t l0 = 0; l0 < e.L; l0 += R, progress()) {
       const index_t rows = std::min(R, e.L - l0), c = e.block_columns(b, l0, rows);

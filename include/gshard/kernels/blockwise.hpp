@@ -13,6 +13,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -69,6 +70,22 @@ void zero_where_at_most(T* g, const T* y, T threshold, index_t n) {
 inline void zero_where_at_most(float* g, const bf16* y, float threshold, index_t n) {
   constexpr index_t block = 32;  // a fixed trip count: vectorized at -O2 (core/bf16.hpp)
   const auto one = [&](index_t i) { g[i] = bf16_detail::widen(y[i]) <= threshold ? 0.0f : g[i]; };
+  index_t i = 0;
+  for (; i + block <= n; i += block)
+    for (index_t k = 0; k < block; ++k) one(i + k);
+  for (; i < n; ++i) one(i);
+}
+
+// ReLU in place on bf16 values, relu_op::f on each widened value: an
+// entry <= 0 (its bits 0x8000 ... 0xFF80: the negative numbers, -inf and
+// -0) becomes +0, the rest (NaN too) stays. Unsigned 16-bit lanes, in
+// blocks of a fixed trip count: vectorized at -O2.
+inline void relu_in_place(bf16* x, index_t n) {
+  constexpr index_t block = 32;
+  const auto one = [&](index_t i) {
+    const std::uint16_t u = x[i].value;
+    x[i].value = std::uint16_t(u - 0x8000u) <= 0x7F80u ? std::uint16_t(0) : u;
+  };
   index_t i = 0;
   for (; i + block <= n; i += block)
     for (index_t k = 0; k < block; ++k) one(i + k);

@@ -14,6 +14,7 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -94,8 +95,9 @@ std::string shape_text(const X& x) {
 
 // The operands' extents checked against each other and against the keys
 // each row sees (the same on every rank: global extents), and this rank's.
-// `what` names the function in the messages.
-template <class Q, class K, class V>
+// `what` names the function in the messages; T is the element type the
+// blocks compute in (q's, or fp32 for bf16 copies under bf16 GEMMs).
+template <class Q, class K, class V, class T = typename Q::value_type>
 attention_extents attention_shape(const char* what, const Q& q, const K& k, const V& v, const attention_keys& keys,
                                   double scale) {
   const std::string at = std::string("gshard::") + what + ": ";
@@ -112,7 +114,7 @@ attention_extents attention_shape(const char* what, const Q& q, const K& k, cons
                       "follow T - L cached keys), or drop causal for cross-attention");
   const auto lq = q.local_extents(), lk = k.local_extents();
   // No block longer than the sequence: its scratch is [heads, rows, T].
-  const index_t rows = std::max<index_t>(1, std::min(attention_block_rows<typename Q::value_type>(), lq[1]));
+  const index_t rows = std::max<index_t>(1, std::min(attention_block_rows<T>(), lq[1]));
   return {lq[0], lq[1], lk[1], lq[2], lq[3], keys, rows};
 }
 
@@ -187,6 +189,25 @@ inline void trace_attention(const char* name, double t0, const attention_extents
                    ",\"dense_flops\":" + std::to_string(passes * e.dense_flops()));
 }
 
+// A bf16 copy of q, k or v that the GEMMs read: rounded here from the fp32
+// tensor, or the bf16 tensor of a var held in bf16 (ad/var.hpp), kept alive.
+struct bf16_copy {
+  aligned_buffer<bf16> rounded;
+  std::shared_ptr<const void> held;
+  const bf16* data = nullptr;
+  template <class X>
+  void round(const X& x) {
+    rounded.resize(x.local().size());
+    to_bf16(x.data(), std::size_t(x.local().size()), rounded.data());
+    data = rounded.data();
+  }
+  template <class X16>
+  void hold(std::shared_ptr<const X16> x) {
+    data = x->data();
+    held = std::move(x);
+  }
+};
+
 // What the forward keeps for the backward: the probabilities
 // (attention_extents::probs_size() elements, aligned), or each row's
 // softmax_row_stats (batch · heads · L), or nothing. Where its GEMMs round
@@ -207,19 +228,30 @@ struct attention_kept {
   attention_extents shape;  // this rank's, as the forward checked them
   double model_flops = 0;   // attention_model_flops of the forward
   bool rounded = false;     // the copies below hold what the GEMMs read
-  aligned_buffer<bf16> q16, k16, v16, probs16;
+  bf16_copy q16, k16, v16;
+  aligned_buffer<bf16> probs16;
   attention_copies copies() {
-    return {q16.data(), k16.data(), v16.data(), memory == attention_memory::keep_probabilities ? probs16.data() : nullptr};
+    return {q16.data, k16.data, v16.data, memory == attention_memory::keep_probabilities ? probs16.data() : nullptr};
   }
 };
 
-// o = attention of q, k, v (checked) over the keys `keys` and `padding`
-// give each row, keeping in `kept` (unless null) what `memory` says.
-template <class Q, class K, class V>
-Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double scale, attention_keys keys,
-                    key_padding padding, attention_kept<typename Q::value_type>* kept,
-                    attention_memory memory = attention_memory::keep_probabilities) {
-  using T = typename Q::value_type;
+// o (of type Out) = attention of q, k, v (checked) over the keys `keys` and
+// `padding` give each row, keeping in `kept` (unless null) what `memory`
+// says. q, k and v are Out's element type — or bf16 for an fp32 Out whose
+// GEMMs round (tensors held in bf16, ad/var.hpp), already held by kept's
+// copies (bf16_copy::hold), which the forward then multiplies as they are.
+template <class Out, class Q, class K, class V>
+Out attention_forward(const char* what, const Q& q, const K& k, const V& v, double scale, attention_keys keys,
+                      key_padding padding, attention_kept<typename Out::value_type>* kept,
+                      attention_memory memory = attention_memory::keep_probabilities) {
+  using T = typename Out::value_type;
+  constexpr bool held = std::is_same_v<typename Q::value_type, bf16> && std::is_same_v<T, float>;
+  static_assert(std::is_same_v<typename Q::value_type, typename K::value_type> &&
+                std::is_same_v<typename Q::value_type, typename V::value_type> &&
+                (held || std::is_same_v<typename Q::value_type, T>));
+  if constexpr (held)
+    if (!kept || !kept->q16.data || !kept->k16.data || !kept->v16.data)
+      throw error(std::string("gshard::") + what + ": bf16 q, k and v without their copies held (a gshard bug)");
   if (kept) {
     kept->padding = std::move(padding);
     keys = kept->padding.bind(keys);
@@ -228,8 +260,8 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
   } else {
     keys = padding.bind(keys);
   }
-  const attention_extents e = attention_shape(what, q, k, v, keys, scale);
-  typename Q::local_type o(q.local_extents());
+  const attention_extents e = attention_shape<Q, K, V, T>(what, q, k, v, keys, scale);
+  typename Out::local_type o(q.local_extents());
   T* probs = nullptr;
   softmax_row_stats<T>* stats = nullptr;
   const double model_flops = attention_model_flops(q, k);
@@ -239,12 +271,8 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
     kept->shape = e;
     kept->model_flops = model_flops;
     if constexpr (std::is_same_v<T, float>)
-      if (gemm_rounds_to_bf16()) {
-        const auto round = [](const auto& x, aligned_buffer<bf16>& to) {
-          to.resize(x.local().size());
-          to_bf16(x.data(), std::size_t(x.local().size()), to.data());
-        };
-        round(q, kept->q16), round(k, kept->k16), round(v, kept->v16);
+      if (held || gemm_rounds_to_bf16()) {
+        if constexpr (!held) kept->q16.round(q), kept->k16.round(k), kept->v16.round(v);
         if (memory == attention_memory::keep_probabilities) kept->probs16.resize(e.probs_size());
         kept->rounded = true;
         copies = kept->copies();
@@ -258,11 +286,15 @@ Q attention_forward(const char* what, const Q& q, const K& k, const V& v, double
     stats = kept->stats.data();
   }
   const double t0 = trace::enabled() ? trace::now() : 0.0;
-  attention_forward_blocks<T>(e, q.data(), k.data(), v.data(), T(scale), o.data(), probs, stats,
+  const auto fp32 = [](const auto& x) -> const T* {  // a held operand's: read through its copy only
+    if constexpr (held) return nullptr;
+    else return x.data();
+  };
+  attention_forward_blocks<T>(e, fp32(q), fp32(k), fp32(v), T(scale), o.data(), probs, stats,
                               kept && kept->rounded ? &copies : nullptr);
   add_model_flops(model_flops);
   trace_attention(what, t0, e, 1.0);
-  return Q(q.mesh(), q.extents(), std::move(o));
+  return Out(q.mesh(), q.extents(), std::move(o));
 }
 
 // {dq, dk, dv} (of the types given: on `mesh`, q's extents eq, k's and v's
