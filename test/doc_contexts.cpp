@@ -106,6 +106,19 @@ inline void fragment(const grid& g) {
 //@fragment
 }
 
+// context: held_projections
+// docs/15: attention's projections held in bf16.
+using grid = mesh<axis<"data">>;
+using tokens = sharding<split<0, "data">>;
+template <class H, class W>
+auto fragment(const H& h, const W& wq, const W& wk, const W& wv) {
+//@fragment
+}
+using weight = param<tensor<float, 3, grid, replicate, "MNK">>;
+using checked = decltype(fragment(std::declval<const var<tensor<float, 3, grid, tokens, "BLM">>&>(),
+                                  std::declval<const weight&>(), std::declval<const weight&>(),
+                                  std::declval<const weight&>()));
+
 // context: moe_layer_use
 inline void fragment(const mesh<axis<"data", 2>, axis<"expert", 4>>& g, index_t G, index_t S, std::uint64_t step) {
 //@fragment

@@ -545,13 +545,16 @@ class seq2seq {
     return embedding(t, tokens, embed_) + embedding(t, positions_of(tokens, offset), t.constant_ref(sinusoids_));
   }
 
-  // Self-attention of h: causal, or bidirectional over each sequence's `lengths` keys.
+  // Self-attention of h: causal, or bidirectional over each sequence's
+  // `lengths` keys. Under bf16 GEMMs q, k and v are written in bf16, the
+  // only form the attention reads (bf16_activation); so in cross_attention.
   template <class H>
   auto self_attention(const H& h, const attention_params& a, const lengths_type* lengths, attention_options o) const {
     const double scale = 1.0 / std::sqrt(double(c_.head_dim));
-    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);
-    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));
-    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
+    using qkv = bf16_activation;
+    auto q = einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wq);
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wk));
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wv));
     auto out = lengths ? dot_product_attention(q, k, v, *lengths, scale, o) : dot_product_attention(q, k, v, scale, o);
     return einsum<"BLNK,NKM->BLM", at_tokens>(out, a.wo);
   }
@@ -560,9 +563,10 @@ class seq2seq {
   template <class H, class Mem>
   auto cross_attention(const H& h, const Mem& memory, const attention_params& a, const lengths_type& src_lengths) const {
     const double scale = 1.0 / std::sqrt(double(c_.head_dim));
-    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);
-    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, a.wk));
-    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(memory, a.wv));
+    using qkv = bf16_activation;
+    auto q = einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wq);
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(memory, a.wk));
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(memory, a.wv));
     return einsum<"BLNK,NKM->BLM", at_tokens>(dot_product_attention(q, k, v, src_lengths, scale, {false, 0, c_.attention}),
                                                a.wo);
   }

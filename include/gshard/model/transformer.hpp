@@ -190,9 +190,12 @@ class transformer {
   template <class V>
   auto attention(const V& h, const attention_params& a) const {
     const double scale = 1.0 / std::sqrt(double(c_.head_dim));
-    auto q = einsum<"BLM,MNK->BLNK">(h, a.wq);                     // [B{data,expert},L,N{model},K]
-    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wk));    // the keys' positions are T
-    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK">(h, a.wv));
+    // Only the attention reads q, k and v, and under bf16 GEMMs only their
+    // bf16 copies: the projections write them so (bf16_activation).
+    using qkv = bf16_activation;
+    auto q = einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wq);                   // [B{data,expert},L,N{model},K]
+    auto k = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wk));  // the keys' positions are T
+    auto v = relabel<"BTNK">(einsum<"BLM,MNK->BLNK", natural_sharding, qkv>(h, a.wv));
     auto o = causal_attention(q, k, v, scale, c_.attention);  // [B{data,expert},L,N{model},K]
     return einsum<"BLNK,NKM->BLM", at_tokens>(o, a.wo);
   }
