@@ -759,23 +759,14 @@ TEST_CASE("autodiff: an activation held in bf16 is its einsum's output rounded; 
   // bf16: the readers that round it anyway (attention's GEMMs, ReLU then
   // the next einsum) compute what they computed from the fp32 product, so
   // a block built of held activations gives the plain block's value and
-  // gradients to the bit. Elsewhere the option changes nothing.
+  // gradients to the bit. Elsewhere the option changes nothing. (Without
+  // bf16 units only the last parts below test the held form.)
   const int P = world_size();
   const auto sizes = data_model_sizes(P);
   grid2 m(MPI_COMM_WORLD, sizes);
   parameters ps(m, 12);
   using bs = sharding<split<0, "data">>;
   using by_heads = sharding<split<1, "model">>;
-  // L = 40: one block of rows on oneDNN, two of 32 elsewhere (attention_block_rows).
-  const index_t B = 2 * sizes[0], L = 40, M = 16, N = 2 * sizes[1], K = 8, H = 6 * sizes[1];
-  param<tensor<float, 3, grid2, bs, "BLM">> x(ps, "x", {B, L, M}, init::normal(1.0));
-  param<tensor<float, 3, grid2, by_heads, "MNK">> wq(ps, "wq", {M, N, K}, init::normal(0.3)), wk(ps, "wk", {M, N, K}, init::normal(0.3)),
-      wv(ps, "wv", {M, N, K}, init::normal(0.3));
-  param<tensor<float, 3, grid2, sharding<split<0, "model">>, "NKM">> wo(ps, "wo", {N, K, M}, init::normal(0.3));
-  param<tensor<float, 2, grid2, by_heads, "MH">> w1(ps, "w1", {M, H}, init::normal(0.3));
-  param<tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">> w2(ps, "w2", {H, M}, init::normal(0.3));
-  tensor<float, 3, grid2, bs, "BLM"> r(m, {B, L, M});
-  fill_normal(r, 1.0, 15, 3);
   const bool native = detail::gemm_bf16_native();
   INFO((native ? "bf16 units: the held path" : "no bf16 units: fp32 GEMMs only"));
   auto same_bits = [](const auto& u, const auto& v) {
@@ -783,81 +774,126 @@ TEST_CASE("autodiff: an activation held in bf16 is its einsum's output rounded; 
              return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
            });
   };
-  // The block: attention on q, k, v projected from x, its output
-  // projected back, plus a ReLU FFN on x; the loss Σ out·r. `gemms`: the
-  // GEMMs the step ran, as (m, n, k, operand bytes).
-  using gemm_shape = std::array<std::int64_t, 4>;
-  const auto run = [&](matmul_precision precision, bool held, std::vector<gemm_shape>& gemms) {
-    const matmul_precision_scope s(precision);
-    gemm_recorder recorder;
-    tape t(ps);
-    bool all_held = true;
-    const auto project = [&](const auto& w) {
-      if (!held) return einsum<"BLM,MNK->BLNK">(t.use(x), w);
-      auto p = einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(t.use(x), w);
-      all_held = all_held && p.held() != nullptr;
-      return p;
+  // L = 40: one block of rows on oneDNN, two of 32 elsewhere (attention_block_rows).
+  // One sequence and one head as well: a rank of more than one along an
+  // axis then holds an empty shard.
+  const index_t L = 40, M = 16, K = 8, H = 6 * sizes[1];
+  for (const auto [B, N] : {std::array<index_t, 2>{2 * sizes[0], 2 * sizes[1]}, std::array<index_t, 2>{1, 1}}) {
+    INFO("B " << B << ", N " << N);
+    const std::string at = std::to_string(B) + "x" + std::to_string(N);
+    param<tensor<float, 3, grid2, bs, "BLM">> x(ps, "x" + at, {B, L, M}, init::normal(1.0));
+    param<tensor<float, 3, grid2, by_heads, "MNK">> wq(ps, "wq" + at, {M, N, K}, init::normal(0.3)),
+        wk(ps, "wk" + at, {M, N, K}, init::normal(0.3)), wv(ps, "wv" + at, {M, N, K}, init::normal(0.3));
+    param<tensor<float, 3, grid2, sharding<split<0, "model">>, "NKM">> wo(ps, "wo" + at, {N, K, M}, init::normal(0.3));
+    param<tensor<float, 2, grid2, by_heads, "MH">> w1(ps, "w1" + at, {M, H}, init::normal(0.3));
+    param<tensor<float, 2, grid2, sharding<split<0, "model">>, "HM">> w2(ps, "w2" + at, {H, M}, init::normal(0.3));
+    tensor<float, 3, grid2, bs, "BLM"> r(m, {B, L, M});
+    fill_normal(r, 1.0, 15, 3);
+    // The block: attention on q, k, v projected from x, its output
+    // projected back, plus a ReLU FFN on x; the loss Σ out·r. Returns the
+    // vars held in bf16 (q, k, v, the ReLU's output), and in `gemms` the
+    // GEMMs the step ran, as (m, n, k, operand bytes).
+    using gemm_shape = std::array<std::int64_t, 4>;
+    const auto run = [&](matmul_precision precision, bool held, std::vector<gemm_shape>& gemms) {
+      const matmul_precision_scope s(precision);
+      gemm_recorder recorder;
+      tape t(ps);
+      int held_vars = 0;
+      const auto count = [&](const auto& v) { held_vars += v.held() != nullptr; };
+      const auto project = [&](const auto& w) {
+        auto p = held ? einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(t.use(x), w)
+                      : einsum<"BLM,MNK->BLNK">(t.use(x), w);
+        count(p);
+        return p;
+      };
+      auto o = causal_attention(project(wq), relabel<"BTNK">(project(wk)), relabel<"BTNK">(project(wv)), 0.35);
+      auto a = relu(held ? einsum<"BLM,MH->BLH", natural_sharding, bf16_activation>(t.use(x), w1)
+                         : einsum<"BLM,MH->BLH">(t.use(x), w1));
+      count(a);
+      auto out = all_reduce<"model">(einsum<"BLNK,NKM->BLM">(o, wo) + einsum<"BLH,HM->BLM">(std::move(a), w2));
+      const auto flat = [](const auto& u) {
+        const auto g = gather(u);
+        return std::vector<float>(g.data(), g.data() + g.size());
+      };
+      auto value = flat(out.value());
+      t.backward(reshard<replicate>(einsum<"BLM,BLM->">(out, t.constant(r))));
+      for (const gemm_call& g : recorder.calls()) gemms.push_back({g.m, g.n, g.k, g.element_bytes});
+      return std::pair{held_vars, std::array{value, flat(x.grad()), flat(wq.grad()), flat(wk.grad()), flat(wv.grad()),
+                                             flat(w1.grad()), flat(w2.grad())}};
     };
-    auto o = causal_attention(project(wq), relabel<"BTNK">(project(wk)), relabel<"BTNK">(project(wv)), 0.35);
-    auto h = held ? einsum<"BLM,MH->BLH", natural_sharding, bf16_activation>(t.use(x), w1) : einsum<"BLM,MH->BLH">(t.use(x), w1);
-    auto a = relu(std::move(h));
-    all_held = all_held && (!held || a.held() != nullptr);
-    auto out = all_reduce<"model">(einsum<"BLNK,NKM->BLM">(o, wo) + einsum<"BLH,HM->BLM">(std::move(a), w2));
-    const auto flat = [](const auto& u) {
-      const auto g = gather(u);
-      return std::vector<float>(g.data(), g.data() + g.size());
-    };
-    auto value = flat(out.value());
-    t.backward(reshard<replicate>(einsum<"BLM,BLM->">(out, t.constant(r))));
-    for (const gemm_call& g : recorder.calls()) gemms.push_back({g.m, g.n, g.k, g.element_bytes});
-    return std::pair{held && all_held, std::array{value, flat(x.grad()), flat(wq.grad()), flat(wk.grad()), flat(wv.grad()),
-                                          flat(w1.grad()), flat(w2.grad())}};
-  };
-  for (const matmul_precision precision : {matmul_precision::f32, matmul_precision::bf16}) {
-    const bool rounds = precision == matmul_precision::bf16 && native;
-    INFO((rounds ? "GEMMs round" : "fp32 GEMMs"));
-    std::vector<gemm_shape> plain_gemms, held_gemms;
-    const auto [none_held, plain] = run(precision, false, plain_gemms);
-    const auto [all_held, held] = run(precision, true, held_gemms);
-    GSHARD_REQUIRE(all_held == rounds);  // held only where the GEMMs round
-    GSHARD_REQUIRE(!none_held);
-    // The same GEMMs: attention on held copies runs the blocks fp32 q, k, v would.
-    GSHARD_REQUIRE(!plain_gemms.empty());
-    GSHARD_REQUIRE(held_gemms == plain_gemms);
-    for (std::size_t i = 0; i < plain.size(); ++i) {
-      INFO("result " << i << " (the value, then the gradients of x, wq, wk, wv, w1, w2)");
-      GSHARD_REQUIRE(same_bits(held[i], plain[i]));
+    for (const matmul_precision precision : {matmul_precision::f32, matmul_precision::bf16}) {
+      const bool rounds = precision == matmul_precision::bf16 && native;
+      INFO((rounds ? "GEMMs round" : "fp32 GEMMs"));
+      std::vector<gemm_shape> plain_gemms, held_gemms;
+      const auto [plain_held, plain] = run(precision, false, plain_gemms);
+      const auto [held_held, held] = run(precision, true, held_gemms);
+      GSHARD_REQUIRE(plain_held == 0);
+      GSHARD_REQUIRE(held_held == (rounds ? 4 : 0));  // held only where the GEMMs round
+      // The same GEMMs: attention on held copies runs the blocks fp32 q, k, v would.
+      if (B == 2 * sizes[0]) GSHARD_REQUIRE(!plain_gemms.empty());  // (a rank of empty shards multiplies nothing)
+      GSHARD_REQUIRE(held_gemms == plain_gemms);
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        INFO("result " << i << " (the value, then the gradients of x, wq, wk, wv, w1, w2)");
+        GSHARD_REQUIRE(same_bits(held[i], plain[i]));
+      }
     }
+    if (B != 2 * sizes[0]) continue;
+
+    // A held var's value: the einsum's fp32 output rounded to nearest even,
+    // widened once for all its copies; relabelling keeps it held.
+    const matmul_precision_scope s(matmul_precision::bf16);
+    tape t(ps);
+    auto q = einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(t.use(x), wq);
+    GSHARD_REQUIRE((q.held() != nullptr) == native);
+    const auto want = convert<float>(convert<bf16>(einsum<"BLM,MNK->BLNK">(x.value(), wq.value())));
+    GSHARD_REQUIRE(same_bits(q.value().local(), want.local()));
+    GSHARD_REQUIRE(q.extents() == want.extents());
+    // Untracked (the tape not recording): an ordinary fp32 einsum.
+    tape quiet(ps, tape::no_grad);
+    GSHARD_REQUIRE(einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(quiet.use(x), wq).held() == nullptr);
   }
 
-  // A held var's value: the einsum's fp32 output rounded to nearest even,
-  // widened once for all its copies; relabelling keeps it held.
-  const matmul_precision_scope s(matmul_precision::bf16);
-  tape t(ps);
-  auto q = einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(t.use(x), wq);
-  GSHARD_REQUIRE((q.held() != nullptr) == native);
-  const auto want = convert<float>(convert<bf16>(einsum<"BLM,MNK->BLNK">(x.value(), wq.value())));
-  const auto copy = q;
-  GSHARD_REQUIRE(same_bits(q.value().local(), want.local()));
-  GSHARD_REQUIRE(&copy.value() == &q.value());
-  GSHARD_REQUIRE(q.extents() == want.extents());
-  const auto k = relabel<"BTNK">(std::move(q));
-  GSHARD_REQUIRE((k.held() != nullptr) == native);
-  GSHARD_REQUIRE(same_bits(k.value().local(), want.local()));
-  // Untracked (the tape not recording): an ordinary fp32 einsum.
-  tape quiet(ps, tape::no_grad);
-  GSHARD_REQUIRE(einsum<"BLM,MNK->BLNK", natural_sharding, bf16_activation>(quiet.use(x), wq).held() == nullptr);
+  // The held form itself, on any machine: a var made held (as the option
+  // makes it) reads as its bf16 values widened, once for all its copies,
+  // is named as the fp32 tensor it stands for, stays held (its storage
+  // moved, not copied) through an rvalue relabel, and take_held() of a var
+  // not held says so.
+  {
+    using X = tensor<float, 2, grid2, bs, "BM">;
+    X v(m, {2 * sizes[0] + 1, 5});  // uneven over the data axis where it has more than one rank
+    fill_normal(v, 1.0, 16, 3);
+    tape t(ps);
+    auto h = t.output_held(convert<bf16>(v), true);
+    static_assert(std::is_same_v<decltype(h), var<X>>);
+    const auto copy = h;
+    const auto want = convert<float>(convert<bf16>(v));
+    GSHARD_REQUIRE(same_bits(h.value().local(), want.local()));
+    GSHARD_REQUIRE(&copy.value() == &h.value());
+    GSHARD_REQUIRE(h.notation() == v.notation());
+    GSHARD_REQUIRE(h.extents() == v.extents());
+    auto moved = relabel<"TM">(std::move(h));
+    GSHARD_REQUIRE(moved.held() != nullptr);
+    GSHARD_REQUIRE(same_bits(moved.value().local(), want.local()));
+    auto alone = relabel<"SM">(relabel<"TM">(t.output_held(convert<bf16>(v), true)));
+    const bf16* before = alone.held()->data();
+    auto last = relabel<"RM">(std::move(alone));
+    GSHARD_REQUIRE(last.held()->data() == before);  // nothing else held it: moved
+    var<X> plain = t.constant(v);
+    GSHARD_REQUIRE_THROWS_WITH(std::move(plain).take_held(), error,
+                               "gshard::var: take_held() of " + v.notation() + ", a var not held in bf16");
+  }
 
   // ReLU on held values is relu_op::f on each widened value, bit for bit:
-  // x <= 0 (-0 and -inf too) gives +0, NaN of either sign stays.
+  // x <= 0 (-0 and -inf too) gives +0, NaN of either sign stays. 40 values:
+  // a block of 32 and a tail.
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-  const std::vector<float> values{-inf, -3.5f, -0x1p-130f, -0.0f, 0.0f, 0x1p-130f, 2.25f, inf, nan, -nan};
-  std::vector<bf16> held(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) held[i] = bf16(values[i]);
+  const std::array<float, 10> kinds{-inf, -3.5f, -0x1p-130f, -0.0f, 0.0f, 0x1p-130f, 2.25f, inf, nan, -nan};
+  std::vector<bf16> held(40);
+  for (std::size_t i = 0; i < held.size(); ++i) held[i] = bf16(kinds[(i * 7) % kinds.size()]);
   const std::vector<bf16> before = held;
   detail::relu_in_place(held.data(), index_t(held.size()));
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    INFO("relu of " << float(before[i]));
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    INFO("relu of " << float(before[i]) << " at " << i);
     const float want = detail::relu_op::f(float(before[i]));
     GSHARD_REQUIRE(std::bit_cast<std::uint32_t>(float(held[i])) == std::bit_cast<std::uint32_t>(want));
   }

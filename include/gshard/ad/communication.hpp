@@ -66,8 +66,10 @@ inline constexpr bool output_from_gemms = [] {
 // (tape::derived); an operand held in bf16 is its own copy. With `release`
 // (a, an rvalue var the caller gives up), a's fp32 value is let go once it
 // is rounded, before the GEMMs: freed there if nothing else holds it. With
-// Held, the GEMMs write the output in bf16 (rounded to nearest even as
-// to_bf16 rounds) and the var holds it so (var's held form).
+// Held, the GEMMs write the output in bf16 and the var holds it so (var's
+// held form): oneDNN rounds its fp32 accumulators to nearest even as it
+// stores them, the bits to_bf16 gives the fp32 output (test_autodiff
+// checks it where the CPU has bf16 units).
 template <fixed_string Spec, class Out, bool Held = false, class VA, class VB>
 auto einsum_rounded_once(tape& t, const VA& a, const VB& b, VA* release = nullptr) {
   using XA = tensor_of<VA>;
@@ -154,8 +156,10 @@ auto einsum(A&& a, const B& b_in) {
 // product in bf16 and the var holds it so: for an activation whose readers
 // round it anyway — attention's q, k and v, an FFN's hidden layer (its ReLU
 // keeps the sign, the next einsum rounds) — the fp32 product is never
-// written, read back or rounded, and the readers compute what they would
-// have from it. Reading the var's value() widens it (exactly), once.
+// written, read back or rounded, and those readers compute what they
+// would have from it. The var's value() is the product rounded to bf16
+// (widened once): a reader that does not round — code of one's own, or
+// attention and relu run later under fp32 GEMMs — sees the rounding.
 // Elsewhere — fp32 GEMMs, an untracked forward, or an einsum whose output
 // is summed or resharded after its GEMMs — the same as einsum<Spec, Out>.
 struct bf16_activation {};

@@ -47,15 +47,18 @@ class var {
   // A var held in bf16 (an einsum's output under mixed precision, written
   // in bf16 by its GEMM: einsum<Spec, Out, bf16_activation>): the readers
   // that round their operands to bf16 anyway take held() as it is; value()
-  // widens it to X once, the first time anyone asks, for every copy of
-  // this var.
+  // is the bf16 values widened to X (exactly), made once, the first time
+  // anyone asks, for every copy of this var — the lazy widening writes
+  // state the copies share, so a var is read by one thread at a time, as
+  // its tape runs.
   var(gshard::tape& t, std::shared_ptr<const held_type> held, int slot)
     requires std::is_same_v<value_type, float>
       : tape_(&t), held_(std::make_shared<held_value>(std::move(held))), slot_(slot) {}
 
   const X& value() const { return *shared(); }
   const std::shared_ptr<const X>& shared() const {
-    if (held_ && !held_->wide) held_->wide = std::make_shared<X>(convert<value_type>(*held_->bf16));
+    if constexpr (std::is_same_v<value_type, float>)
+      if (held_ && !held_->wide) held_->wide = std::make_shared<X>(convert<value_type>(*held_->bf16));
     return held_ ? held_->wide : value_;
   }
   // The bf16 tensor a var held in bf16 holds; null for any other var.
@@ -66,17 +69,24 @@ class var {
   const mesh_type& mesh() const { return held_ ? held_->bf16->mesh() : value_->mesh(); }
   const extents_type& extents() const { return held_ ? held_->bf16->extents() : value_->extents(); }
   index_t extent(int d) const { return extents()[std::size_t(d)]; }
-  std::string notation() const { return held_ ? held_->bf16->notation() : value_->notation(); }
+  std::string notation() const {
+    if (!held_) return value_->notation();
+    const std::string n = held_->bf16->notation();  // "bf16[...]": named as X, its element type
+    return std::string(detail::dtype_name<value_type>()) + n.substr(std::string_view(detail::dtype_name<bf16>()).size());
+  }
 
   // The tensor, moved out when this is the only holder (an rvalue var whose
   // tensor no recorded rule keeps), else copied.
   X take_value() && {
-    if (held_) return held_->wide ? *held_->wide : convert<value_type>(*held_->bf16);
+    if constexpr (std::is_same_v<value_type, float>)
+      if (held_ && held_.use_count() == 1 && !held_->wide) return convert<value_type>(*held_->bf16);  // read by none else
+    if (held_) return *shared();
     if (value_.use_count() == 1) return std::move(const_cast<X&>(*value_));  // made by make_shared<X>: not const
     return *value_;
   }
-  // The bf16 tensor of a var held in bf16, moved out likewise.
+  // The bf16 tensor of a var held in bf16 (held() is not null), moved out likewise.
   held_type take_held() && {
+    if (!held_) throw error("gshard::var: take_held() of " + notation() + ", a var not held in bf16");
     if (held_.use_count() == 1 && held_->bf16.use_count() == 1)
       return std::move(const_cast<held_type&>(*held_->bf16));  // made by make_shared<held_type>: not const
     return *held_->bf16;

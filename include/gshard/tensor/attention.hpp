@@ -249,8 +249,8 @@ Out attention_forward(const char* what, const Q& q, const K& k, const V& v, doub
   static_assert(std::is_same_v<typename Q::value_type, typename K::value_type> &&
                 std::is_same_v<typename Q::value_type, typename V::value_type> &&
                 (held || std::is_same_v<typename Q::value_type, T>));
-  if constexpr (held)
-    if (!kept || !kept->q16.data || !kept->k16.data || !kept->v16.data)
+  if constexpr (held)  // (an empty shard's copy has no data, but is held)
+    if (!kept || !kept->q16.held || !kept->k16.held || !kept->v16.held)
       throw error(std::string("gshard::") + what + ": bf16 q, k and v without their copies held (a gshard bug)");
   if (kept) {
     kept->padding = std::move(padding);
