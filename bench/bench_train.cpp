@@ -211,25 +211,39 @@ void sharded_vs_replicated_update(benchmark::State& state) {
   state.counters["sharded/replicated"] = c.median_ratio[1];
 }
 
-// bucket_sizes: the step (sharded update) with its gradient reductions and
-// weight gathers one collective per weight, and in buckets of 256 KiB,
-// 1 MiB and 4 MiB (the default), interleaved step by step (median times,
-// ratios to one per weight); and the collectives each issues per step.
-// Buckets start as they fill and travel while the step computes: smaller
-// ones start sooner, larger ones pay each collective's latency fewer times.
+// bucket_sizes/bf16:0|1: the step (sharded update) with its gradient
+// reductions and weight gathers one collective per weight, and in buckets of
+// 128 KiB, 256 KiB, 1 MiB and 4 MiB (the default), interleaved step by step
+// (median times, ratios to one per weight); and the collectives each issues
+// per step. bf16:1 is step_bf16's bf16 step (bf16 GEMMs, weights, gradients
+// and all_to_alls): half the bytes in each bucket. Buckets start as they
+// fill and travel while the step computes: smaller ones start sooner,
+// larger ones pay each collective's latency fewer times.
 void bucket_sizes(benchmark::State& state) {
-  const std::size_t kib[] = {0, 256, 1024, default_bucket_bytes >> 10};
+  const bool bf16 = state.range(0) == 1;
+  const std::size_t kib[] = {0, 128, 256, 1024, default_bucket_bytes >> 10};
   std::vector<std::unique_ptr<trainer>> runs;
   std::vector<std::function<void()>> steps;
+  model::config cfg = trainer_config();
+  if (bf16) cfg.all_to_all_wire = wire::bf16;
   for (std::size_t k : kib) {
-    runs.push_back(std::make_unique<trainer>(true));
-    runs.back()->ps.set_bucket_bytes(k << 10);
-    steps.push_back([t = runs.back().get()] { t->step(); });
+    runs.push_back(std::make_unique<trainer>(cfg, true));
+    trainer& t = *runs.back();
+    t.ps.set_bucket_bytes(k << 10);
+    if (bf16) {
+      t.ps.set_gradient_wire(wire::bf16);
+      t.ps.set_weight_wire(wire::bf16);
+      t.opt = adam({}, t.ps);  // built anew for bf16 weights: with masters
+    }
+    steps.push_back([&t, bf16] {
+      const matmul_precision_scope s(bf16 ? matmul_precision::bf16 : matmul_precision::f32);
+      t.step();
+    });
   }
   auto name = [](std::size_t k) { return k == 0 ? std::string("per_weight") : std::to_string(k) + "KiB"; };
   for (std::size_t i = 0; i < runs.size(); ++i) {
     collective_recorder rec;
-    runs[i]->step();
+    steps[i]();
     state.counters["collectives_" + name(kib[i])] = double(rec.events().size());
   }
   const auto c = gshard::bench::compare(state, steps, runs.size() - 1);
@@ -520,7 +534,7 @@ const int registered = [] {
   benchmark::RegisterBenchmark("step_bf16", step_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->ArgName("bf16")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_gemms", step_gemms)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_memory", step_memory)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("memory_per_rank", memory_per_rank)

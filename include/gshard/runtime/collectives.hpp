@@ -18,6 +18,7 @@
 #include "gshard/core/bf16.hpp"
 #include "gshard/core/counters.hpp"
 #include "gshard/core/options.hpp"
+#include "gshard/core/raw_storage.hpp"
 #include "gshard/core/error.hpp"
 #include "gshard/runtime/mesh.hpp"
 #include "gshard/runtime/debug.hpp"
@@ -120,9 +121,12 @@ inline constexpr bool sums_in_fp32 = !std::is_same_v<sum_t<T>, T>;
 
 // out = the P parts (part p at parts + p·chunk) combined in fp32, rounded once.
 inline void combine_parts(const bf16* parts, std::size_t chunk, int P, reduction op, bf16* out) {
-  thread_local Eigen::ArrayXf acc, part;  // reused while the messages keep their size
-  const auto n = Eigen::Index(chunk);
-  acc.resize(n), part.resize(n);
+  // Kept from call to call at their largest: the messages' sizes differ
+  // (gradient buckets, weights one by one), and an Eigen array reallocated
+  // at each new size touched fresh pages every call.
+  thread_local raw_vector<float> acc_buffer, part_buffer;
+  acc_buffer.resize(chunk), part_buffer.resize(chunk);
+  Eigen::Map<Eigen::ArrayXf> acc(acc_buffer.data(), Eigen::Index(chunk)), part(part_buffer.data(), Eigen::Index(chunk));
   from_bf16(parts, chunk, acc.data());
   for (int p = 1; p < P; ++p) {
     from_bf16(parts + std::size_t(p) * chunk, chunk, part.data());
