@@ -118,7 +118,7 @@ constexpr const char* usage =
     "                     optimizer state, the router, norms, softmax and the loss stay fp32\n"
     "                     (docs/15_precision.md). Without bf16 units the GEMMs run in fp32 (the rest as said).\n"
     "                     Each einsum rounds its operands once: it pays most for large GEMMs (the MoE layer\n"
-    "                     at M=512, H=2048: 1.7x), less at this trainer's sizes (1.3x) (docs/10_performance.md) (f32)\n"
+    "                     at M=512, H=2048: 1.7x), less at this trainer's sizes (1.4x) (docs/10_performance.md) (f32)\n"
     "  --weight-update sharded|replicated  the update of a weight replicated over batch axes on a block\n"
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --all-to-all-wire f32|bf16  what the MoE all_to_alls carry, forward and backward: bf16 halves their\n"
