@@ -43,15 +43,17 @@ std::shared_ptr<const with_element<tensor_of<V>, bf16>> rounded_operand(tape& t,
   return t.derived<with_element<tensor_of<V>, bf16>>(v.shared(), [](const auto& x) { return convert<bf16>(x); });
 }
 
+// Whether an einsum of fp32 operands on tape t takes einsum_rounded_once:
+// the tape records, an operand is tracked (`tracked`), and the GEMMs round
+// their operands to bf16.
+inline bool rounds_operands_once(const tape& t, bool tracked) {
+  return t.recording() && tracked && gemm_rounds_to_bf16();
+}
+
 // Whether einsum<Spec, Out> may write its output in bf16 as its GEMMs make
 // it: no sum left pending and no collective after the GEMMs (a sum of
 // partial products is taken in fp32 and rounded once; a product the GEMMs
 // finish is rounded once where they store it).
-// Whether an einsum of fp32 operands, tracked or not, takes
-// einsum_rounded_once on tape t: the tape records, an operand is tracked,
-// and the GEMMs round their operands to bf16.
-inline bool rounds_operands_once(const tape& t, bool tracked) { return t.recording() && tracked && gemm_rounds_to_bf16(); }
-
 template <fixed_string Spec, class Out, class XA, class XB>
 inline constexpr bool output_from_gemms = [] {
   using plan = einsum_plan_of<Spec, Out, XA, XB>;
@@ -116,7 +118,8 @@ auto einsum(const A& a_in, const B& b_in) {
   using XA = detail::tensor_of<decltype(a)>;
   using XB = detail::tensor_of<decltype(b)>;
   if constexpr (std::is_same_v<typename XA::value_type, float> && std::is_same_v<typename XB::value_type, float>)
-    if (detail::rounds_operands_once(t, a.tracked() || b.tracked())) return detail::einsum_rounded_once<Spec, Out>(t, a, b);
+    if (detail::rounds_operands_once(t, a.tracked() || b.tracked()))
+      return detail::einsum_rounded_once<Spec, Out>(t, a, b);
   auto z = einsum<Spec, Out>(a.value(), b.value());
   using Z = decltype(z);
   auto out = t.output(std::move(z), a.tracked() || b.tracked());
@@ -178,11 +181,13 @@ auto einsum(A&& a_in, const B& b_in) {
     tape& t = detail::tape_of(a_in, b_in);
     const auto b = detail::as_var(t, b_in);
     if constexpr (detail::is_var<A>::value) {  // an rvalue var, given up as einsum's own overload for one takes it
-      if (detail::rounds_operands_once(t, a_in.tracked() || b.tracked())) return detail::einsum_rounded_once<Spec, Out, true>(t, a_in, b, &a_in);
+      if (detail::rounds_operands_once(t, a_in.tracked() || b.tracked()))
+        return detail::einsum_rounded_once<Spec, Out, true>(t, a_in, b, &a_in);
       return einsum<Spec, Out>(std::move(a_in), b);
     } else {
       const auto a = detail::as_var(t, a_in);
-      if (detail::rounds_operands_once(t, a.tracked() || b.tracked())) return detail::einsum_rounded_once<Spec, Out, true>(t, a, b);
+      if (detail::rounds_operands_once(t, a.tracked() || b.tracked()))
+        return detail::einsum_rounded_once<Spec, Out, true>(t, a, b);
       return einsum<Spec, Out>(a, b);
     }
   }
