@@ -53,7 +53,20 @@ struct trainer {
   model::transformer<float, grid>::tokens_type tokens =
       distribute<model::transformer<float, grid>::tokens_type>(m, bench_tokens(16, 128));
   std::uint64_t s = 0;
-  void step() { model::train_step(tr, ps, opt, tokens, s++); }
+  bool bf16 = false;
+  // The trainer's --precision bf16 --gradient-wire bf16 (with a config whose
+  // all_to_all_wire is bf16): bf16 GEMMs, gradients reduced in bf16, bf16
+  // weights with fp32 masters (Adam built anew: the masters are its state).
+  void use_bf16() {
+    ps.set_gradient_wire(wire::bf16);
+    ps.set_weight_wire(wire::bf16);
+    opt = adam({}, ps);
+    bf16 = true;
+  }
+  void step() {
+    const matmul_precision_scope precision(bf16 ? matmul_precision::bf16 : matmul_precision::f32);
+    model::train_step(tr, ps, opt, tokens, s++);
+  }
 };
 
 // step/sharded_update:0|1: one training step of the trainer's model
@@ -118,17 +131,11 @@ void step_bf16(benchmark::State& state) {
   wire_config.all_to_all_wire = wire::bf16;
   trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true);
   on_wire.ps.set_gradient_wire(wire::bf16);
-  bf16.ps.set_gradient_wire(wire::bf16);
-  bf16.ps.set_weight_wire(wire::bf16);
-  bf16.opt = adam({}, bf16.ps);  // built anew for bf16 weights: with masters
-  auto bf16_step = [&] {
-    const matmul_precision_scope s(matmul_precision::bf16);
-    bf16.step();
-  };
+  bf16.use_bf16();
   const double flops0 = model_flops();
   f32.step();
   const double P = double(f32.m.nranks()), step_flops = (model_flops() - flops0) * P;
-  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, [&] { on_wire.step(); }, bf16_step}, 1);
+  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, [&] { on_wire.step(); }, [&] { bf16.step(); }}, 1);
   state.counters["wire_speedup"] = 1.0 / c.median_ratio[1];
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[2];
   state.counters["f32_tokens/s"] = 16 * 128 / c.median_time[0];
@@ -230,15 +237,8 @@ void bucket_sizes(benchmark::State& state) {
     runs.push_back(std::make_unique<trainer>(cfg, true));
     trainer& t = *runs.back();
     t.ps.set_bucket_bytes(k << 10);
-    if (bf16) {
-      t.ps.set_gradient_wire(wire::bf16);
-      t.ps.set_weight_wire(wire::bf16);
-      t.opt = adam({}, t.ps);  // built anew for bf16 weights: with masters
-    }
-    steps.push_back([&t, bf16] {
-      const matmul_precision_scope s(bf16 ? matmul_precision::bf16 : matmul_precision::f32);
-      t.step();
-    });
+    if (bf16) t.use_bf16();
+    steps.push_back([&t] { t.step(); });
   }
   auto name = [](std::size_t k) { return k == 0 ? std::string("per_weight") : std::to_string(k) + "KiB"; };
   for (std::size_t i = 0; i < runs.size(); ++i) {
