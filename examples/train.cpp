@@ -130,7 +130,10 @@ constexpr const char* usage =
     "  --bucket-kib N     gradients reduced (and updated weights gathered) together in buckets of N KiB, each\n"
     "                     started as it fills and travelling while the step computes (4096; 0: one per weight)\n"
     "  --overlap-degree K the MoE layers' all_to_alls pipelined with the experts in K chunks of the capacity:\n"
-    "                     chunk i+1 travels while chunk i's experts compute, forward and backward (1: none)\n";
+    "                     chunk i+1 travels while chunk i's experts compute, forward and backward (1: none)\n"
+    "  --micro-batches 1|2  2: each rank's batch cut in two halves that run through the blocks interleaved,\n"
+    "                     one's MoE all_to_alls travelling while the other computes: for slow links; the same\n"
+    "                     losses up to rounding; not with --remat (1)\n";
 
 // --remat's value: none, all, or blocks as a comma-separated list.
 std::vector<int> remat_blocks(const std::string& v, int layers) {
@@ -197,6 +200,7 @@ options parse(int argc, char** argv) {
     else if (a == "--layers") o.layers = integer(1);
     else if (a == "--remat") o.remat = next();
     else if (a == "--bucket-kib") o.bucket_kib = examples::number<long long>("train", a, next(), 0, 1LL << 30);
+    else if (a == "--micro-batches") o.model.micro_batches = int(examples::number<long long>("train", a, next(), 1, 2));
     else if (a == "--overlap-degree") o.model.overlap_degree = int(examples::number<long long>("train", a, next(), 1, 1 << 16));
     else if (a == "--top-k") g.top_k = integer(1);
     else if (a == "--shared-experts") o.model.shared_experts = integer(0);
@@ -558,11 +562,12 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
                   c.gating.eval_capacity_factor > 0 ? c.gating.eval_capacity_factor : c.gating.capacity_factor);
     std::snprintf(aux, sizeof aux, c.gating.balance == moe::balance_mode::aux ? "aux loss x %g" : "bias (rate %g)",
                   c.gating.balance == moe::balance_mode::aux ? c.aux_coef : c.gating.bias_rate);
-    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s%s\n",
+    std::printf("routing: top-%d (%s later choices), %s, balance by %s, z-loss x %g, %d shared experts, %s FFNs%s%s%s\n",
                 c.gating.top_k, c.gating.second == moe::second_policy::all ? "all" : "random", c.gating.dropless ? "dropless" : cap, aux,
                 c.gating.z_loss_coef, c.shared_experts, c.ffn == ffn_kind::relu ? "relu" : "swiglu",
                 c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "",
-                c.gating.order == moe::placement::by_token ? ", each token's choices placed before the next token's" : "");
+                c.gating.order == moe::placement::by_token ? ", each token's choices placed before the next token's" : "",
+                c.micro_batches == 2 ? ", each rank's batch in two interleaved micro-batches" : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step

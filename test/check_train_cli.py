@@ -168,6 +168,8 @@ def main() -> int:
         (["--layers", "0"], "--layers takes a whole number from 1"),
         (["--bucket-kib", "-1"], "--bucket-kib takes a whole number from 0 to 1073741824, not '-1'"),
         (["--overlap-degree", "0"], "--overlap-degree takes a whole number from 1 to 65536, not '0'"),
+        (["--micro-batches", "3"], "--micro-batches takes a whole number from 1 to 2, not '3'"),
+        (["--micro-batches", "2", "--remat", "all"], "config.micro_batches = 2 with blocks in config.remat"),
         (["--sample-temperature", "-1"], "--sample-temperature takes a finite number >= 0, not '-1'"),
         (["--eval-every", "-5"], "--eval-every takes a whole number from 0"),
         (["/nonexistent.txt"], "cannot open /nonexistent.txt: No such file or directory"),
@@ -247,6 +249,13 @@ def main() -> int:
     if code != 0 or "all_to_alls in up to 3 chunks of the capacity" not in out or not piped or not losses[0] or \
             abs(float(piped[0]) - float(losses[0][0])) > 2e-4:
         problems.append(f"--overlap-degree 3: exit {code}, loss {piped} against {losses[0]}:\n{out[-1500:]}")
+    # Two micro-batches interleaved: the same model to rounding (said in the header).
+    code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0",
+                            "--micro-batches", "2"] + small)
+    halves = re.findall(r"step +2  loss (\S+)", out)
+    if code != 0 or "each rank's batch in two interleaved micro-batches" not in out or not halves or not losses[0] or \
+            abs(float(halves[0]) - float(losses[0][0])) > 2e-4:
+        problems.append(f"--micro-batches 2: exit {code}, loss {halves} against {losses[0]}:\n{out[-1500:]}")
     for var, value, want in [("GSHARD_GEMM", "fast", "GSHARD_GEMM=fast is not allowed; use eigen"),
                              # Below a second, a healthy collective could be taken for a stuck one.
                              ("GSHARD_WATCHDOG", "0.001", "GSHARD_WATCHDOG=0.001 is not allowed; use a number of seconds >= 1, or 0 (off)")]:

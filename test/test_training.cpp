@@ -211,6 +211,108 @@ TEST_CASE("the whole model's derived gradient matches finite differences and the
   }
 }
 
+TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batch, at every rank count",
+          "[train][micro_batches]") {
+  const int P = world_size();
+  for (const auto balance : {moe::balance_mode::aux, moe::balance_mode::bias}) {
+    auto c = tiny();
+    c.gating.second = moe::second_policy::random;  // keyed by each row's index in the whole batch
+    c.gating.capacity_factor = 1.0;                // binding: tokens drop
+    c.gating.z_loss_coef = 0.01;
+    c.gating.balance = balance;
+    if (balance == moe::balance_mode::bias) c.aux_coef = 0, c.gating.bias_rate = 0.1;
+    const auto tok = some_tokens(2 * P + 1, 6);  // uneven over the batch ranks
+    // The whole batch on each rank alone: loss terms, counters, gradients, the bias after the step.
+    struct result {
+      double loss = 0, ce = 0, aux = 0, z = 0;
+      std::vector<moe::gating_stats> moe;
+      std::map<std::string, std::vector<double>> grads;  // on rank 0
+      std::vector<double> bias;
+    };
+    auto run = [&](const auto& m, int micro_batches) {
+      using Mesh = std::remove_cvref_t<decltype(m)>;
+      auto cm = c;
+      cm.micro_batches = micro_batches;
+      trainer<double, Mesh> r(m, cm, 5);
+      result out;
+      {
+        tape t(r.ps);
+        auto o = r.tr.forward(t, r.tokens(tok), 3);
+        out.loss = scalar(o.loss), out.ce = o.ce, out.aux = o.aux, out.z = o.z, out.moe = o.moe;
+        t.backward(o.loss);
+      }
+      for (std::size_t i = 0; i < r.ps.size(); ++i) {
+        const std::vector<char> bytes = r.ps.grads()[i].gather_to_root();
+        const double* g = reinterpret_cast<const double*>(bytes.data());
+        out.grads[r.ps.name(i)].assign(g, g + bytes.size() / sizeof(double));
+      }
+      if (const auto& b = r.tr.blocks()[1].moe->bias) out.bias.assign(b->value().data(), b->value().data() + 8);
+      return out;
+    };
+    const result whole = run(grid2(MPI_COMM_SELF, {1, 1}), 1);
+    auto check = [&](const auto& m) {
+      const result two = run(m, 2);
+      double worst = 0;
+      const auto near = [&](double a, double b) { worst = std::max(worst, std::abs(a - b) / (1e-9 + std::abs(b))); };
+      near(two.loss, whole.loss), near(two.ce, whole.ce), near(two.aux, whole.aux), near(two.z, whole.z);
+      if (world_rank() == 0)
+        for (const auto& [name, g] : whole.grads)
+          for (std::size_t k = 0; k < g.size(); ++k) near(two.grads.at(name)[k], g[k]);
+      worst = sum_all(worst);
+      INFO("balance " << (balance == moe::balance_mode::aux ? "aux" : "bias") << " on " << m.describe()
+                      << ": worst relative difference from the whole batch on 1 rank " << worst);
+      GSHARD_REQUIRE(worst < 1e-9);
+      GSHARD_REQUIRE(two.moe.size() == whole.moe.size());
+      for (std::size_t l = 0; l < whole.moe.size(); ++l) {
+        GSHARD_REQUIRE(two.moe[l].tokens == whole.moe[l].tokens);
+        GSHARD_REQUIRE(two.moe[l].expert_load == whole.moe[l].expert_load);
+        GSHARD_REQUIRE(two.moe[l].expert_demand == whole.moe[l].expert_demand);
+        GSHARD_REQUIRE(two.moe[l].total_dropped() == whole.moe[l].total_dropped());
+      }
+      GSHARD_REQUIRE(whole.moe[0].total_dropped() > 0);
+      GSHARD_REQUIRE(two.bias == whole.bias);  // moved once, by the whole batch's demand
+      if (balance == moe::balance_mode::bias) GSHARD_REQUIRE(!whole.bias.empty());
+    };
+    check(grid2(MPI_COMM_WORLD, {1, P}));
+    if (P % 2 == 0 && P > 2) check(grid2(MPI_COMM_WORLD, {2, P / 2}));  // the batch over two axes
+    if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+  }
+  SECTION("bad options and blocks that do not join are refused on every rank") {
+    grid2 m(MPI_COMM_WORLD, {1, P});
+    parameters<grid2> ps(m, 1);
+    auto c = tiny();
+    c.micro_batches = 3;
+    GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid2>(ps, c)), error,
+                               "gshard::model::transformer: config.micro_batches = 3; 1 (the batch whole) or 2 (two "
+                               "interleaved halves)");
+    c.micro_batches = 2, c.remat = {1};
+    GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid2>(ps, c)), error,
+                               "gshard::model::transformer: config.micro_batches = 2 with blocks in config.remat");
+    {  // a call of the MoE layer in phases finishes once; a bias move needs a bias
+      c = tiny();
+      model::transformer<double, grid2> tr(ps, c);
+      tape t(ps, tape::no_grad);
+      named<double, "GSM", grid2, roles_on<grid2, default_roles>::at_tokens> x(m, {index_t(P), 4, 8});
+      x.local().setConstant(0.5);
+      const auto& layer = *tr.blocks()[1].moe;
+      auto call = layer.start(t.constant(x), c.gating, 0);
+      call.experts();
+      (void)call.finish();
+      GSHARD_REQUIRE_THROWS_WITH(call.finish(), error,
+                                 "gshard::moe::layer: finish() was called before on this call of layer 'block1'");
+      GSHARD_REQUIRE_THROWS_WITH(layer.update_bias(std::vector<std::int64_t>(8, 1), 0.1), error,
+                                 "update_bias of layer 'block1' with the demand of 8 experts; the layer has 8 and no bias");
+    }
+    if (P >= 2) {  // 1 row and 1 row: rank 0 holds the first row of each, not the first two of the joined
+      using X = named<double, "BM", grid2, roles_on<grid2, default_roles>::at_tokens>;
+      tape t(ps, tape::no_grad);
+      auto a = t.constant(X(m, {1, 3})), b = t.constant(X(m, {1, 3}));
+      GSHARD_REQUIRE_THROWS_WITH(join_blocks<0>(a, b), shape_error,
+                                 "gshard::join_blocks: blocks of 1 and 1 rows along dim 0 of ");
+    }
+  }
+}
+
 TEST_CASE("rematerialised blocks give the kept blocks' gradients, route alike, move the router bias once", "[train][remat]") {
   const int P = world_size();
   // Every block rematerialised against none: the same gradients (double,

@@ -31,6 +31,10 @@ void f(const var<t<2, rows>>& a) { (void)chunk<0>(a, 2); }
 void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<-1>(a); }
 #elif defined(GSHARD_CASE_concat_split)
 void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<0>(a); }
+#elif defined(GSHARD_CASE_cut_blocks_dim)
+void f(const t<2, rows>& a) { (void)cut_blocks<2>(a, 1); }
+#elif defined(GSHARD_CASE_join_blocks_dim)
+void f(const var<t<2, rows>>& a) { (void)join_blocks<-1>(a, a); }
 #elif defined(GSHARD_CASE_params_alone)
 void f(const param<t<2, rep>>& a, const param<t<2, rep>>& b) { (void)einsum<"ij,jk->ik">(a, b); }
 #elif defined(GSHARD_CASE_product_pending)

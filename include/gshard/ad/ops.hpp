@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -272,6 +274,73 @@ var<X> concat(const std::vector<var<X>>& pieces) {
       }
     });
   }
+  return y;
+}
+
+// Micro-batches along a split dim, cut and joined rank by rank:
+// cut_blocks<Dim>(x, first) cuts every rank's block of x after the rows it
+// would hold of a tensor of global extent `first` (detail::halve_blocks
+// chooses it); join_blocks<Dim>(a, b) puts b's block after a's on every
+// rank. Nothing moves: the global order is the ranks' blocks interleaved,
+// not a then b. Valid when the blocks add up (detail::blocks_add_up), as
+// halve_blocks' cut does; the check gives the same verdict on every rank.
+namespace detail {
+template <int Dim, class X>
+void require_blocks_add_up(const char* who, const X& like, index_t first, index_t second) {
+  if (first < 0 || second < 0 || !blocks_add_up(X::resolved, Dim, first, second, like.mesh().sizes()))
+    throw shape_error(std::string("gshard::") + who + ": blocks of " + std::to_string(first) + " and " +
+                      std::to_string(second) + " rows along dim " + std::to_string(Dim) + " of " + like.notation() +
+                      " do not join rank by rank into the blocks of " + std::to_string(first + second) +
+                      " (detail::halve_blocks gives a cut that does)");
+}
+}  // namespace detail
+
+template <int Dim, class X>
+  requires sharded_tensor<X>
+std::pair<X, X> cut_blocks(const X& x, index_t first) {
+  constexpr int R = X::rank;
+  static_assert(Dim >= 0 && Dim < R, "gshard::cut_blocks: the dim is not one of the tensor's");
+  detail::require_blocks_add_up<Dim>("cut_blocks", x, first, x.extent(Dim) - first);
+  shape<R> ga = x.extents(), gb = x.extents();
+  ga[Dim] = first, gb[Dim] = x.extent(Dim) - first;
+  std::pair<X, X> out{X(x.mesh(), ga), X(x.mesh(), gb)};
+  const shape<R> le = x.local_extents();
+  const index_t la = out.first.local_extents()[Dim];
+  using T = typename X::value_type;
+  detail::copy_along<Dim, T, R>(x.data(), le, 0, out.first.data(), out.first.local_extents(), 0, la);
+  detail::copy_along<Dim, T, R>(x.data(), le, la, out.second.data(), out.second.local_extents(), 0, le[Dim] - la);
+  return out;
+}
+
+template <int Dim, class X>
+var<X> join_blocks(const var<X>& a, const var<X>& b) {
+  using T = typename X::value_type;
+  constexpr int R = X::rank;
+  static_assert(Dim >= 0 && Dim < R, "gshard::join_blocks: the dim is not one of the tensor's");
+  for (int d = 0; d < R; ++d)
+    if (d != Dim && a.extent(d) != b.extent(d))
+      throw shape_error("gshard::join_blocks: " + a.notation() + " and " + b.notation() + " differ outside dim " +
+                        std::to_string(Dim));
+  detail::require_blocks_add_up<Dim>("join_blocks", a.value(), a.extent(Dim), b.extent(Dim));
+  tape& t = a.on_tape();
+  shape<R> g = a.extents();
+  g[Dim] += b.extent(Dim);
+  X x(a.mesh(), g);
+  const shape<R> le = x.local_extents(), lea = a.value().local_extents(), leb = b.value().local_extents();
+  detail::copy_along<Dim, T, R>(a.value().data(), lea, 0, x.data(), le, 0, lea[Dim]);
+  detail::copy_along<Dim, T, R>(b.value().data(), leb, 0, x.data(), le, lea[Dim], leb[Dim]);
+  auto y = t.output(std::move(x), a.tracked() || b.tracked());
+  if (y.tracked())
+    t.record([tp = &t, ys = y.slot(), as = a.slot(), bs = b.slot(), ea = a.extents(), eb = b.extents(), le, la = lea[Dim]] {
+      auto dy = tp->slot<X>(ys).template take<gradient_sharding<typename X::sharding_type>>();
+      if (!dy) return;
+      for (const auto& [slot, extents, off] : {std::tuple{as, ea, index_t(0)}, std::tuple{bs, eb, la}}) {
+        if (slot < 0) continue;
+        detail::gradient_of<X> dp(dy->mesh(), extents);
+        detail::copy_along<Dim, T, R>(dy->data(), le, off, dp.data(), dp.local_extents(), 0, dp.local_extents()[Dim]);
+        tp->slot<X>(slot).add(std::move(dp));
+      }
+    });
   return y;
 }
 

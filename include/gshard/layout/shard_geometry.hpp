@@ -66,4 +66,49 @@ constexpr index_t max_block(const rlayout& l, int d, index_t global, const index
   return global;
 }
 
+// Whether pred(coords) holds for the coordinates of every block of dim d:
+// every combination of the axes splitting it (the other axes at 0).
+template <class Pred>
+constexpr bool every_block(const rlayout& l, int d, const index_t* axis_sizes, Pred pred) {
+  index_t coords[max_mesh_axes]{};
+  for (;;) {
+    if (!pred(static_cast<const index_t*>(coords))) return false;
+    int i = l.dims[d].n - 1;  // the next combination, the minor axis fastest
+    for (; i >= 0; --i) {
+      const int a = l.dims[d].ax[i];
+      if (++coords[a] < axis_sizes[a]) break;
+      coords[a] = 0;
+    }
+    if (i < 0) return true;
+  }
+}
+
+// Two batches held block by block in one (micro-batches): whether every
+// rank's block of dim d at global extent `first` + `second` is its block at
+// `first` followed by its block at `second`, so that each rank cuts or
+// joins its own rows and nothing moves. Always so for a dim split over one
+// axis; over several, not for every uneven pair.
+constexpr bool blocks_add_up(const rlayout& l, int d, index_t first, index_t second, const index_t* axis_sizes) {
+  return every_block(l, d, axis_sizes, [&](const index_t* c) {
+    return dim_block(l, d, first, axis_sizes, c).extent + dim_block(l, d, second, axis_sizes, c).extent ==
+           dim_block(l, d, first + second, axis_sizes, c).extent;
+  });
+}
+
+// Where to cut every rank's block of dim d (global extent n) in two for
+// two micro-batches whose blocks_add_up: the first's global extent, the
+// nearest to the sum of the blocks' halves (rounded up) that the rule
+// allows, or 0 when no cut leaves both non-empty.
+constexpr index_t halve_blocks(const rlayout& l, int d, index_t n, const index_t* axis_sizes) {
+  index_t halves = 0;
+  every_block(l, d, axis_sizes, [&](const index_t* c) {
+    halves += (dim_block(l, d, n, axis_sizes, c).extent + 1) / 2;
+    return true;
+  });
+  for (index_t step = 0; step < n; ++step)  // halves, then halves ∓ 1, halves ± 2, ...
+    for (const index_t a : {halves - step, halves + step})
+      if (a >= 1 && a <= n - 1 && blocks_add_up(l, d, a, n - a, axis_sizes)) return a;
+  return 0;
+}
+
 }  // namespace gshard::detail

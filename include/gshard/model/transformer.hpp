@@ -59,6 +59,15 @@ struct config {
   // Blocks that keep only their input and recompute their forward in the
   // backward (rematerialisation): less memory, one more forward of each.
   std::vector<int> remat;
+  // 2: each rank's batch cut in two micro-batches that run through the
+  // blocks interleaved, so one's MoE all_to_alls travel while the other
+  // computes (and so in the backward): the overlap of two micro-batches of
+  // DeepSeek-V3 and Megatron-Core, for links slow next to compute. Routed
+  // as the whole batch (the rows keep their random-routing keys, the losses
+  // and counters are the whole batch's), the same loss and gradients up to
+  // rounding. A batch no cut of the ranks' rows splits in two (one row per
+  // rank) runs whole. Not with remat.
+  int micro_batches = 1;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
   bool remats(int layer) const { return std::find(remat.begin(), remat.end(), layer) != remat.end(); }
   index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
@@ -129,32 +138,22 @@ class transformer {
   output forward(tape& t, const tokens_type& tokens, std::uint64_t step,
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
-    auto x = embedding(t, inputs, embed_);  // [B{data,expert},L,M]
-    if (c_.positions != position_kind::none) {
-      if (inputs.extent(1) > c_.max_len)
-        throw shape_error("gshard::model::forward: sequences of " + std::to_string(inputs.extent(1)) +
-                          " tokens are longer than config.max_len = " + std::to_string(c_.max_len) + " positions");
-      const auto pos = positions_of(inputs);
-      x = learned_positions_ ? x + embedding(t, pos, *learned_positions_) : x + embedding(t, pos, t.constant_ref(*sinusoids_));
-    }
-    std::vector<var<tensor<double, 0, Mesh, replicate>>> aux, z;
-    std::vector<moe::gating_stats> stats;
-    for (int layer = 0; layer < c_.layers; ++layer) {
-      const auto run = [this, layer, step, mode](const var<activation>& in) { return block(in, layer, step, mode); };
-      auto [y, a, zl, st] = c_.remats(layer) ? remat(run, x) : run(x);
-      x = std::move(y);
-      if (a) aux.push_back(std::move(*a)), z.push_back(std::move(*zl)), stats.push_back(std::move(*st));
-    }
+    const index_t first = c_.micro_batches == 2 ? detail::halve_blocks(tokens_type::resolved, 0, inputs.extent(0),
+                                                                       tokens.mesh().sizes())
+                                                : 0;
+    std::vector<moe_term> terms;
+    auto x = first > 0 ? interleaved(t, inputs, first, step, mode, terms) : whole(t, inputs, step, mode, terms);
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
     auto ce = cross_entropy(logits, targets);
-    output out{ce, loss_value(ce), 0.0, 0.0, std::move(stats), std::move(logits)};
-    for (auto& a : aux) {
-      out.aux += loss_value(a);
-      if (c_.aux_coef != 0) out.loss = out.loss + c_.aux_coef * a;
+    output out{ce, loss_value(ce), 0.0, 0.0, {}, std::move(logits)};
+    for (auto& m : terms) {
+      out.aux += loss_value(m.aux);
+      if (c_.aux_coef != 0) out.loss = out.loss + c_.aux_coef * m.aux;
     }
-    for (auto& zl : z) {
-      out.z += loss_value(zl);
-      if (c_.gating.z_loss_coef != 0) out.loss = out.loss + c_.gating.z_loss_coef * zl;
+    for (auto& m : terms) {
+      out.z += loss_value(m.z);
+      if (c_.gating.z_loss_coef != 0) out.loss = out.loss + c_.gating.z_loss_coef * m.z;
+      out.moe.push_back(std::move(m.stats));
     }
     return out;
   }
@@ -201,6 +200,126 @@ class transformer {
   }
 
  private:
+  using inputs_type = named<std::int32_t, "BL", Mesh, at_tokens>;
+  using moe_input = decltype(relabel<"GSM">(std::declval<var<activation>>()));
+  using moe_call = typename moe::layer<T, Mesh, Roles>::template call<moe_input>;
+
+  // An MoE layer's terms of the loss and its counters.
+  struct moe_term {
+    scalar_var aux, z;
+    moe::gating_stats stats;
+  };
+
+  // The byte embeddings of inputs [B, L], with their positions.
+  var<activation> embed(tape& t, const inputs_type& inputs) const {
+    auto x = embedding(t, inputs, embed_);  // [B{data,expert},L,M]
+    if (c_.positions == position_kind::none) return x;
+    if (inputs.extent(1) > c_.max_len)
+      throw shape_error("gshard::model::forward: sequences of " + std::to_string(inputs.extent(1)) +
+                        " tokens are longer than config.max_len = " + std::to_string(c_.max_len) + " positions");
+    const auto pos = positions_of(inputs);
+    return learned_positions_ ? x + embedding(t, pos, *learned_positions_) : x + embedding(t, pos, t.constant_ref(*sinusoids_));
+  }
+
+  // The blocks over the whole batch.
+  var<activation> whole(tape& t, const inputs_type& inputs, std::uint64_t step, moe::dispatch_mode mode,
+                        std::vector<moe_term>& terms) const {
+    auto x = embed(t, inputs);
+    for (int layer = 0; layer < c_.layers; ++layer) {
+      const auto run = [this, layer, step, mode](const var<activation>& in) { return block(in, layer, step, mode); };
+      auto [y, a, zl, st] = c_.remats(layer) ? remat(run, x) : run(x);
+      x = std::move(y);
+      if (a) terms.push_back({std::move(*a), std::move(*zl), std::move(*st)});
+    }
+    return x;
+  }
+
+  // The blocks over two micro-batches — every rank's first `first`-block of
+  // rows and the rest (cut_blocks) — interleaved at the MoE layers'
+  // all_to_alls: each runs until it has started one (its attention and the
+  // routing, or its experts), then the other runs. So A's tokens travel to
+  // the experts while B's attention computes, B's while A's experts do, A's
+  // outputs come back during B's experts and B's during A's next blocks.
+  // Each MoE layer's losses and counters are then the whole batch's.
+  var<activation> interleaved(tape& t, const inputs_type& inputs, index_t first, std::uint64_t step,
+                              moe::dispatch_mode mode, std::vector<moe_term>& terms) const {
+    struct lane {
+      const char* name;
+      var<activation> x;
+      index_t first_group;  // the global index of this rank's first row in the whole batch
+      int layer = 0;
+      std::optional<moe_call> moe{};   // started, its experts not yet run
+      std::optional<moe_call> back{};  // the experts' outputs travelling back
+      std::vector<moe_term> terms{};
+    };
+    auto [in_a, in_b] = cut_blocks<0>(inputs, first);
+    const index_t offset = inputs.offsets()[0];
+    lane lanes[2] = {{"A", embed(t, in_a), offset}, {"B", embed(t, in_b), offset + in_a.local_extents()[0]}};
+    const auto span = [](std::optional<trace::span>& s, int layer, const char* what, const lane& l) {
+      s.reset();
+      if (trace::enabled()) s.emplace("block " + std::to_string(layer) + what + " (micro-batch " + l.name + ")", "model");
+    };
+    // Runs lane l to its next all_to_all; false once it is through every block.
+    const auto advance = [&](lane& l) {
+      std::optional<trace::span> s;
+      if (l.moe) {
+        span(s, l.layer, " MoE experts", l);
+        l.moe->experts();
+        l.back = std::move(l.moe), l.moe.reset();
+        return true;
+      }
+      if (l.back) {
+        span(s, l.layer, " MoE combine", l);
+        auto r = l.back->finish();
+        l.back.reset();
+        l.x = l.x + relabel<"BLM">(std::move(r.y));
+        l.terms.push_back({std::move(r.aux), std::move(r.z_loss), std::move(r.stats)});
+        ++l.layer;
+      }
+      for (; l.layer < c_.layers; ++l.layer) {
+        const block_params& b = blocks_[std::size_t(l.layer)];
+        span(s, l.layer, " attention", l);
+        l.x = l.x + attention(rms_norm(l.x, b.norm1), b.attn);
+        span(s, l.layer, b.moe ? " MoE" : " FFN", l);
+        auto h = rms_norm(l.x, b.norm2);
+        if (!b.moe) {
+          l.x = l.x + ffn<at_tokens>(h, *b.ffn);
+          continue;
+        }
+        l.moe.emplace(b.moe->start(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(l.layer), mode,
+                                   {l.first_group, false}));
+        return true;
+      }
+      return false;
+    };
+    for (bool more = true; more;) {
+      more = advance(lanes[0]);
+      more = advance(lanes[1]) || more;
+    }
+    // Each MoE layer's aux loss is the mean over the groups and its z-loss
+    // over the valid tokens: the two micro-batches' weighted by their share.
+    const double groups = double(inputs.extent(0));
+    const std::size_t base = terms.size();
+    for (std::size_t j = 0; j < lanes[0].terms.size(); ++j) {
+      moe_term& a = lanes[0].terms[j];
+      moe_term& b = lanes[1].terms[j];
+      const double va = double(a.stats.tokens - a.stats.invalid), vb = double(b.stats.tokens - b.stats.invalid);
+      const double za = va + vb > 0 ? va / (va + vb) : 0.5;
+      moe_term m{(double(first) / groups) * a.aux + (1.0 - double(first) / groups) * b.aux, za * a.z + (1.0 - za) * b.z,
+                 a.stats};
+      m.stats += b.stats;
+      terms.push_back(std::move(m));
+    }
+    // balance_mode::bias: one move per layer and step, from the whole batch's demand.
+    if (c_.gating.balance == moe::balance_mode::bias && t.recording())
+      for (std::size_t layer = 0, j = base; layer < blocks_.size(); ++layer)
+        if (const auto& m = blocks_[layer].moe)
+          t.after_step([m = &*m, demand = terms[j++].stats.expert_demand, rate = c_.gating.bias_rate] {
+            m->update_bias(demand, rate);
+          });
+    return join_blocks<0>(lanes[0].x, lanes[1].x);
+  }
+
   template <class L>
   static double loss_value(const var<L>& v) {
     return v.value().local()();
@@ -215,6 +334,12 @@ class transformer {
       throw error("gshard::model::transformer: config.shared_experts = " + std::to_string(c.shared_experts) + " is negative");
     if (c.positions != position_kind::none && c.max_len < 1)
       throw error("gshard::model::transformer: config.max_len = " + std::to_string(c.max_len) + " positions; at least 1");
+    if (c.micro_batches != 1 && c.micro_batches != 2)
+      throw error("gshard::model::transformer: config.micro_batches = " + std::to_string(c.micro_batches) +
+                  "; 1 (the batch whole) or 2 (two interleaved halves)");
+    if (c.micro_batches == 2 && !c.remat.empty())
+      throw error("gshard::model::transformer: config.micro_batches = 2 with blocks in config.remat: a recomputed "
+                  "block would run the two micro-batches one after the other; use one of the two");
     for (int l : c.remat)
       if (l < 0 || l >= c.layers)
         throw error("gshard::model::transformer: config.remat names block " + std::to_string(l) + " of a model with " +

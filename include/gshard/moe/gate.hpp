@@ -74,10 +74,13 @@ struct gate_output {
 };
 
 namespace detail {
-// gate() with this rank's paddings (G_local·S values, or null).
+// gate() with this rank's paddings (G_local·S values, or null); random
+// routing keys this rank's first group by `first_group_override` when it is
+// >= 0 (a micro-batch's rows keep their index in the whole batch).
 template <class V>
 auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value_type* paddings, const gating_config& cfg,
-               std::uint64_t stream, const double* bias, bool training, routing_state* state = nullptr) {
+               std::uint64_t stream, const double* bias, bool training, routing_state* state = nullptr,
+               index_t first_group_override = -1) {
   using X = gshard::detail::tensor_of<V>;
   using T = typename X::value_type;
   using Mesh = typename X::mesh_type;
@@ -94,7 +97,9 @@ auto gate_impl(V&& logits_in, const typename gshard::detail::tensor_of<V>::value
   if (paddings)
     for (index_t i = 0; i < Gl * S; ++i) bad_paddings += paddings[i] != T(0) && paddings[i] != T(1) ? 1.0 : 0.0;
   auto route = std::make_shared<routing<T>>();
-  const index_t first_group = state && state->first_group >= 0 ? state->first_group : lg.offsets()[0];
+  const index_t first_group = first_group_override >= 0      ? first_group_override
+                              : state && state->first_group >= 0 ? state->first_group
+                                                                 : lg.offsets()[0];
   const gating_stats local = route_local_groups<T>(lg.data(), Gl, S, E, first_group, stream, cfg, bias, training,
                                                    groups, *route, paddings, state);
   using weights_t = typename gate_output<X>::weights_type;

@@ -115,7 +115,7 @@ struct layer {
     requires var_type<V>
   auto operator()(const V& x, const gating_config& cfg, std::uint64_t stream,
                   dispatch_mode mode = dispatch_mode::index) const {
-    return apply(x, nullptr, cfg, stream, mode);
+    return begin(x, nullptr, cfg, stream, mode, {}, nullptr, false).finish();
   }
   // The same with paddings, as Lingvo's: a padded position is routed
   // nowhere, adds nothing to the losses and counters (moe::gate), and
@@ -125,7 +125,7 @@ struct layer {
     requires var_type<V>
   auto operator()(const V& x, const paddings_type& paddings, const gating_config& cfg, std::uint64_t stream,
                   dispatch_mode mode = dispatch_mode::index) const {
-    return apply(x, &paddings, cfg, stream, mode);
+    return begin(x, &paddings, cfg, stream, mode, {}, nullptr, false).finish();
   }
   // The next positions of sequences routed before (incremental decoding;
   // moe::start_routing makes `state`): routed as one call over the whole
@@ -133,13 +133,135 @@ struct layer {
   template <class V>
     requires var_type<V>
   auto operator()(const V& x, routing_state& state, const gating_config& cfg, std::uint64_t stream) const {
-    return apply(x, nullptr, cfg, stream, dispatch_mode::index, &state);
+    return begin(x, nullptr, cfg, stream, dispatch_mode::index, {}, &state, false).finish();
+  }
+
+  // What a call in phases is told beyond operator()'s arguments.
+  struct call_options {
+    // The global index random routing keys this rank's first group by; -1:
+    // its offset in x. A micro-batch cut from the rows of a larger batch
+    // passes the rows' first index there, and routes as the whole would.
+    index_t first_group = -1;
+    // balance_mode::bias: move the bias when the step's tape ends. false:
+    // the caller does, with update_bias and the demand summed over the
+    // micro-batches of the step (one move per step, as for the whole).
+    bool update_bias = true;
+  };
+
+  // The layer in three phases, so that a model interleaving micro-batches
+  // computes one while another's all_to_all travels:
+  //   auto c = layer.start(x, cfg, stream);  // routed, dispatched; the tokens travel to the experts
+  //   c.experts();                           // the experts' FFN; their outputs travel back
+  //   auto out = c.finish();                 // combined: what operator() returns
+  // The tape records each phase where it runs, so the backward interleaves
+  // the same way, transposed (start_reshard). dispatch_mode::einsum, the
+  // reference form, computes everything in start().
+  template <class V>
+  class call {
+   public:
+    // The experts' FFN on the tokens in flight; their outputs sent back.
+    // With layer_options::overlap_degree chunks, chunk i+1 travels out and
+    // chunk i-1 back while chunk i computes. Once; finish() calls it if
+    // it was not.
+    call& experts() {
+      if (going_.empty()) return *this;
+      for (std::size_t i = 0; i < pieces_.size(); ++i) {
+        if (i + 1 < pieces_.size()) going_.push_back(start_reshard<at_experts>(std::move(pieces_[i + 1]), w_));
+        coming_.push_back(start_reshard<at_tokens>(l_->experts_ffn(going_[i].wait()), w_));
+      }
+      going_.clear(), pieces_.clear();
+      return *this;
+    }
+
+    // The experts' outputs combined with the gates (and the shared
+    // experts' added): [G,S,M] like the input, the losses and counters.
+    auto finish() {
+      if (finished_)
+        throw error("gshard::moe::layer: finish() was called before on this call of layer '" + l_->name +
+                    "'; a call finishes once (start() begins another)");
+      finished_ = true;
+      experts();
+      if (!y_) {
+        std::vector<y_var> back;
+        for (auto& c : coming_) back.push_back(c.wait());
+        coming_.clear();
+        y_.emplace(back.size() == 1 ? std::move(back[0]) : concat<2>(back));
+      }
+      auto out = [&] {  // the combine weights in fp32: with dispatch_mode::einsum a GEMM multiplies them
+        const matmul_precision_scope gates_in(matmul_precision::f32);
+        return mode_ == dispatch_mode::index ? combine(route_, std::move(*y_))
+                                             : einsum<"GSEC,EGCM->GSM">(dense_combine(route_), *y_);
+      }();
+      y_.reset();
+      if (l_->shared) out = std::move(out) + ffn<at_tokens>(x_, *l_->shared);  // every token, one all_reduce over the model axes
+      return output<decltype(out)>{std::move(out), route_.aux, route_.z_loss, route_.stats, route_.route};
+    }
+
+   private:
+    friend struct layer;
+    using route_type = decltype(moe::gate(std::declval<var<named<T, "GSE", Mesh, at_tokens>>>(), gating_config{}, 0));
+    using piece_var = decltype(dispatch(std::declval<const route_type&>(), std::declval<const V&>()));
+    using going_type = decltype(start_reshard<at_experts>(std::declval<piece_var>(), wire::same));
+    using coming_type =
+        decltype(start_reshard<at_tokens>(std::declval<const layer&>().experts_ffn(std::declval<going_type&>().wait()), wire::same));
+    using y_var = decltype(std::declval<coming_type&>().wait());
+
+    call(const layer* l, V x, route_type route, dispatch_mode mode, wire w)
+        : l_(l), x_(std::move(x)), route_(std::move(route)), mode_(mode), w_(w) {}
+
+    const layer* l_;
+    V x_;
+    route_type route_;
+    dispatch_mode mode_;
+    wire w_;
+    std::vector<piece_var> pieces_;  // the tokens not yet sent, in chunks of C
+    std::vector<going_type> going_;  // in flight to the experts
+    std::vector<coming_type> coming_;  // in flight back
+    std::optional<y_var> y_;         // [E,G,C,M] at the groups, when computed whole
+    bool finished_ = false;
+  };
+
+  template <class V>
+    requires var_type<V>
+  call<V> start(const V& x, const gating_config& cfg, std::uint64_t stream, dispatch_mode mode = dispatch_mode::index,
+                call_options o = {}) const {
+    return begin(x, nullptr, cfg, stream, mode, o, nullptr, true);
+  }
+  template <class V>
+    requires var_type<V>
+  call<V> start(const V& x, const paddings_type& paddings, const gating_config& cfg, std::uint64_t stream,
+                dispatch_mode mode = dispatch_mode::index, call_options o = {}) const {
+    return begin(x, &paddings, cfg, stream, mode, o, nullptr, true);
+  }
+
+  // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices
+  // each expert got before capacity, summed over every group (the same on
+  // every rank). The bias is the layer's state, not a parameter: it moves
+  // once per recording forward (when its tape ends), even of a const layer.
+  template <class Demand>
+  void update_bias(const Demand& demand, double rate) const {
+    if (!bias || demand.size() != std::size_t(experts()))
+      throw error("gshard::moe::layer: update_bias of layer '" + name + "' with the demand of " +
+                  std::to_string(demand.size()) + " experts; the layer has " + std::to_string(experts()) +
+                  (bias ? "" : " and no bias (declare it with layer_options::balance = balance_mode::bias)"));
+    double mean = 0;
+    for (auto v : demand) mean += double(v);
+    mean /= double(std::max<std::size_t>(demand.size(), 1));
+    double* b = bias->value().data();
+    for (std::size_t e = 0; e < demand.size(); ++e) {
+      const double err = mean - double(demand[e]);
+      b[e] += rate * double((err > 0) - (err < 0));
+    }
   }
 
  private:
+  // Routes x and sends its tokens on their way. `in_flight` (start()): the
+  // all_to_all to the experts is started here and waited for in
+  // call::experts(). Otherwise (operator()) with overlap_degree 1 the
+  // experts run here, between two blocking all_to_alls.
   template <class V>
-  auto apply(const V& x_in, const paddings_type* paddings, const gating_config& cfg, std::uint64_t stream,
-             dispatch_mode mode, routing_state* state = nullptr) const {
+  call<V> begin(const V& x_in, const paddings_type* paddings, const gating_config& cfg, std::uint64_t stream,
+                dispatch_mode mode, call_options o, routing_state* state, bool in_flight) const {
     if (paddings && (paddings->extent(0) != x_in.extent(0) || paddings->extent(1) != x_in.extent(1)))
       throw shape_error("gshard::moe::layer: the paddings " + paddings->notation() + " do not fit the input " +
                         x_in.notation() + " ([G,S] of [G,S,M])");
@@ -161,41 +283,28 @@ struct layer {
       const matmul_precision_scope router_in(matmul_precision::f32);
       return einsum<"GSM,ME->GSE">(x, router);
     }();
-    auto route = state      ? moe::gate(std::move(logits), *state, cfg, stream, b)
-                 : paddings ? moe::gate(std::move(logits), *paddings, cfg, stream, b, training)
-                            : moe::gate(std::move(logits), cfg, stream, b, training);
-    if (bias && training)
+    auto route = detail::gate_impl(std::move(logits), paddings ? paddings->data() : nullptr, cfg, stream, b,
+                                   training && !state, state, o.first_group);
+    if (bias && training && o.update_bias)
       x.on_tape().after_step([this, demand = route.stats.expert_demand, rate = cfg.bias_rate] { update_bias(demand, rate); });
     if (!x.on_tape().recomputing()) trace_counters(name, route.stats);
+    call<V> c(this, x, std::move(route), mode, options.all_to_all_wire);
     const wire w = options.all_to_all_wire;
-    auto y = [&] {  // [E,G{data,expert},C,M]: the experts' outputs, back at the groups
-      if (mode == dispatch_mode::einsum)  // the reference form: one all_to_all each way
-        return reshard<at_tokens>(experts_ffn(reshard<at_experts>(einsum<"GSEC,GSM->EGCM">(dense_dispatch(route), x), w)), w);
-      auto d = dispatch(route, x);  // [E,G{data,expert},C,M]
-      const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
-      if (k <= 1) return reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d), w)), w);
-      // Pipelined: chunk i+1 goes out and chunk i-1 comes back while chunk i's experts compute.
-      auto pieces = chunk<2>(std::move(d), k);  // the whole goes: only the chunks stay
-      using going_t = decltype(start_reshard<at_experts>(pieces[0], w));
-      using coming_t = decltype(start_reshard<at_tokens>(experts_ffn(std::declval<going_t&>().wait()), w));
-      std::vector<going_t> going;
-      std::vector<coming_t> coming;
-      going.push_back(start_reshard<at_experts>(std::move(pieces[0]), w));
-      for (index_t i = 0; i < k; ++i) {
-        if (i + 1 < k) going.push_back(start_reshard<at_experts>(std::move(pieces[std::size_t(i + 1)]), w));
-        coming.push_back(start_reshard<at_tokens>(experts_ffn(going[std::size_t(i)].wait()), w));
-      }
-      std::vector<decltype(coming[0].wait())> back;
-      for (auto& c : coming) back.push_back(c.wait());
-      return concat<2>(back);
-    }();
-    auto out = [&] {  // the combine weights in fp32: with dispatch_mode::einsum a GEMM multiplies them
-      const matmul_precision_scope gates_in(matmul_precision::f32);
-      return mode == dispatch_mode::index ? combine(route, std::move(y))
-                                          : einsum<"GSEC,EGCM->GSM">(dense_combine(route), y);
-    }();
-    if (shared) out = std::move(out) + ffn<at_tokens>(x, *shared);  // every token, one all_reduce over the model axes
-    return output<decltype(out)>{std::move(out), route.aux, route.z_loss, route.stats, route.route};
+    if (mode == dispatch_mode::einsum) {  // the reference form: one all_to_all each way
+      c.y_.emplace(reshard<at_tokens>(
+          experts_ffn(reshard<at_experts>(einsum<"GSEC,GSM->EGCM">(dense_dispatch(c.route_), x), w)), w));
+      return c;
+    }
+    auto d = dispatch(c.route_, x);  // [E,G{data,expert},C,M]
+    const index_t k = std::min<index_t>(options.overlap_degree, d.extent(2));
+    if (k <= 1 && !in_flight) {
+      c.y_.emplace(reshard<at_tokens>(experts_ffn(reshard<at_experts>(std::move(d), w)), w));
+      return c;
+    }
+    if (k <= 1) c.pieces_.push_back(std::move(d));
+    else c.pieces_ = chunk<2>(std::move(d), k);  // the whole goes: only the chunks stay
+    c.going_.push_back(start_reshard<at_experts>(std::move(c.pieces_[0]), w));
+    return c;
   }
 
   // Each expert's FFN on its tokens: [E{expert},G{data},C,M] |->
@@ -203,22 +312,6 @@ struct layer {
   template <class XE>
   auto experts_ffn(XE&& xe) const {
     return ffn<at_experts>(std::forward<XE>(xe), expert_ffn);
-  }
-
-  // DeepSeek-V3: b_e += γ · sign(mean demand - demand_e), from the choices
-  // each expert got before capacity, summed over every group (the same on
-  // every rank). The bias is the layer's state, not a parameter: it moves
-  // once per recording forward (when its tape ends), even of a const layer.
-  template <class Demand>
-  void update_bias(const Demand& demand, double rate) const {
-    double mean = 0;
-    for (auto v : demand) mean += double(v);
-    mean /= double(std::max<std::size_t>(demand.size(), 1));
-    double* b = bias->value().data();
-    for (std::size_t e = 0; e < demand.size(); ++e) {
-      const double err = mean - double(demand[e]);
-      b[e] += rate * double((err > 0) - (err < 0));
-    }
   }
 };
 
