@@ -33,6 +33,8 @@ void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<-1>(a); }
 void f(const std::vector<var<t<2, rows>>>& a) { (void)concat<0>(a); }
 #elif defined(GSHARD_CASE_cut_blocks_dim)
 void f(const t<2, rows>& a) { (void)cut_blocks<2>(a, 1); }
+#elif defined(GSHARD_CASE_halve_blocks_dim)
+void f(const t<2, rows>& a) { (void)halve_blocks<3>(a); }
 #elif defined(GSHARD_CASE_join_blocks_dim)
 void f(const var<t<2, rows>>& a) { (void)join_blocks<-1>(a, a); }
 #elif defined(GSHARD_CASE_params_alone)

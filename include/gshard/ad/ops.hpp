@@ -278,12 +278,15 @@ var<X> concat(const std::vector<var<X>>& pieces) {
 }
 
 // Micro-batches along a split dim, cut and joined rank by rank:
-// cut_blocks<Dim>(x, first) cuts every rank's block of x after the rows it
-// would hold of a tensor of global extent `first` (detail::halve_blocks
-// chooses it); join_blocks<Dim>(a, b) puts b's block after a's on every
-// rank. Nothing moves: the global order is the ranks' blocks interleaved,
-// not a then b. Valid when the blocks add up (detail::blocks_add_up), as
-// halve_blocks' cut does; the check gives the same verdict on every rank.
+// cut_blocks<Dim>(x, first) cuts every rank's block of a tensor (the
+// inputs: tokens, paddings) after the rows it would hold of a tensor of
+// global extent `first`; join_blocks<Dim>(a, b) puts the block of var b
+// after var a's on every rank (the activations, back into one batch).
+// Nothing moves: the global order is the ranks' blocks interleaved, not a
+// then b. Valid when the blocks add up (detail::blocks_add_up), as the cut
+// halve_blocks<Dim>(x) chooses does; the check gives the same verdict on
+// every rank.
+//   auto [a, b] = cut_blocks<0>(tokens, halve_blocks<0>(tokens));  // 0: no cut splits it
 namespace detail {
 template <int Dim, class X>
 void require_blocks_add_up(const char* who, const X& like, index_t first, index_t second) {
@@ -291,9 +294,19 @@ void require_blocks_add_up(const char* who, const X& like, index_t first, index_
     throw shape_error(std::string("gshard::") + who + ": blocks of " + std::to_string(first) + " and " +
                       std::to_string(second) + " rows along dim " + std::to_string(Dim) + " of " + like.notation() +
                       " do not join rank by rank into the blocks of " + std::to_string(first + second) +
-                      " (detail::halve_blocks gives a cut that does)");
+                      " (halve_blocks gives a cut that does)");
 }
 }  // namespace detail
+
+// The cut of x's dim Dim into two micro-batches: the first's global extent,
+// its blocks as near each rank's half as the rule for uneven dims allows, or
+// 0 when no cut leaves both non-empty (one row per rank).
+template <int Dim, class X>
+  requires sharded_tensor<X>
+index_t halve_blocks(const X& x) {
+  static_assert(Dim >= 0 && Dim < X::rank, "gshard::halve_blocks: the dim is not one of the tensor's");
+  return detail::halve_blocks(X::resolved, Dim, x.extent(Dim), x.mesh().sizes());
+}
 
 template <int Dim, class X>
   requires sharded_tensor<X>

@@ -86,8 +86,10 @@ constexpr bool every_block(const rlayout& l, int d, const index_t* axis_sizes, P
 // Two batches held block by block in one (micro-batches): whether every
 // rank's block of dim d at global extent `first` + `second` is its block at
 // `first` followed by its block at `second`, so that each rank cuts or
-// joins its own rows and nothing moves. Always so for a dim split over one
-// axis; over several, not for every uneven pair.
+// joins its own rows and nothing moves. Not every pair does: over 2 ranks
+// the blocks of 1 row are [1, 0] and of 2 rows [1, 1]. The halves of every
+// block do for a dim split over one axis; over several, not always when it
+// does not divide.
 constexpr bool blocks_add_up(const rlayout& l, int d, index_t first, index_t second, const index_t* axis_sizes) {
   return every_block(l, d, axis_sizes, [&](const index_t* c) {
     return dim_block(l, d, first, axis_sizes, c).extent + dim_block(l, d, second, axis_sizes, c).extent ==

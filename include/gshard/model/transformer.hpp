@@ -138,9 +138,7 @@ class transformer {
   output forward(tape& t, const tokens_type& tokens, std::uint64_t step,
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
-    const index_t first = c_.micro_batches == 2 ? detail::halve_blocks(tokens_type::resolved, 0, inputs.extent(0),
-                                                                       tokens.mesh().sizes())
-                                                : 0;
+    const index_t first = c_.micro_batches == 2 ? halve_blocks<0>(inputs) : 0;
     std::vector<moe_term> terms;
     auto x = first > 0 ? interleaved(t, inputs, first, step, mode, terms) : whole(t, inputs, step, mode, terms);
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
