@@ -241,21 +241,15 @@ def main() -> int:
             problems.append(f"--layers 2 {' '.join(remat)}: exit {code}:\n{out[-1500:]}")
     if not losses[0] or any(l != losses[0] for l in losses[1:]):
         problems.append(f"--remat all, --bucket-kib 1 or --attention recompute changed the losses: {losses}")
-    # The all_to_alls pipelined with the experts in 3 chunks: the same model to rounding (the experts'
-    # GEMMs run on fewer rows at a time, and each chunk adds its share of the weights' gradients).
-    code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0",
-                            "--overlap-degree", "3"] + small)
-    piped = re.findall(r"step +2  loss (\S+)", out)
-    if code != 0 or "all_to_alls in up to 3 chunks of the capacity" not in out or not piped or not losses[0] or \
-            abs(float(piped[0]) - float(losses[0][0])) > 2e-4:
-        problems.append(f"--overlap-degree 3: exit {code}, loss {piped} against {losses[0]}:\n{out[-1500:]}")
-    # Two micro-batches interleaved: the same model to rounding (said in the header).
-    code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0",
-                            "--micro-batches", "2"] + small)
-    halves = re.findall(r"step +2  loss (\S+)", out)
-    if code != 0 or "each rank's batch in two interleaved micro-batches" not in out or not halves or not losses[0] or \
-            abs(float(halves[0]) - float(losses[0][0])) > 2e-4:
-        problems.append(f"--micro-batches 2: exit {code}, loss {halves} against {losses[0]}:\n{out[-1500:]}")
+    # The same model to rounding, said in the header: the all_to_alls pipelined with the experts in 3
+    # chunks (the experts' GEMMs run on fewer rows at a time, and each chunk adds its share of the
+    # weights' gradients), and two micro-batches interleaved.
+    for option, header in ((["--overlap-degree", "3"], "all_to_alls in up to 3 chunks of the capacity"),
+                           (["--micro-batches", "2"], "each rank's batch in two interleaved micro-batches")):
+        code, out = run(base + ["--layers", "2", "--steps", "2", "--log-every", "1", "--sample-bytes", "0"] + option + small)
+        loss = re.findall(r"step +2  loss (\S+)", out)
+        if code != 0 or header not in out or not loss or not losses[0] or abs(float(loss[0]) - float(losses[0][0])) > 2e-4:
+            problems.append(f"{' '.join(option)}: exit {code}, loss {loss} against {losses[0]}:\n{out[-1500:]}")
     for var, value, want in [("GSHARD_GEMM", "fast", "GSHARD_GEMM=fast is not allowed; use eigen"),
                              # Below a second, a healthy collective could be taken for a stuck one.
                              ("GSHARD_WATCHDOG", "0.001", "GSHARD_WATCHDOG=0.001 is not allowed; use a number of seconds >= 1, or 0 (off)")]:

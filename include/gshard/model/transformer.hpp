@@ -61,12 +61,12 @@ struct config {
   std::vector<int> remat;
   // 2: each rank's batch cut in two micro-batches that run through the
   // blocks interleaved, so one's MoE all_to_alls travel while the other
-  // computes (and so in the backward): the overlap of two micro-batches of
-  // DeepSeek-V3 and Megatron-Core, for links slow next to compute. Routed
-  // as the whole batch (the rows keep their random-routing keys, the losses
-  // and counters are the whole batch's), the same loss and gradients up to
-  // rounding. A batch no cut of the ranks' rows splits in two (one row per
-  // rank) runs whole. Not with remat.
+  // computes (and so in the backward): DeepSeek-V3's overlap of two
+  // micro-batches, for links slow next to compute. Routed as the whole
+  // batch (the rows keep their random-routing keys, the losses and counters
+  // are the whole batch's): the same loss and gradients up to rounding. A
+  // batch no cut of the ranks' rows splits in two (one row per rank) runs
+  // whole. Not with remat.
   int micro_batches = 1;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
   bool remats(int layer) const { return std::find(remat.begin(), remat.end(), layer) != remat.end(); }
