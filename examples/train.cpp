@@ -165,7 +165,7 @@ options parse(int argc, char** argv) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
                           "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree",
-                          "--all-to-all-wire"})
+                          "--all-to-all-wire", "--micro-batches"})
       if (a == r && routing_given.empty()) routing_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;

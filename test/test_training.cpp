@@ -228,6 +228,8 @@ TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batc
       std::vector<moe::gating_stats> moe;
       std::map<std::string, std::vector<double>> grads;  // on rank 0
       std::vector<double> bias;
+      bool cut = false;             // the rows split in two on every rank (halve_blocks)
+      std::size_t all_to_alls = 0;  // forward and backward
     };
     auto run = [&](const auto& m, int micro_batches) {
       using Mesh = std::remove_cvref_t<decltype(m)>;
@@ -236,10 +238,14 @@ TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batc
       trainer<double, Mesh> r(m, cm, 5);
       result out;
       {
+        const collective_recorder rec;
         tape t(r.ps);
-        auto o = r.tr.forward(t, r.tokens(tok), 3);
+        const auto tokens = r.tokens(tok);
+        out.cut = halve_blocks<0>(tokens) > 0;
+        auto o = r.tr.forward(t, tokens, 3);
         out.loss = scalar(o.loss), out.ce = o.ce, out.aux = o.aux, out.z = o.z, out.moe = o.moe;
         t.backward(o.loss);
+        out.all_to_alls = rec.calls(collective::all_to_all);
       }
       for (std::size_t i = 0; i < r.ps.size(); ++i) {
         const std::vector<char> bytes = r.ps.grads()[i].gather_to_root();
@@ -250,8 +256,14 @@ TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batc
       return out;
     };
     const result whole = run(grid2(MPI_COMM_SELF, {1, 1}), 1);
-    auto check = [&](const auto& m) {
+    // `halves`: whether the batch's rows on this mesh split in two. 2P+1 rows
+    // over the ranks of one axis always do; over a 2 x 4 grid no cut gives
+    // every rank the canonical blocks of both parts, and the batch runs whole.
+    auto check = [&](const auto& m, bool halves) {
       const result two = run(m, 2);
+      GSHARD_REQUIRE(two.cut == halves);
+      // Each half's MoE layers run their own all_to_alls: twice as many.
+      GSHARD_REQUIRE(two.all_to_alls == (halves ? 2 : 1) * whole.all_to_alls);
       double worst = 0;
       const auto near = [&](double a, double b) { worst = std::max(worst, std::abs(a - b) / (1e-9 + std::abs(b))); };
       near(two.loss, whole.loss), near(two.ce, whole.ce), near(two.aux, whole.aux), near(two.z, whole.z);
@@ -273,12 +285,30 @@ TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batc
       GSHARD_REQUIRE(two.bias == whole.bias);  // moved once, by the whole batch's demand
       if (balance == moe::balance_mode::bias) GSHARD_REQUIRE(!whole.bias.empty());
     };
-    check(grid2(MPI_COMM_WORLD, {1, P}));
-    if (P % 2 == 0 && P > 2) check(grid2(MPI_COMM_WORLD, {2, P / 2}));  // the batch over two axes
-    if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)));
+    check(grid2(MPI_COMM_WORLD, {1, P}), true);
+    if (P % 2 == 0 && P > 2) check(grid2(MPI_COMM_WORLD, {2, P / 2}), P != 8);  // the batch over two axes
+    if (P % 2 == 0) check(grid3(MPI_COMM_WORLD, data_expert_model_sizes(P)), true);
   }
-  SECTION("bad options and blocks that do not join are refused on every rank") {
+  SECTION("a model without an MoE layer runs its batch whole; bad options and blocks that do not join are refused") {
     grid2 m(MPI_COMM_WORLD, {1, P});
+    for (const int experts : {0, 8}) {
+      auto c = tiny();
+      c.experts = experts, c.layers = experts > 0 ? 1 : c.layers;  // one block: no MoE layer
+      std::size_t gemms[2] = {0, 0};
+      double losses[2] = {0, 0};
+      for (const int k : {1, 2}) {
+        c.micro_batches = k;
+        trainer<double, grid2> r(m, c, 5);
+        const gemm_recorder rec;
+        tape t(r.ps);
+        auto o = r.tr.forward(t, r.tokens(some_tokens(2 * P + 1, 6)), 3);
+        t.backward(o.loss);
+        gemms[k - 1] = rec.calls().size(), losses[k - 1] = scalar(o.loss);
+      }
+      INFO("experts " << experts << ": " << gemms[0] << " and " << gemms[1] << " GEMMs");
+      GSHARD_REQUIRE(gemms[1] == gemms[0] && (world_rank() != 0 || gemms[0] > 0));  // a rank may hold no rows
+      GSHARD_REQUIRE(losses[1] == losses[0]);
+    }
     parameters<grid2> ps(m, 1);
     auto c = tiny();
     c.micro_batches = 3;

@@ -65,10 +65,12 @@ struct config {
   // micro-batches, for links slow next to compute. Routed as the whole
   // batch (the rows keep their random-routing keys, the losses and counters
   // are the whole batch's): the same loss and gradients up to rounding. A
-  // batch no cut of the ranks' rows splits in two (one row per rank) runs
-  // whole. Not with remat.
+  // model without an MoE layer (nothing to overlap), or a batch no cut of
+  // the ranks' rows splits in two (one row per rank), runs whole. Not with
+  // remat.
   int micro_batches = 1;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
+  bool any_moe() const { return experts > 0 && layers > 1; }
   bool remats(int layer) const { return std::find(remat.begin(), remat.end(), layer) != remat.end(); }
   index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
 };
@@ -138,7 +140,7 @@ class transformer {
   output forward(tape& t, const tokens_type& tokens, std::uint64_t step,
                  moe::dispatch_mode mode = moe::dispatch_mode::index) const {
     auto [inputs, targets] = split_tokens(tokens);
-    const index_t first = c_.micro_batches == 2 ? halve_blocks<0>(inputs) : 0;
+    const index_t first = c_.micro_batches == 2 && c_.any_moe() ? halve_blocks<0>(inputs) : 0;
     std::vector<moe_term> terms;
     auto x = first > 0 ? interleaved(t, inputs, first, step, mode, terms) : whole(t, inputs, step, mode, terms);
     auto logits = einsum<"BLM,MV->BLV">(rms_norm(x, final_norm_), unembed_);  // [B{data,expert},L,V]
