@@ -234,6 +234,18 @@ class transformer {
     return x;
   }
 
+  // One micro-batch of the interleaved forward: its activations, where it
+  // is in the blocks, and the MoE call it has in flight.
+  struct lane {
+    const char* name;
+    var<activation> x;
+    index_t first_group;  // the global index of this rank's first row in the whole batch
+    int layer = 0;
+    std::optional<moe_call> moe{};   // started, its experts not yet run
+    std::optional<moe_call> back{};  // the experts' outputs travelling back
+    std::vector<moe_term> terms{};   // per MoE layer passed
+  };
+
   // The blocks over two micro-batches — every rank's first `first`-block of
   // rows and the rest (cut_blocks) — interleaved at the MoE layers'
   // all_to_alls: each runs until it has started one (its attention and the
@@ -243,81 +255,79 @@ class transformer {
   // Each MoE layer's losses and counters are then the whole batch's.
   var<activation> interleaved(tape& t, const inputs_type& inputs, index_t first, std::uint64_t step,
                               moe::dispatch_mode mode, std::vector<moe_term>& terms) const {
-    struct lane {
-      const char* name;
-      var<activation> x;
-      index_t first_group;  // the global index of this rank's first row in the whole batch
-      int layer = 0;
-      std::optional<moe_call> moe{};   // started, its experts not yet run
-      std::optional<moe_call> back{};  // the experts' outputs travelling back
-      std::vector<moe_term> terms{};
-    };
     auto [in_a, in_b] = cut_blocks<0>(inputs, first);
     const index_t offset = inputs.offsets()[0];
     lane lanes[2] = {{"A", embed(t, in_a), offset}, {"B", embed(t, in_b), offset + in_a.local_extents()[0]}};
-    const auto span = [](std::optional<trace::span>& s, int layer, const char* what, const lane& l) {
-      s.reset();
-      if (trace::enabled()) s.emplace("block " + std::to_string(layer) + what + " (micro-batch " + l.name + ")", "model");
-    };
-    // Runs lane l to its next all_to_all; false once it is through every block.
-    const auto advance = [&](lane& l) {
-      std::optional<trace::span> s;
-      if (l.moe) {
-        span(s, l.layer, " MoE experts", l);
-        l.moe->experts();
-        l.back = std::move(l.moe), l.moe.reset();
-        return true;
-      }
-      if (l.back) {
-        span(s, l.layer, " MoE combine", l);
-        auto r = l.back->finish();
-        l.back.reset();
-        l.x = l.x + relabel<"BLM">(std::move(r.y));
-        l.terms.push_back({std::move(r.aux), std::move(r.z_loss), std::move(r.stats)});
-        ++l.layer;
-      }
-      for (; l.layer < c_.layers; ++l.layer) {
-        const block_params& b = blocks_[std::size_t(l.layer)];
-        span(s, l.layer, " attention", l);
-        l.x = l.x + attention(rms_norm(l.x, b.norm1), b.attn);
-        span(s, l.layer, b.moe ? " MoE" : " FFN", l);
-        auto h = rms_norm(l.x, b.norm2);
-        if (!b.moe) {
-          l.x = l.x + ffn<at_tokens>(h, *b.ffn);
-          continue;
-        }
-        l.moe.emplace(b.moe->start(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(l.layer), mode,
-                                   {l.first_group, false}));
-        return true;
-      }
-      return false;
-    };
     for (bool more = true; more;) {
-      more = advance(lanes[0]);
-      more = advance(lanes[1]) || more;
+      more = advance(lanes[0], step, mode);
+      more = advance(lanes[1], step, mode) || more;
     }
-    // Each MoE layer's aux loss is the mean over the groups and its z-loss
-    // over the valid tokens: the two micro-batches' weighted by their share.
-    const double groups = double(inputs.extent(0));
+    combine_terms(t, lanes[0].terms, lanes[1].terms, double(first) / double(inputs.extent(0)), terms);
+    return join_blocks<0>(lanes[0].x, lanes[1].x);
+  }
+
+  // Runs lane l to its next all_to_all: its experts if it has tokens in
+  // flight to them, else its combine (if outputs are on their way back) and
+  // the blocks after it up to the next MoE layer's start. False once it is
+  // through every block.
+  bool advance(lane& l, std::uint64_t step, moe::dispatch_mode mode) const {
+    std::optional<trace::span> s;
+    const auto span = [&](const char* what) {
+      s.reset();
+      if (trace::enabled()) s.emplace("block " + std::to_string(l.layer) + what + " (micro-batch " + l.name + ")", "model");
+    };
+    if (l.moe) {
+      span(" MoE experts");
+      l.moe->experts();
+      l.back = std::move(l.moe), l.moe.reset();
+      return true;
+    }
+    if (l.back) {
+      span(" MoE combine");
+      auto r = l.back->finish();
+      l.back.reset();
+      l.x = l.x + relabel<"BLM">(std::move(r.y));
+      l.terms.push_back({std::move(r.aux), std::move(r.z_loss), std::move(r.stats)});
+      ++l.layer;
+    }
+    for (; l.layer < c_.layers; ++l.layer) {
+      const block_params& b = blocks_[std::size_t(l.layer)];
+      span(" attention");
+      l.x = l.x + attention(rms_norm(l.x, b.norm1), b.attn);
+      span(b.moe ? " MoE" : " FFN");
+      auto h = rms_norm(l.x, b.norm2);
+      if (!b.moe) {
+        l.x = l.x + ffn<at_tokens>(h, *b.ffn);
+        continue;
+      }
+      l.moe.emplace(b.moe->start(relabel<"GSM">(std::move(h)), c_.gating, (step << 8) | std::uint64_t(l.layer), mode,
+                                 {l.first_group, false}));
+      return true;
+    }
+    return false;
+  }
+
+  // Each MoE layer's terms of the two micro-batches as the whole batch's:
+  // the aux loss is a mean over the groups and the z-loss over the valid
+  // tokens, so each half's is weighted by its share (`share_a`: A's of the
+  // groups); the counters add up. balance_mode::bias: the bias moves once
+  // per layer and step, by the whole batch's demand.
+  void combine_terms(tape& t, std::vector<moe_term>& a, std::vector<moe_term>& b, double share_a,
+                     std::vector<moe_term>& terms) const {
     const std::size_t base = terms.size();
-    for (std::size_t j = 0; j < lanes[0].terms.size(); ++j) {
-      moe_term& a = lanes[0].terms[j];
-      moe_term& b = lanes[1].terms[j];
-      const double va = double(a.stats.tokens - a.stats.invalid), vb = double(b.stats.tokens - b.stats.invalid);
+    for (std::size_t j = 0; j < a.size(); ++j) {
+      const double va = double(a[j].stats.tokens - a[j].stats.invalid), vb = double(b[j].stats.tokens - b[j].stats.invalid);
       const double za = va + vb > 0 ? va / (va + vb) : 0.5;
-      moe_term m{(double(first) / groups) * a.aux + (1.0 - double(first) / groups) * b.aux, za * a.z + (1.0 - za) * b.z,
-                 a.stats};
-      m.stats += b.stats;
+      moe_term m{share_a * a[j].aux + (1.0 - share_a) * b[j].aux, za * a[j].z + (1.0 - za) * b[j].z, a[j].stats};
+      m.stats += b[j].stats;
       terms.push_back(std::move(m));
     }
-    // balance_mode::bias: one move per layer and step, from the whole batch's demand.
     if (c_.gating.balance == moe::balance_mode::bias && t.recording())
       for (std::size_t layer = 0, j = base; layer < blocks_.size(); ++layer)
         if (const auto& m = blocks_[layer].moe)
           t.after_step([m = &*m, demand = terms[j++].stats.expert_demand, rate = c_.gating.bias_rate] {
             m->update_bias(demand, rate);
           });
-    return join_blocks<0>(lanes[0].x, lanes[1].x);
   }
 
   template <class L>
