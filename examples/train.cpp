@@ -160,7 +160,7 @@ std::vector<int> remat_blocks(const std::string& v, int layers) {
 options parse(int argc, char** argv) {
   options o;
   bool bias_rate_given = false, capacity_given = false;
-  std::string routing_given;  // the first routing option given (no effect in a dense model)
+  std::string routing_given;  // the first MoE option given (no effect in a dense model)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
@@ -275,9 +275,9 @@ options parse(int argc, char** argv) {
     if (ignored) o.notes.push_back(why);
   if (o.experts > 0 && o.layers == 1)
     o.notes.push_back("--layers 1 has no MoE block (blocks 1, 3, ... hold the MoE layers): the model is dense" +
-                      std::string(routing_given.empty() ? "" : ", and " + routing_given + " (every routing option) has no effect"));
+                      std::string(routing_given.empty() ? "" : ", and " + routing_given + " (every MoE option) has no effect"));
   if (o.experts == 0 && !routing_given.empty())
-    o.notes.push_back(routing_given + " (and every routing option) has no effect with --experts 0: a dense model routes nothing");
+    o.notes.push_back(routing_given + " (and every MoE option) has no effect with --experts 0: a dense model has no MoE layer");
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
   if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;
@@ -567,7 +567,7 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
                 c.gating.z_loss_coef, c.shared_experts, c.ffn == ffn_kind::relu ? "relu" : "swiglu",
                 c.overlap_degree > 1 ? (", all_to_alls in up to " + std::to_string(c.overlap_degree) + " chunks of the capacity").c_str() : "",
                 c.gating.order == moe::placement::by_token ? ", each token's choices placed before the next token's" : "",
-                c.micro_batches == 2 ? ", each rank's batch in two interleaved micro-batches" : "");
+                c.micro_batches == 2 && c.any_moe() ? ", each rank's batch in two interleaved micro-batches" : "");
   }
   const int end = o.stop_after > 0 ? std::min(o.steps, o.stop_after) : o.steps;
   if (start >= end) {  // nothing left: do not relabel the checkpoint with another step

@@ -318,6 +318,11 @@ TEST_CASE("two interleaved micro-batches route, lose and learn as the whole batc
     c.micro_batches = 2, c.remat = {1};
     GSHARD_REQUIRE_THROWS_WITH((model::transformer<double, grid2>(ps, c)), error,
                                "gshard::model::transformer: config.micro_batches = 2 with blocks in config.remat");
+    {  // a dense model runs whole: remat beside micro_batches = 2 is fine there
+      parameters<grid2> dense_ps(m, 1);
+      c.experts = 0;
+      GSHARD_REQUIRE(model::transformer<double, grid2>(dense_ps, c).blocks().size() == std::size_t(c.layers));
+    }
     {  // a call of the MoE layer in phases finishes once; a bias move needs a bias
       c = tiny();
       model::transformer<double, grid2> tr(ps, c);

@@ -66,8 +66,8 @@ struct config {
   // batch (the rows keep their random-routing keys, the losses and counters
   // are the whole batch's): the same loss and gradients up to rounding. A
   // model without an MoE layer (nothing to overlap), or a batch no cut of
-  // the ranks' rows splits in two (one row per rank), runs whole. Not with
-  // remat.
+  // the ranks' rows splits in two (one row per rank; 17 rows over 2 x 4
+  // batch ranks), runs whole. Not with remat in a model with MoE layers.
   int micro_batches = 1;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
   bool any_moe() const { return experts > 0 && layers > 1; }
@@ -312,7 +312,7 @@ class transformer {
   // tokens, so each half's is weighted by its share (`share_a`: A's of the
   // groups); the counters add up. balance_mode::bias: the bias moves once
   // per layer and step, by the whole batch's demand.
-  void combine_terms(tape& t, std::vector<moe_term>& a, std::vector<moe_term>& b, double share_a,
+  void combine_terms(tape& t, const std::vector<moe_term>& a, const std::vector<moe_term>& b, double share_a,
                      std::vector<moe_term>& terms) const {
     const std::size_t base = terms.size();
     for (std::size_t j = 0; j < a.size(); ++j) {
@@ -347,7 +347,7 @@ class transformer {
     if (c.micro_batches != 1 && c.micro_batches != 2)
       throw error("gshard::model::transformer: config.micro_batches = " + std::to_string(c.micro_batches) +
                   "; 1 (the batch whole) or 2 (two interleaved halves)");
-    if (c.micro_batches == 2 && !c.remat.empty())
+    if (c.micro_batches == 2 && !c.remat.empty() && c.any_moe())
       throw error("gshard::model::transformer: config.micro_batches = 2 with blocks in config.remat: a recomputed "
                   "block would run the two micro-batches one after the other; use one of the two");
     for (int l : c.remat)
