@@ -133,7 +133,7 @@ constexpr const char* usage =
     "                     chunk i+1 travels while chunk i's experts compute, forward and backward (1: none)\n"
     "  --micro-batches 1|2  2: each rank's batch cut in two halves that run through the blocks interleaved,\n"
     "                     one's MoE all_to_alls travelling while the other computes: for slow links; the same\n"
-    "                     losses up to rounding; not with --remat (1)\n";
+    "                     losses up to rounding; not with --remat in a model with MoE blocks (1)\n";
 
 // --remat's value: none, all, or blocks as a comma-separated list.
 std::vector<int> remat_blocks(const std::string& v, int layers) {
@@ -160,13 +160,13 @@ std::vector<int> remat_blocks(const std::string& v, int layers) {
 options parse(int argc, char** argv) {
   options o;
   bool bias_rate_given = false, capacity_given = false;
-  std::string routing_given;  // the first MoE option given (no effect in a dense model)
+  std::string moe_option_given;  // the first MoE option given (no effect in a dense model)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
                           "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree",
                           "--all-to-all-wire", "--micro-batches"})
-      if (a == r && routing_given.empty()) routing_given = a;
+      if (a == r && moe_option_given.empty()) moe_option_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;
       return o;
@@ -275,9 +275,9 @@ options parse(int argc, char** argv) {
     if (ignored) o.notes.push_back(why);
   if (o.experts > 0 && o.layers == 1)
     o.notes.push_back("--layers 1 has no MoE block (blocks 1, 3, ... hold the MoE layers): the model is dense" +
-                      std::string(routing_given.empty() ? "" : ", and " + routing_given + " (every MoE option) has no effect"));
-  if (o.experts == 0 && !routing_given.empty())
-    o.notes.push_back(routing_given + " (and every MoE option) has no effect with --experts 0: a dense model has no MoE layer");
+                      std::string(moe_option_given.empty() ? "" : ", and " + moe_option_given + " (every MoE option) has no effect"));
+  if (o.experts == 0 && !moe_option_given.empty())
+    o.notes.push_back(moe_option_given + " (and every MoE option) has no effect with --experts 0: a dense model has no MoE layer");
   // GShard's random routing is of the second choice of top-2; with other k every choice is kept (Switch, Mixtral).
   if (o.model.gating.top_k != 2 && !o.second_given) o.model.gating.second = moe::second_policy::all;
   return o;

@@ -70,7 +70,7 @@ struct config {
   // batch ranks), runs whole. Not with remat in a model with MoE layers.
   int micro_batches = 1;
   bool is_moe(int layer) const { return experts > 0 && layer % 2 == 1; }
-  bool any_moe() const { return experts > 0 && layers > 1; }
+  bool any_moe() const { return layers > 1 && is_moe(1); }  // block 1 is the first that can hold one
   bool remats(int layer) const { return std::find(remat.begin(), remat.end(), layer) != remat.end(); }
   index_t ffn_hidden(int layer) const { return experts == 0 && layer % 2 == 1 && slot_hidden > 0 ? slot_hidden : hidden; }
 };
