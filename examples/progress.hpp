@@ -69,7 +69,9 @@ inline std::string machine_line(const machine_peak& m, gshard::matmul_precision 
   if (m.bf16_gemms) add(m.bf16 > 0 ? " in bf16 (fp32 sums; MFU against the bf16 peak)"
                                    : " in bf16 (fp32 sums; a build without AVX512_BF16 measures no bf16 peak: MFU against fp32's)");
   else if (p == gshard::matmul_precision::bf16) add(" in fp32 (--precision bf16, but it has no bf16 units to run on here)");
-  if (moe_all_to_alls == gshard::wire::bf16) add(", MoE all_to_alls in bf16");
+  if (gshard::sends_bf16(moe_all_to_alls) || gshard::trims_rows(moe_all_to_alls))
+    add(", MoE all_to_alls in %s%s", gshard::sends_bf16(moe_all_to_alls) ? "bf16" : "the tensors' type",
+        gshard::trims_rows(moe_all_to_alls) ? ", filled slots only" : "");
   return line;
 }
 

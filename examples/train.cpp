@@ -59,6 +59,7 @@ struct options {
   long long bucket_kib = -1;   // --bucket-kib; -1: the parameters' default
   wire gradient_wire = wire::same;  // --gradient-wire
   std::optional<wire> all_to_all_wire;  // --all-to-all-wire; unset: bf16 with --precision bf16
+  bool filled_slots = true;             // --all-to-all-slots filled: the empty capacity slots stay home
   std::optional<wire> weight_wire;      // --weight-wire; unset: bf16 with --precision bf16
   std::vector<std::string> notes;  // options that have no effect, said once by rank 0
   bool help = false;
@@ -123,6 +124,10 @@ constexpr const char* usage =
     "                     of it per rank (reduce_scatter, all_gather) or whole on every rank (all_reduce) (sharded)\n"
     "  --all-to-all-wire f32|bf16  what the MoE all_to_alls carry, forward and backward: bf16 halves their\n"
     "                     bytes; the router reads the input before it is rounded (bf16 with --precision bf16, else f32)\n"
+    "  --all-to-all-slots filled|all  which capacity slots the MoE all_to_alls move: the filled ones (each\n"
+    "                     expert's slots fill from the first; the receiver writes the empty ones as zeros: the same\n"
+    "                     numbers, in ragged messages short by the slots left empty) or all of them (the paper's\n"
+    "                     fixed-size all_to_all) (filled)\n"
     "  --gradient-wire f32|bf16  what the gradients' reductions carry: bf16 halves their bytes, each rank's\n"
     "                     gradient rounded once and the parts added in fp32 (docs/15_precision.md) (f32)\n"
     "  --weight-wire f32|bf16  what the weights hold: bf16 copies of fp32 masters the optimizer keeps and\n"
@@ -165,7 +170,7 @@ options parse(int argc, char** argv) {
     const std::string a = argv[i];
     for (const char* r : {"--top-k", "--second", "--placement", "--shared-experts", "--dropless", "--capacity-factor", "--eval-capacity-factor",
                           "--z-loss", "--balance", "--bias-rate", "--aux-coef", "--overlap-degree",
-                          "--all-to-all-wire", "--micro-batches"})
+                          "--all-to-all-wire", "--all-to-all-slots", "--micro-batches"})
       if (a == r && moe_option_given.empty()) moe_option_given = a;
     if (a == "--help" || a == "-h") {
       o.help = true;
@@ -213,7 +218,7 @@ options parse(int argc, char** argv) {
     else if (a == "--aux-coef") o.model.aux_coef = real(), o.aux_coef_given = true;
     else if (a == "--balance" || a == "--ffn" || a == "--second" || a == "--weight-update" || a == "--attention" ||
              a == "--placement" || a == "--positions" || a == "--optimizer" || a == "--precision" ||
-             a == "--gradient-wire" || a == "--all-to-all-wire" || a == "--weight-wire") {
+             a == "--gradient-wire" || a == "--all-to-all-wire" || a == "--weight-wire" || a == "--all-to-all-slots") {
       const std::string v = next();
       if (a == "--weight-update" && (v == "sharded" || v == "replicated")) o.sharded_update = v == "sharded";
       else if (a == "--optimizer" && (v == "adam" || v == "adafactor")) o.optimizer = v;
@@ -223,6 +228,8 @@ options parse(int argc, char** argv) {
         o.gradient_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--all-to-all-wire" && (v == "f32" || v == "bf16"))
         o.all_to_all_wire = v == "f32" ? wire::same : wire::bf16;
+      else if (a == "--all-to-all-slots" && (v == "filled" || v == "all"))
+        o.filled_slots = v == "filled";
       else if (a == "--weight-wire" && (v == "f32" || v == "bf16"))
         o.weight_wire = v == "f32" ? wire::same : wire::bf16;
       else if (a == "--balance" && (v == "aux" || v == "bias")) g.balance = v == "aux" ? moe::balance_mode::aux : moe::balance_mode::bias;
@@ -246,6 +253,7 @@ options parse(int argc, char** argv) {
                      : a == "--placement" ? "by-choice or by-token"
                      : a == "--positions" ? "none, sinusoidal or learned"
                      : a == "--optimizer" ? "adam or adafactor"
+                     : a == "--all-to-all-slots" ? "filled or all"
                      : a == "--precision" || a == "--gradient-wire" || a == "--all-to-all-wire" || a == "--weight-wire"
                          ? "f32 or bf16"
                                           : "sharded or replicated") +
@@ -256,7 +264,8 @@ options parse(int argc, char** argv) {
     else o.text_path = a;
   }
   o.model.remat = remat_blocks(o.remat, o.layers);
-  o.model.all_to_all_wire = o.all_to_all_wire.value_or(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same);
+  o.model.all_to_all_wire = o.all_to_all_wire.value_or(o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same) |
+                            (o.filled_slots ? wire::trimmed : wire::same);
   if (!o.weight_wire) o.weight_wire = o.precision == matmul_precision::bf16 ? wire::bf16 : wire::same;
   if (o.lr == 0) o.lr = o.optimizer == "adafactor" ? 3e-3 : 2e-3;
   if (o.slot_hidden > 0 && o.experts > 0)

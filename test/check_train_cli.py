@@ -181,6 +181,7 @@ def main() -> int:
         (["--precision", "fp16"], "--precision is f32 or bf16, not 'fp16'"),
         (["--gradient-wire", "fp8"], "--gradient-wire is f32 or bf16, not 'fp8'"),
         (["--all-to-all-wire", "bf8"], "--all-to-all-wire is f32 or bf16, not 'bf8'"),
+        (["--all-to-all-slots", "some"], "--all-to-all-slots is filled or all, not 'some'"),
         (["--weight-wire", "fp16"], "--weight-wire is f32 or bf16, not 'fp16'"),
         (["--lr", "0"], "--lr takes a finite number from 1e-09 to 1, not '0'"),
         ([short, short], f"two texts given, '{short}' and '{short}'; give one file or directory"),

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <set>
@@ -652,6 +653,64 @@ TEST_CASE("MoE layer with bf16 all_to_alls: 1 rank's result at every mesh in hal
   check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
   check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
   GSHARD_REQUIRE(max_rel_diff(gref, gref32) > 0);
+}
+
+TEST_CASE("MoE layer with trimmed all_to_alls: the plain all_to_alls' output and gradients to the bit, in fewer bytes",
+          "[moe][layer][trimmed]") {
+  const int P = world_size();
+  const index_t G = 2 * P + 1, S = 16, M = 16, H = 24, E = 8;  // groups and experts that need not divide
+  moe::gating_config cfg;
+  cfg.capacity_factor = 2;  // each expert twice its mean load: slots stay empty
+  // y, and the gradients of Σ y·c with respect to x, the router and the
+  // experts' first weights, gathered; the all_to_alls' calls and bytes.
+  struct result {
+    local_tensor<float, 3> y, gx, gw1;
+    local_tensor<float, 2> grouter;
+    std::size_t calls = 0, bytes = 0;
+  };
+  auto run = [&](const auto& m, moe::layer_options o, moe::dispatch_mode mode) {
+    using Mesh = std::remove_cvref_t<decltype(m)>;
+    parameters ps(m, 42);
+    const moe::layer<float, Mesh> layer(ps, "moe.", M, H, E, o);
+    using X = named<float, "GSM", Mesh, typename moe::layer<float, Mesh>::at_tokens>;
+    param<X> x(ps, "x", {G, S, M}, init::normal(1.0));
+    X c(m, {G, S, M});
+    fill_normal(c, 1.0, 8, 98);
+    collective_recorder rec;
+    tape t(ps);
+    auto out = layer(t.use(x), cfg, 3, mode);
+    t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))));
+    return result{gather(out.y.value()), gather(x.grad()), gather(layer.expert_ffn.w1.grad()),
+                  gather(layer.router.grad()), rec.calls(collective::all_to_all, "expert"),
+                  rec.bytes(collective::all_to_all, "expert")};
+  };
+  auto same_bits = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
+  };
+  auto check = [&](const auto& m, const char* name) {
+    for (wire w : {wire::same, wire::bf16})
+      for (int overlap : {1, 3})
+        for (auto mode : {moe::dispatch_mode::index, moe::dispatch_mode::einsum}) {
+          if (overlap > 1 && mode == moe::dispatch_mode::einsum) continue;
+          moe::layer_options plain, trimmed;
+          plain.overlap_degree = trimmed.overlap_degree = overlap;
+          plain.all_to_all_wire = w;
+          trimmed.all_to_all_wire = w | wire::trimmed;
+          const result a = run(m, plain, mode), b = run(m, trimmed, mode);
+          INFO(name << (w == wire::bf16 ? ", bf16" : ", fp32") << (mode == moe::dispatch_mode::index ? " index" : " einsum")
+                    << ", overlap_degree " << overlap << ": all_to_all bytes " << b.bytes << " trimmed, " << a.bytes
+                    << " whole");
+          GSHARD_REQUIRE(same_bits(a.y, b.y));
+          GSHARD_REQUIRE(same_bits(a.gx, b.gx));
+          GSHARD_REQUIRE(same_bits(a.gw1, b.gw1));
+          GSHARD_REQUIRE(same_bits(a.grouter, b.grouter));
+          GSHARD_REQUIRE(a.calls == b.calls);
+          GSHARD_REQUIRE((a.calls == 0 || b.bytes < a.bytes));  // every piece ends in empty slots
+        }
+  };
+  check(grid2(MPI_COMM_SELF, {1, 1}), "1 rank");
+  check(grid2(MPI_COMM_WORLD, {1, P}), "mesh (1,P)");
+  check(grid3(MPI_COMM_WORLD, gshard::testing::data_expert_model_sizes(P)), "mesh (data, expert, model)");
 }
 
 TEST_CASE("routing variants: top-k, dropless, shared experts and bias balancing reproduce the 1-rank result", "[moe][layer][variants]") {

@@ -35,7 +35,18 @@ using sum_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
 // of fp32's bytes, a quarter of double's, each value rounded to nearest
 // even (a double through fp32) to within 2⁻⁸ of itself, the parts of a
 // sum added in fp32 and rounded once per summing step.
-enum class wire : std::uint8_t { same, bf16 };
+// wire::trimmed, alone or with bf16 (wire::bf16 | wire::trimmed): an
+// all_to_all's pieces travel without their trailing rows of zeros — in
+// each [rows, last dim] matrix of a piece, the rows after its last row
+// with a nonzero bit — and the receiver writes those zeros back: the same
+// tensor to the bit, in ragged messages (each led by its matrices' row
+// counts, 4 bytes each). The MoE layer's capacity slots fill from the
+// first, so its all_to_alls then carry the filled slots only. Other steps
+// travel whole.
+enum class wire : std::uint8_t { same = 0, bf16 = 1, trimmed = 2 };
+constexpr wire operator|(wire a, wire b) { return wire(std::uint8_t(a) | std::uint8_t(b)); }
+constexpr bool sends_bf16(wire w) { return (std::uint8_t(w) & std::uint8_t(wire::bf16)) != 0; }
+constexpr bool trims_rows(wire w) { return (std::uint8_t(w) & std::uint8_t(wire::trimmed)) != 0; }
 
 // The element types gshard moves and prints, in one table: a tensor's
 // printed type (f32[...]), its MPI datatype (runtime/mpi.hpp) and the checked mode's

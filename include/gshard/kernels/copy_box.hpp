@@ -119,7 +119,7 @@ void follow_rounded(T* master, const T* weight, std::size_t n) {
 // round) is refused, the same on every rank.
 template <class T>
 bool narrows(wire w) {
-  if (w != wire::bf16 || std::is_same_v<T, bf16>) return false;
+  if (!sends_bf16(w) || std::is_same_v<T, bf16>) return false;
   if constexpr (!std::is_floating_point_v<T>)
     throw error(std::string("gshard::reshard: wire::bf16 carries float or double tensors; this one is ") +
                 std::string(name_of(element_of<T>())));

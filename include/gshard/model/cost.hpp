@@ -231,7 +231,7 @@ namespace detail_cost {
 using gshard::detail::rlayout;
 
 // The bytes of an element of `element_bytes` as `w` sends it.
-inline int bytes_on(wire w, int element_bytes) { return w == wire::bf16 ? 2 : element_bytes; }
+inline int bytes_on(wire w, int element_bytes) { return sends_bf16(w) ? 2 : element_bytes; }
 
 // Adds calls and bytes to the (kind, axes, what) entry, or a new one.
 inline void add(std::vector<collective_work>& cs, collective kind, std::uint32_t axes, int calls, double bytes,
@@ -279,7 +279,7 @@ struct network_shape {
   ffn_kind ffn = ffn_kind::relu;
   int top_k = 2;
   index_t overlap_degree = 1;
-  wire all_to_all_wire = wire::same;  // bf16: the MoE all_to_alls' elements are 2 bytes
+  wire all_to_all_wire = wire::same;  // bf16: the MoE all_to_alls' elements are 2 bytes; trimmed: counted whole, a bound
   bool dropless = false;
   attention_memory attention = attention_memory::keep_probabilities;
   bool smoothed = false;  // label smoothing: the loss's all_reduce carries the unsmoothed sum too
@@ -345,7 +345,7 @@ inline void count_state(step_work& w, const std::vector<weight>& ws, const mesh_
     w.parameter_bytes += double(local_elements(x.layout, x.extents, m)) * f;
     w.gradient_bytes += g;
     // The weight's block a sharded update works on, or the master of a bf16 weight.
-    const double block = target == x.layout && o.weight_wire != wire::bf16 ? 0 : g;
+    const double block = target == x.layout && !sends_bf16(o.weight_wire) ? 0 : g;
     if (o.optimizer == optimizer_kind::adam) {
       w.optimizer_bytes += 2 * g + block;  // the moments
       continue;

@@ -44,18 +44,18 @@ class update_targets {
       if (g.as_sharded()) {
         e = g.zeros(g.name());
         e->as_sharded()->slice_from(ps.values()[i]);
-      } else if (wire_ == wire::bf16) {
+      } else if (sends_bf16(wire_)) {
         e = ps.values()[i].zeros(g.name());
         copy(ps.values()[i], *e);
       }
       entry_.push_back(e.get());
       if (!e) continue;
-      if (wire_ == wire::bf16) masters_.add_entry(std::move(e));
+      if (sends_bf16(wire_)) masters_.add_entry(std::move(e));
       else blocks_.push_back(std::move(e));
     }
     // The weights hold bf16 values from here on: each rank rounds its own
     // shard, as gathering the rounded blocks would.
-    if (wire_ == wire::bf16)
+    if (sends_bf16(wire_))
       for (auto& w : ps.values()) {
         round_through_bf16(w->f32().data(), w->f32().size(), w->f32().data());
         round_through_bf16(w->f64().data(), w->f64().size(), w->f64().data());
@@ -79,7 +79,7 @@ class update_targets {
   // masters were made for.
   void check(const parameters_base& ps, std::string_view optimizer) const {
     if (ps.weight_wire() == wire_) return;
-    const auto name = [](wire w) { return w == wire::bf16 ? "bf16" : "same"; };
+    const auto name = [](wire w) { return sends_bf16(w) ? "bf16" : "same"; };
     throw error("gshard::" + std::string(optimizer) + ": the parameters' weight wire is wire::" + name(ps.weight_wire()) +
                 " but the optimizer was built when it was wire::" + name(wire_) +
                 " (the masters are its state); set it before building the optimizer");
@@ -91,7 +91,7 @@ class update_targets {
     set_entry* e = entry_[i];
     if (!e) return ps.values()[i];
     if (auto* block = e->as_sharded()) {
-      if (wire_ == wire::bf16) block->follow(ps.values()[i]);
+      if (sends_bf16(wire_)) block->follow(ps.values()[i]);
       else block->slice_from(ps.values()[i]);
     } else {
       set_entry& w = ps.values()[i];

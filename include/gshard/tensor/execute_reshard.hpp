@@ -12,6 +12,7 @@
 
 #include "gshard/core/raw_storage.hpp"
 #include "gshard/runtime/collectives.hpp"
+#include "gshard/runtime/nonblocking.hpp"
 #include "gshard/kernels/copy_box.hpp"
 #include "gshard/layout/shard_geometry.hpp"
 #include "gshard/layout/reshard_steps.hpp"
@@ -119,6 +120,18 @@ struct all_to_all_geometry {
     piece = std::size_t(product<Rank>(slot));
     n = piece * std::size_t(P);
   }
+  // A piece as wire::trimmed sees it: matrices of rows() rows of row() elements (its last two dims).
+  std::size_t rows() const {
+    if constexpr (Rank >= 2) return std::size_t(slot[std::size_t(Rank - 2)]);
+    else return 1;
+  }
+  std::size_t row() const { return std::size_t(slot[std::size_t(Rank - 1)]); }
+  // Communicate: send's P pieces to the group's ranks, recv's from them (trim: wire::trimmed).
+  collective_request start(const mesh_base& m, const reshard_step& s, const T* send, T* recv, bool trim) const {
+    const axis_group& g = m.group(1u << s.axis);
+    if (trim && piece > 0) return start_all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
+    return start_all_to_all<T>(g, {send, n}, {recv, n});
+  }
   bool packs() const { return !even || product<Rank>(e, 0, b) != 1; }
   bool unpacks() const { return !even || product<Rank>(eo, 0, a) != 1; }
   void pack(const T* in, T* send) const {
@@ -206,7 +219,7 @@ local_tensor<T, Rank> reduce_scatter_step(const mesh_base& m, const reshard_step
 // step's geometry (the extents, the group, the block sizes).
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
-                               const local_tensor<T, Rank>& in, const shape<Rank>& global) {
+                               const local_tensor<T, Rank>& in, const shape<Rank>& global, bool trim = false) {
   const shape<Rank> e = local_extents<Rank>(before, global, m);
   const shape<Rank> eo = local_extents<Rank>(after, global, m);
   const std::size_t n = std::size_t(product<Rank>(e));
@@ -229,7 +242,8 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       }
       if (geo.unpacks()) recv_buf = uninitialized<T>(geo.n);
       T* recv = geo.unpacks() ? recv_buf.get() : out.data();
-      all_to_all<T>(m.group(1u << s.axis), {send, geo.n}, {recv, geo.n});  // Communicate
+      if (trim) geo.start(m, s, send, recv, true).wait();  // Communicate
+      else all_to_all<T>(m.group(1u << s.axis), {send, geo.n}, {recv, geo.n});
       if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
       return out;
     }
@@ -260,10 +274,11 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
 }
 
 // Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
-// work in place, the other steps write a fresh shard.
+// work in place, the other steps write a fresh shard. trim: the all_to_all
+// steps' pieces travel without their trailing rows of zeros (wire::trimmed).
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, local_tensor<T, Rank>&& local,
-                                      const shape<Rank>& global, int first = 0) {
+                                      const shape<Rank>& global, int first = 0, bool trim = false) {
   const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
   for (int i = first; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
@@ -272,7 +287,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
     } else if (s.kind == step_kind::zero_partial) {
       if (m.coord(s.axis) != 0) local.setZero();
     } else {
-      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global);
+      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global, trim);
     }
   }
   return std::move(local);
@@ -281,10 +296,11 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
 // Runs a plan on a shard it only reads: the first step writes a fresh shard.
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, const local_tensor<T, Rank>& local,
-                                      const shape<Rank>& global) {
+                                      const shape<Rank>& global, bool trim = false) {
   if (planned.n == 0) return local;
   const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
-  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global), global, 1);
+  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global, trim), global, 1,
+                                  trim);
 }
 
 // x's elements converted to To (to bf16: rounded to nearest even; a double
@@ -315,9 +331,12 @@ local_tensor<T, Rank> execute_reshard_on(wire w, const mesh_base& m, const resha
     auto narrow = converted<bf16>(local);
     release(std::forward<Local>(local));
     if (p.n == 0) return converted<T>(narrow);
-    return converted<T>(execute_reshard<bf16, Rank>(m, p, std::move(narrow), global));
+    return converted<T>(execute_reshard<bf16, Rank>(m, p, std::move(narrow), global, 0, trims_rows(w)));
   }
-  return execute_reshard<T, Rank>(m, p, std::forward<Local>(local), global);
+  if constexpr (std::is_rvalue_reference_v<Local&&> && !std::is_const_v<std::remove_reference_t<Local>>)
+    return execute_reshard<T, Rank>(m, p, std::move(local), global, 0, trims_rows(w));
+  else
+    return execute_reshard<T, Rank>(m, p, local, global, trims_rows(w));
 }
 
 // Plans at run time with the mesh's real sizes, then executes: for layouts
