@@ -255,20 +255,27 @@ void moe_layer_uneven(benchmark::State& state) {
 // dot-product peak measured in the run (0 where this build does not
 // target AVX512_BF16). Where the GEMM has no bf16 units, bf16 GEMMs run
 // in fp32 and bf16_speedup is 1 but for noise (GSHARD_GEMM=openblas shows
-// it); the all_to_alls still halve their bytes. At least 4 s: the median
-// needs several iterations.
+// it); the all_to_alls still halve their bytes. Fourth, the same with only
+// the filled capacity slots on the wire (wire::bf16 | wire::trimmed):
+// trimmed_vs_wire, the bf16 all_to_alls' time over the trimmed ones' (above
+// 1: trimming saves more than its scans and ragged messages cost), and
+// trimmed_speedup against fp32. At least 4 s: the median needs several
+// iterations.
 void moe_layer_bf16(benchmark::State& state) {
-  moe_layer_run f32, bf16, bf16_wire(8, moe::layer_options{.all_to_all_wire = wire::bf16});
+  moe_layer_run f32, bf16, bf16_wire(8, moe::layer_options{.all_to_all_wire = wire::bf16}),
+      trimmed(8, moe::layer_options{.all_to_all_wire = wire::bf16 | wire::trimmed});
   auto in_bf16 = [&](moe_layer_run& run) {
     return [&] {
       const matmul_precision_scope s(matmul_precision::bf16);
       run();
     };
   };
-  const auto c = gshard::bench::compare(state, {std::ref(f32), in_bf16(bf16), in_bf16(bf16_wire)}, 1);
+  const auto c = gshard::bench::compare(state, {std::ref(f32), in_bf16(bf16), in_bf16(bf16_wire), in_bf16(trimmed)}, 1);
   const double flop = f32.expert_flop();
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[1];
   state.counters["wire_speedup"] = 1.0 / c.median_ratio[2];
+  state.counters["trimmed_speedup"] = 1.0 / c.median_ratio[3];
+  state.counters["trimmed_vs_wire"] = c.median_ratio[2] / c.median_ratio[3];
   state.counters["f32_expert_gflops"] = flop / c.median_time[0] * 1e-9;
   state.counters["bf16_expert_gflops"] = flop / c.median_time[1] * 1e-9;
   state.counters["f32_fma_peak_share"] = flop / c.median_time[0] * 1e-9 / gshard::bench::fma_peak_gflops();

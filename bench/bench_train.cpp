@@ -123,21 +123,29 @@ void step(benchmark::State& state) {
 // tokens/s of each; MFU of the fp32 step against the FMA peak and of the
 // bf16 step against the bf16 dot-product peak, both measured in the run
 // (no bf16 MFU where this build does not target AVX512_BF16). Where the
-// GEMM has no bf16 units, every step runs fp32 GEMMs. At least 4 s. Over
-// shared memory the halved bytes hardly show; at a slow link
-// (scripts/multihost --link-rate 1gbit) they do.
+// GEMM has no bf16 units, every step runs fp32 GEMMs. Fourth, the bf16
+// step with only the filled capacity slots in its MoE all_to_alls
+// (wire::bf16 | wire::trimmed, the trainer's default): trimmed_vs_bf16, the
+// bf16 step's time over its own. At least 4 s. Over shared memory the
+// halved bytes hardly show; at a slow link (scripts/multihost --link-rate
+// 1gbit) they do.
 void step_bf16(benchmark::State& state) {
-  model::config wire_config = trainer_config();
+  model::config wire_config = trainer_config(), trimmed_config = trainer_config();
   wire_config.all_to_all_wire = wire::bf16;
-  trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true);
+  trimmed_config.all_to_all_wire = wire::bf16 | wire::trimmed;
+  trainer f32(true), on_wire(wire_config, true), bf16(wire_config, true), trimmed(trimmed_config, true);
   on_wire.ps.set_gradient_wire(wire::bf16);
   bf16.use_bf16();
+  trimmed.use_bf16();
   const double flops0 = model_flops();
   f32.step();
   const double P = double(f32.m.nranks()), step_flops = (model_flops() - flops0) * P;
-  const auto c = gshard::bench::compare(state, {[&] { f32.step(); }, [&] { on_wire.step(); }, [&] { bf16.step(); }}, 1);
+  const auto c = gshard::bench::compare(
+      state, {[&] { f32.step(); }, [&] { on_wire.step(); }, [&] { bf16.step(); }, [&] { trimmed.step(); }}, 1);
   state.counters["wire_speedup"] = 1.0 / c.median_ratio[1];
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[2];
+  state.counters["trimmed_vs_bf16"] = c.median_ratio[2] / c.median_ratio[3];
+  state.counters["trimmed_tokens/s"] = 16 * 128 / c.median_time[3];
   state.counters["f32_tokens/s"] = 16 * 128 / c.median_time[0];
   state.counters["wire_tokens/s"] = 16 * 128 / c.median_time[1];
   state.counters["bf16_tokens/s"] = 16 * 128 / c.median_time[2];

@@ -7,7 +7,9 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -315,6 +317,138 @@ inline std::string gather_text(const detail::axis_group& g, const std::string& m
   mpi::check(MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, root, g.comm),
              "MPI_Gatherv");
   return all;
+}
+
+namespace detail {
+// Whether `bytes` bytes from p are all zero bits (a -0.0 is not).
+inline bool all_zero_bits(const unsigned char* p, std::size_t bytes) {
+  std::uint64_t acc = 0;
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    acc |= w;
+  }
+  for (; i < bytes; ++i) acc |= p[i];
+  return acc == 0;
+}
+
+// An all_to_all's pieces without their trailing rows of zeros
+// (wire::trimmed): each piece of `piece` elements is matrices of `rows`
+// rows of `row` elements, and the message to a rank holds its piece's kept
+// row count of each matrix (4 bytes each), then the kept rows.
+struct trimmed_messages {
+  std::vector<unsigned char> bytes;  // every message but this rank's own, back to back
+  std::vector<std::size_t> at;       // message q is bytes [at[q], at[q + 1])
+  std::size_t counted = 0;           // every trimmed piece's bytes, this rank's own included
+};
+// The largest message: every row kept.
+template <class T>
+std::size_t trimmed_room(std::size_t piece, std::size_t rows, std::size_t row) {
+  return piece / (rows * row) * sizeof(std::uint32_t) + piece * sizeof(T);
+}
+// The messages of send's P pieces, built in `buffer` (kept from an earlier call, or empty).
+template <class T>
+trimmed_messages trim_pieces(const T* send, int P, int self, std::size_t piece, std::size_t rows, std::size_t row,
+                             std::vector<unsigned char>&& buffer) {
+  const std::size_t mats = piece / (rows * row), row_bytes = row * sizeof(T), head = mats * sizeof(std::uint32_t);
+  trimmed_messages m{std::move(buffer), std::vector<std::size_t>(std::size_t(P) + 1, 0), 0};
+  std::vector<std::uint32_t> kept(mats * std::size_t(P));
+  for (int q = 0; q < P; ++q) {
+    std::size_t size = head;
+    for (std::size_t k = 0; k < mats; ++k) {
+      const auto* mat = reinterpret_cast<const unsigned char*>(send + std::size_t(q) * piece + k * rows * row);
+      std::size_t n = rows;
+      while (n > 0 && all_zero_bits(mat + (n - 1) * row_bytes, row_bytes)) --n;
+      kept[std::size_t(q) * mats + k] = std::uint32_t(n);
+      size += n * row_bytes;
+    }
+    m.counted += size;
+    m.at[std::size_t(q) + 1] = m.at[std::size_t(q)] + (q == self ? 0 : size);
+  }
+  m.bytes.resize(m.at.back());
+  for (int q = 0; q < P; ++q) {
+    if (q == self) continue;
+    unsigned char* out = m.bytes.data() + m.at[std::size_t(q)];
+    std::memcpy(out, kept.data() + std::size_t(q) * mats, head);
+    out += head;
+    for (std::size_t k = 0; k < mats; ++k) {
+      const std::size_t n = kept[std::size_t(q) * mats + k] * row_bytes;
+      std::memcpy(out, send + std::size_t(q) * piece + k * rows * row, n);
+      out += n;
+    }
+  }
+  return m;
+}
+// Posts the receive of every other rank's message into its `room` bytes
+// of inbox, and the send of each message, with `tag`; the requests in req.
+inline void post_trimmed(const axis_group& g, const trimmed_messages& m, unsigned char* inbox, std::size_t room, int tag,
+                         std::vector<MPI_Request>& req) {
+  const int n = mpi::count(room, "all_to_all");
+  req.reserve(req.size() + 2 * std::size_t(g.size - 1));
+  for (int q = 0; q < g.size; ++q) {
+    if (q == g.rank) continue;
+    mpi::check(MPI_Irecv(inbox + std::size_t(q) * room, n, MPI_BYTE, q, tag, g.comm, &req.emplace_back()), "MPI_Irecv");
+    const std::size_t at = m.at[std::size_t(q)], size = m.at[std::size_t(q) + 1] - at;
+    mpi::check(MPI_Isend(m.bytes.data() + at, mpi::count(size, "all_to_all"), MPI_BYTE, q, tag, g.comm, &req.emplace_back()),
+               "MPI_Isend");
+  }
+}
+// Every other rank's message in inbox widened into its piece of recv: the kept rows, then zeros.
+template <class T>
+void widen_trimmed(const unsigned char* inbox, std::size_t room, int P, int self, std::size_t piece, std::size_t rows,
+                   std::size_t row, T* recv) {
+  const std::size_t mats = piece / (rows * row), head = mats * sizeof(std::uint32_t);
+  for (int q = 0; q < P; ++q) {
+    if (q == self) continue;
+    const unsigned char* counts = inbox + std::size_t(q) * room;
+    const unsigned char* kept_rows = counts + head;
+    T* to = recv + std::size_t(q) * piece;
+    for (std::size_t k = 0; k < mats; ++k) {
+      std::uint32_t kept = 0;
+      std::memcpy(&kept, counts + k * sizeof kept, sizeof kept);
+      const std::size_t n = std::min<std::size_t>(kept, rows) * row;
+      std::memcpy(to, kept_rows, n * sizeof(T));
+      std::fill(to + n, to + rows * row, T(0));
+      kept_rows += n * sizeof(T);
+      to += rows * row;
+    }
+  }
+}
+}  // namespace detail
+
+// all_to_all with wire::trimmed: send and recv hold P pieces, each of
+// matrices of `rows` rows of `row` elements; a piece travels without each
+// matrix's trailing rows of zeros (its row counts first, 4 bytes each),
+// and the receiver writes them back — recv as all_to_all leaves it, to the
+// bit, in fewer bytes where pieces end in zero rows (the MoE layer's empty
+// capacity slots). Point-to-point messages of bytes (their sizes differ by
+// rank), counted as one all_to_all of the trimmed pieces' bytes (this
+// rank's own included, as all_to_all counts it); the checked mode lets
+// their element counts differ across ranks.
+template <class T>
+void all_to_all_trimmed(const detail::axis_group& g, std::span<const T> send, std::span<T> recv, std::size_t rows,
+                        std::size_t row) {
+  const std::size_t P = std::size_t(g.size), matrix = rows * row;
+  detail::require_size(send.size() == recv.size() && send.size() % P == 0 && matrix > 0 && (send.size() / P) % matrix == 0,
+                       "all_to_all", g, send.size(), recv.size());
+  const std::size_t piece = send.size() / P, room = detail::trimmed_room<T>(piece, rows, row);
+  (void)mpi::count(room, "all_to_all");  // before it is counted
+  thread_local std::vector<unsigned char> out_buffer, inbox;  // kept from call to call: fresh pages are slow
+  detail::trimmed_messages m = detail::trim_pieces(send.data(), g.size, g.rank, piece, rows, row, std::move(out_buffer));
+  {
+    const detail::timed_collective timed(collective::all_to_all, g, m.counted, debug::type_code<T>(), -1);
+    std::copy(send.data() + std::size_t(g.rank) * piece, send.data() + (std::size_t(g.rank) + 1) * piece,
+              recv.data() + std::size_t(g.rank) * piece);
+    if (P > 1) {
+      inbox.resize(room * P);
+      std::vector<MPI_Request> req;
+      detail::post_trimmed(g, m, inbox.data(), room, 0x7461, req);
+      mpi::check(MPI_Waitall(int(req.size()), req.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    }
+  }
+  if (P > 1) detail::widen_trimmed(inbox.data(), room, g.size, g.rank, piece, rows, row, recv.data());
+  out_buffer = std::move(m.bytes);
 }
 
 // Block j of send goes to group rank j; block i of recv comes from group rank i.

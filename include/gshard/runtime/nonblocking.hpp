@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -176,7 +175,7 @@ class request_in_flight final : public in_flight {
 // ring that has not been let go — its collective_request destroyed or replaced, a
 // program point, the same on every rank — is waited for first. So two rings
 // in flight never share a tag, and neither shares one with the blocking
-// ring (0x7273) or permute (0x6773).
+// ring (0x7273), permute (0x6773) or the blocking trimmed all_to_all (0x7461).
 inline constexpr int ring_tag_base = 0x4000, ring_tag_slots = 0x2000;
 inline std::vector<in_flight*>& ring_tag_owners() {
   thread_local std::vector<in_flight*> owners(ring_tag_slots, nullptr);
@@ -367,76 +366,18 @@ class fp32_sum_in_flight final : public in_flight {
   bool summed_ = false;  // this rank's block is summed (and, for an all_reduce, on its way to every rank)
 };
 
-// Whether `bytes` bytes from p are all zero bits (a -0.0 is not).
-inline bool all_zero_bits(const unsigned char* p, std::size_t bytes) {
-  std::uint64_t acc = 0;
-  std::size_t i = 0;
-  for (; i + 8 <= bytes; i += 8) {
-    std::uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    acc |= w;
-  }
-  for (; i < bytes; ++i) acc |= p[i];
-  return acc == 0;
-}
-
-// An all_to_all whose pieces travel without their trailing rows of zeros
-// (wire::trimmed). Each piece of `piece` elements is matrices of `rows`
-// rows of `row` elements; the message to a rank holds its piece's kept row
-// count of each matrix (4 bytes each), then the kept rows. Each rank posts
-// room for a whole piece from every other, reads the counts as a message
-// arrives and writes the rows left out back as zeros: recv ends as an
-// all_to_all's, to the bit. Point-to-point messages of bytes, tagged as the
-// rings are (a slot of the group's sequence); counted as an all_to_all of
-// the trimmed pieces' bytes (this rank's own piece included, as the plain
-// all_to_all counts it), its element count free to differ across ranks.
+// start_all_to_all_trimmed's collective (wire::trimmed): the messages of
+// all_to_all_trimmed (collectives.hpp), posted now; each piece widened
+// back as the test or wait that sees them all arrive. Tagged as the rings
+// are (a slot of the group's sequence).
 template <class T>
 class trimmed_all_to_all_in_flight final : public in_flight {
  public:
-  // The messages, built before the collective is counted (the count is their size).
-  struct messages {
-    std::vector<unsigned char> bytes;  // every message but this rank's own, back to back
-    std::vector<std::size_t> at;       // message q is bytes [at[q], at[q + 1])
-    std::size_t counted = 0;           // every trimmed piece's bytes, this rank's own included
-  };
-  static messages trim(const T* send, int P, int self, std::size_t piece, std::size_t rows, std::size_t row) {
-    const std::size_t mats = piece / (rows * row), row_bytes = row * sizeof(T), head = mats * sizeof(std::uint32_t);
-    messages m;
-    m.bytes = take_buffer<unsigned char>();
-    m.at.assign(std::size_t(P) + 1, 0);
-    std::vector<std::uint32_t> kept(mats * std::size_t(P));
-    for (int q = 0; q < P; ++q) {
-      std::size_t size = head;
-      for (std::size_t k = 0; k < mats; ++k) {
-        const auto* mat = reinterpret_cast<const unsigned char*>(send + std::size_t(q) * piece + k * rows * row);
-        std::size_t n = rows;
-        while (n > 0 && all_zero_bits(mat + (n - 1) * row_bytes, row_bytes)) --n;
-        kept[std::size_t(q) * mats + k] = std::uint32_t(n);
-        size += n * row_bytes;
-      }
-      m.counted += size;
-      m.at[std::size_t(q) + 1] = m.at[std::size_t(q)] + (q == self ? 0 : size);
-    }
-    m.bytes.resize(m.at.back());
-    for (int q = 0; q < P; ++q) {
-      if (q == self) continue;
-      unsigned char* out = m.bytes.data() + m.at[std::size_t(q)];
-      std::memcpy(out, kept.data() + std::size_t(q) * mats, head);
-      out += head;
-      for (std::size_t k = 0; k < mats; ++k) {
-        const std::size_t n = kept[std::size_t(q) * mats + k] * row_bytes;
-        std::memcpy(out, send + std::size_t(q) * piece + k * rows * row, n);
-        out += n;
-      }
-    }
-    return m;
-  }
-
-  trimmed_all_to_all_in_flight(const axis_group& g, messages&& m, const T* send, T* recv, std::size_t piece,
+  trimmed_all_to_all_in_flight(const axis_group& g, trimmed_messages&& m, const T* send, T* recv, std::size_t piece,
                                std::size_t rows, std::size_t row)
       : in_flight(collective::all_to_all, g, m.counted, debug::type_code<T>(), -1),
         g_(g), out_(std::move(m)), recv_(recv), piece_(piece), rows_(rows), row_(row),
-        room_(piece / (rows * row) * sizeof(std::uint32_t) + piece * sizeof(T)), slot_(int(sequence() % ring_tag_slots)) {
+        room_(trimmed_room<T>(piece, rows, row)), slot_(int(sequence() % ring_tag_slots)) {
     const int P = g.size, r = g.rank;
     std::copy(send + std::size_t(r) * piece, send + std::size_t(r + 1) * piece, recv + std::size_t(r) * piece);
     if (P == 1) return;
@@ -445,16 +386,7 @@ class trimmed_all_to_all_in_flight final : public in_flight {
     in_flight*& owner = ring_tag_owners()[std::size_t(slot_)];
     if (owner) owner->wait();
     owner = this;
-    const int tag = ring_tag_base + slot_, room = mpi::count(room_, "all_to_all");
-    req_.reserve(2 * std::size_t(P - 1));
-    for (int q = 0; q < P; ++q) {
-      if (q == r) continue;
-      mpi::check(MPI_Irecv(inbox_.data() + std::size_t(q) * room_, room, MPI_BYTE, q, tag, g.comm, &req_.emplace_back()),
-                 "MPI_Irecv");
-      const std::size_t at = out_.at[std::size_t(q)], n = out_.at[std::size_t(q) + 1] - at;
-      mpi::check(MPI_Isend(out_.bytes.data() + at, mpi::count(n, "all_to_all"), MPI_BYTE, q, tag, g.comm, &req_.emplace_back()),
-                 "MPI_Isend");
-    }
+    post_trimmed(g, out_, inbox_.data(), room_, ring_tag_base + slot_, req_);
   }
   ~trimmed_all_to_all_in_flight() override {
     if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
@@ -473,27 +405,12 @@ class trimmed_all_to_all_in_flight final : public in_flight {
       if (!flag) return false;
     }
     req_.clear();
-    const std::size_t mats = piece_ / (rows_ * row_), head = mats * sizeof(std::uint32_t);
-    for (int q = 0; q < g_.size; ++q) {  // each piece widened back: its kept rows, then zeros
-      if (q == g_.rank) continue;
-      const unsigned char* counts = inbox_.data() + std::size_t(q) * room_;
-      const unsigned char* rows = counts + head;
-      T* to = recv_ + std::size_t(q) * piece_;
-      for (std::size_t k = 0; k < mats; ++k) {
-        std::uint32_t kept = 0;
-        std::memcpy(&kept, counts + k * sizeof kept, sizeof kept);
-        const std::size_t n = std::min<std::size_t>(kept, rows_) * row_;
-        std::memcpy(to, rows, n * sizeof(T));
-        std::fill(to + n, to + rows_ * row_, T(0));
-        rows += n * sizeof(T);
-        to += rows_ * row_;
-      }
-    }
+    widen_trimmed(inbox_.data(), room_, g_.size, g_.rank, piece_, rows_, row_, recv_);
     return true;
   }
 
   const axis_group& g_;
-  messages out_;
+  trimmed_messages out_;
   T* recv_;
   std::size_t piece_, rows_, row_, room_;  // room_: the largest message, in bytes
   int slot_;
@@ -647,11 +564,11 @@ collective_request start_all_to_all_trimmed(const detail::axis_group& g, std::sp
                        "all_to_all", g, send.size(), recv.size());
   detail::require_sequence(g, "start_all_to_all_trimmed");
   const std::size_t piece = send.size() / P;
-  (void)mpi::count(piece / matrix * sizeof(std::uint32_t) + piece * sizeof(T), "all_to_all");  // before it is counted
+  (void)mpi::count(detail::trimmed_room<T>(piece, rows, row), "all_to_all");  // before it is counted
   const detail::counted_scope scope;
-  using op_t = detail::trimmed_all_to_all_in_flight<T>;
-  auto op = std::make_unique<op_t>(g, op_t::trim(send.data(), g.size, g.rank, piece, rows, row), send.data(), recv.data(),
-                                   piece, rows, row);
+  auto op = std::make_unique<detail::trimmed_all_to_all_in_flight<T>>(
+      g, detail::trim_pieces(send.data(), g.size, g.rank, piece, rows, row, detail::take_buffer<unsigned char>()), send.data(),
+      recv.data(), piece, rows, row);
   op->posted();
   return collective_request(std::move(op));
 }

@@ -126,7 +126,13 @@ struct all_to_all_geometry {
     else return 1;
   }
   std::size_t row() const { return std::size_t(slot[std::size_t(Rank - 1)]); }
-  // Communicate: send's P pieces to the group's ranks, recv's from them (trim: wire::trimmed).
+  // Communicate: send's P pieces to the group's ranks, recv's from them
+  // (trim: wire::trimmed), now or started.
+  void run(const mesh_base& m, const reshard_step& s, const T* send, T* recv, bool trim) const {
+    const axis_group& g = m.group(1u << s.axis);
+    if (trim && piece > 0) all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
+    else all_to_all<T>(g, {send, n}, {recv, n});
+  }
   collective_request start(const mesh_base& m, const reshard_step& s, const T* send, T* recv, bool trim) const {
     const axis_group& g = m.group(1u << s.axis);
     if (trim && piece > 0) return start_all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
@@ -242,8 +248,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       }
       if (geo.unpacks()) recv_buf = uninitialized<T>(geo.n);
       T* recv = geo.unpacks() ? recv_buf.get() : out.data();
-      if (trim) geo.start(m, s, send, recv, true).wait();  // Communicate
-      else all_to_all<T>(m.group(1u << s.axis), {send, geo.n}, {recv, geo.n});
+      geo.run(m, s, send, recv, trim);  // Communicate
       if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
       return out;
     }
