@@ -342,6 +342,31 @@ std::pair<local_tensor<T, 3>, moe::gating_stats> run_layer(const Mesh& m, shape<
   return {std::move(r.y), std::move(r.stats)};
 }
 
+// The layer on a recording tape, from fixed seeds: y, and the gradients of
+// Σ y·c with respect to x, the router and the experts' first weights,
+// gathered; the all_to_alls' calls and this rank's bytes over "expert".
+struct layer_grads {
+  local_tensor<float, 3> y, gx, gw1;
+  local_tensor<float, 2> grouter;
+  std::size_t calls = 0, bytes = 0;
+};
+template <class Mesh>
+layer_grads run_with_grads(const Mesh& m, shape<3> gsm, index_t H, index_t E, const moe::gating_config& cfg,
+                           const moe::layer_options& o, moe::dispatch_mode mode = moe::dispatch_mode::index) {
+  parameters ps(m, 42);
+  const moe::layer<float, Mesh> layer(ps, "moe.", gsm[2], H, E, o);
+  using X = named<float, "GSM", Mesh, typename moe::layer<float, Mesh>::at_tokens>;
+  param<X> x(ps, "x", gsm, init::normal(1.0));
+  X c(m, gsm);
+  fill_normal(c, 1.0, 8, 98);
+  collective_recorder rec;
+  tape t(ps);
+  auto out = layer(t.use(x), cfg, 3, mode);
+  t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))));
+  return layer_grads{gather(out.y.value()), gather(x.grad()), gather(layer.expert_ffn.w1.grad()), gather(layer.router.grad()),
+                     rec.calls(collective::all_to_all, "expert"), rec.bytes(collective::all_to_all, "expert")};
+}
+
 template <class T>
 double l2_rel_diff(const local_tensor<T, 3>& a, const local_tensor<T, 3>& b) {  // ‖a − b‖ / ‖b‖
   if (a.dimensions() != b.dimensions()) return 1e300;
@@ -603,20 +628,10 @@ TEST_CASE("MoE layer with bf16 all_to_alls: 1 rank's result at every mesh in hal
   GSHARD_REQUIRE((rounding > 0 && rounding < 0x1p-6));
   GSHARD_REQUIRE(ref.stats.expert_load == ref32.stats.expert_load);  // the router reads x unrounded
 
-  // The gradient of Σ y·c with respect to x, gathered.
+  // The gradient of Σ y·c with respect to x, gathered, and the all_to_alls' bytes.
   auto grad_x = [&](const auto& m, const moe::layer_options& o) {
-    using Mesh = std::remove_cvref_t<decltype(m)>;
-    parameters ps(m, 42);
-    const moe::layer<float, Mesh> layer(ps, "moe.", M, H, E, o);
-    using X = named<float, "GSM", Mesh, typename moe::layer<float, Mesh>::at_tokens>;
-    param<X> x(ps, "x", {G, S, M}, init::normal(1.0));
-    X c(m, {G, S, M});
-    fill_normal(c, 1.0, 8, 98);
-    collective_recorder rec;
-    tape t(ps);
-    auto out = layer(t.use(x), cfg, 3);
-    t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))));
-    return std::pair{gather(x.grad()), rec.bytes(collective::all_to_all, "expert")};
+    const layer_grads r = run_with_grads(m, {G, S, M}, H, E, cfg, o);
+    return std::pair{r.gx, r.bytes};
   };
   const auto [gref, ignored] = grad_x(self, o16);
   const auto [gref32, ignored32] = grad_x(self, moe::layer_options{});
@@ -660,30 +675,7 @@ TEST_CASE("MoE layer with trimmed all_to_alls: the plain all_to_alls' output and
   const int P = world_size();
   const index_t G = 2 * P + 1, S = 16, M = 16, H = 24, E = 8;  // groups and experts that need not divide
   moe::gating_config cfg;
-  cfg.capacity_factor = 2;  // each expert twice its mean load: slots stay empty
-  // y, and the gradients of Σ y·c with respect to x, the router and the
-  // experts' first weights, gathered; the all_to_alls' calls and bytes.
-  struct result {
-    local_tensor<float, 3> y, gx, gw1;
-    local_tensor<float, 2> grouter;
-    std::size_t calls = 0, bytes = 0;
-  };
-  auto run = [&](const auto& m, moe::layer_options o, moe::dispatch_mode mode) {
-    using Mesh = std::remove_cvref_t<decltype(m)>;
-    parameters ps(m, 42);
-    const moe::layer<float, Mesh> layer(ps, "moe.", M, H, E, o);
-    using X = named<float, "GSM", Mesh, typename moe::layer<float, Mesh>::at_tokens>;
-    param<X> x(ps, "x", {G, S, M}, init::normal(1.0));
-    X c(m, {G, S, M});
-    fill_normal(c, 1.0, 8, 98);
-    collective_recorder rec;
-    tape t(ps);
-    auto out = layer(t.use(x), cfg, 3, mode);
-    t.backward(reshard<replicate>(einsum<"GSM,GSM->">(out.y, t.constant(c))));
-    return result{gather(out.y.value()), gather(x.grad()), gather(layer.expert_ffn.w1.grad()),
-                  gather(layer.router.grad()), rec.calls(collective::all_to_all, "expert"),
-                  rec.bytes(collective::all_to_all, "expert")};
-  };
+  cfg.capacity_factor = 2;  // room for more than the choices routed: slots stay empty
   auto same_bits = [](const auto& a, const auto& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
   };
@@ -696,7 +688,8 @@ TEST_CASE("MoE layer with trimmed all_to_alls: the plain all_to_alls' output and
           plain.overlap_degree = trimmed.overlap_degree = overlap;
           plain.all_to_all_wire = w;
           trimmed.all_to_all_wire = w | wire::trimmed;
-          const result a = run(m, plain, mode), b = run(m, trimmed, mode);
+          const layer_grads a = run_with_grads(m, {G, S, M}, H, E, cfg, plain, mode),
+                            b = run_with_grads(m, {G, S, M}, H, E, cfg, trimmed, mode);
           INFO(name << (w == wire::bf16 ? ", bf16" : ", fp32") << (mode == moe::dispatch_mode::index ? " index" : " einsum")
                     << ", overlap_degree " << overlap << ": all_to_all bytes " << b.bytes << " trimmed, " << a.bytes
                     << " whole");
