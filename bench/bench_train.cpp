@@ -125,7 +125,7 @@ void step(benchmark::State& state) {
 // (no bf16 MFU where this build does not target AVX512_BF16). Where the
 // GEMM has no bf16 units, every step runs fp32 GEMMs. Fourth, the bf16
 // step with only the filled capacity slots in its MoE all_to_alls
-// (wire::bf16 | wire::trimmed, the trainer's default): trimmed_vs_bf16, the
+// (wire::bf16 | wire::trimmed, the trainer's with --precision bf16): trimmed_vs_bf16, the
 // bf16 step's time over its own. At least 4 s. Over shared memory the
 // halved bytes hardly show; at a slow link (scripts/multihost --link-rate
 // 1gbit) they do.

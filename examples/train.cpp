@@ -559,8 +559,8 @@ int train(const Mesh& m, const options& o, const examples::corpus& corpus, const
       std::printf("optimizer: %s, lr %g, weight update %s: state %.2f MB on rank 0 (Adam's moments, replicated: %.2f MB)%s%s\n",
                   o.optimizer == "adam" ? "Adam" : "Adafactor (factored second moments, no first moment)", o.lr,
                   sharded ? "sharded over the batch axes" : "replicated", here * 1e-6, adam_whole * 1e-6,
-                  ps.gradient_wire() == wire::bf16 ? ", gradients reduced in bf16" : "",
-                  ps.weight_wire() == wire::bf16 ? ", bf16 weights with fp32 masters" : "");
+                  sends_bf16(ps.gradient_wire()) ? ", gradients reduced in bf16" : "",
+                  sends_bf16(ps.weight_wire()) ? ", bf16 weights with fp32 masters" : "");
   }
   if (root)
     for (const auto& note : o.notes) std::printf("note: %s\n", note.c_str());

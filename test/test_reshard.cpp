@@ -374,6 +374,10 @@ TEST_CASE("every reshard pair with wire::trimmed gives the plain plan's shard to
     GSHARD_REQUIRE(std::size_t(t.pairs) == all_layouts(2, m.naxes()).size() * all_layouts(2, m.naxes()).size() +
                                                all_layouts(3, m.naxes()).size() * all_layouts(3, m.naxes()).size());
     GSHARD_REQUIRE((all_to_alls > 0 && fewer > 0));  // at 1 rank too: a rank's own piece counts as sent
+    const std::vector<float> send(std::size_t(6 * W));
+    std::vector<float> recv(send.size());
+    GSHARD_REQUIRE_THROWS_WITH((all_to_all_trimmed<float>(m.all_axes(), send, recv, 4, 1)), error,
+                               "gshard::all_to_all_trimmed: a piece of 6 elements is not matrices of 4 rows of 1 elements");
   }
 }
 

@@ -347,6 +347,12 @@ template <class T>
 std::size_t trimmed_room(std::size_t piece, std::size_t rows, std::size_t row) {
   return piece / (rows * row) * sizeof(std::uint32_t) + piece * sizeof(T);
 }
+// A piece of `piece` elements is matrices of rows x row elements.
+inline void require_rows(std::size_t piece, std::size_t rows, std::size_t row) {
+  if (rows == 0 || row == 0 || piece % (rows * row) != 0)
+    throw error("gshard::all_to_all_trimmed: a piece of " + std::to_string(piece) + " elements is not matrices of " +
+                std::to_string(rows) + " rows of " + std::to_string(row) + " elements");
+}
 // The messages of send's P pieces, built in `buffer` (kept from an earlier call, or empty).
 template <class T>
 trimmed_messages trim_pieces(const T* send, int P, int self, std::size_t piece, std::size_t rows, std::size_t row,
@@ -424,26 +430,29 @@ void widen_trimmed(const unsigned char* inbox, std::size_t room, int P, int self
 // bit, in fewer bytes where pieces end in zero rows (the MoE layer's empty
 // capacity slots). Point-to-point messages of bytes (their sizes differ by
 // rank), counted as one all_to_all of the trimmed pieces' bytes (this
-// rank's own included, as all_to_all counts it); the checked mode lets
-// their element counts differ across ranks.
+// rank's own included, as all_to_all counts it); the checked mode compares
+// it as all_to_all: its kind, axes, element type and element count
+// (send's). Where a whole piece would not fit one MPI message of bytes
+// (2 GiB), reshards send it as all_to_all does (execute_reshard.hpp).
 template <class T>
 void all_to_all_trimmed(const detail::axis_group& g, std::span<const T> send, std::span<T> recv, std::size_t rows,
                         std::size_t row) {
-  const std::size_t P = std::size_t(g.size), matrix = rows * row;
-  detail::require_size(send.size() == recv.size() && send.size() % P == 0 && matrix > 0 && (send.size() / P) % matrix == 0,
-                       "all_to_all", g, send.size(), recv.size());
+  const std::size_t P = std::size_t(g.size);
+  detail::require_size(send.size() == recv.size() && send.size() % P == 0, "all_to_all", g, send.size(), recv.size());
+  detail::require_rows(send.size() / P, rows, row);
   const std::size_t piece = send.size() / P, room = detail::trimmed_room<T>(piece, rows, row);
   (void)mpi::count(room, "all_to_all");  // before it is counted
   thread_local std::vector<unsigned char> out_buffer, inbox;  // kept from call to call: fresh pages are slow
   detail::trimmed_messages m = detail::trim_pieces(send.data(), g.size, g.rank, piece, rows, row, std::move(out_buffer));
   {
-    const detail::timed_collective timed(collective::all_to_all, g, m.counted, debug::type_code<T>(), -1);
+    const detail::timed_collective timed(collective::all_to_all, g, m.counted, debug::type_code<T>(),
+                                         std::int64_t(send.size()));
     std::copy(send.data() + std::size_t(g.rank) * piece, send.data() + (std::size_t(g.rank) + 1) * piece,
               recv.data() + std::size_t(g.rank) * piece);
     if (P > 1) {
       inbox.resize(room * P);
       std::vector<MPI_Request> req;
-      detail::post_trimmed(g, m, inbox.data(), room, 0x7461, req);
+      detail::post_trimmed(g, m, inbox.data(), room, 0x7461, req);  // an MPI error ends the job (mpi::check)
       mpi::check(MPI_Waitall(int(req.size()), req.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
     }
   }

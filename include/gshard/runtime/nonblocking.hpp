@@ -375,7 +375,7 @@ class trimmed_all_to_all_in_flight final : public in_flight {
  public:
   trimmed_all_to_all_in_flight(const axis_group& g, trimmed_messages&& m, const T* send, T* recv, std::size_t piece,
                                std::size_t rows, std::size_t row)
-      : in_flight(collective::all_to_all, g, m.counted, debug::type_code<T>(), -1),
+      : in_flight(collective::all_to_all, g, m.counted, debug::type_code<T>(), std::int64_t(piece) * g.size),
         g_(g), out_(std::move(m)), recv_(recv), piece_(piece), rows_(rows), row_(row),
         room_(trimmed_room<T>(piece, rows, row)), slot_(int(sequence() % ring_tag_slots)) {
     const int P = g.size, r = g.rank;
@@ -385,8 +385,8 @@ class trimmed_all_to_all_in_flight final : public in_flight {
     inbox_.resize(room_ * std::size_t(P));
     in_flight*& owner = ring_tag_owners()[std::size_t(slot_)];
     if (owner) owner->wait();
-    owner = this;
     post_trimmed(g, out_, inbox_.data(), room_, ring_tag_base + slot_, req_);
+    owner = this;  // once posted: a posting that throws leaves the slot to its earlier owner
   }
   ~trimmed_all_to_all_in_flight() override {
     if (in_flight*& owner = ring_tag_owners()[std::size_t(slot_)]; owner == this) owner = nullptr;
@@ -559,9 +559,9 @@ collective_request start_all_to_all(const detail::axis_group& g, std::span<const
 template <class T>
 collective_request start_all_to_all_trimmed(const detail::axis_group& g, std::span<const T> send, std::span<T> recv,
                                             std::size_t rows, std::size_t row) {
-  const std::size_t P = std::size_t(g.size), matrix = rows * row;
-  detail::require_size(send.size() == recv.size() && send.size() % P == 0 && matrix > 0 && (send.size() / P) % matrix == 0,
-                       "all_to_all", g, send.size(), recv.size());
+  const std::size_t P = std::size_t(g.size);
+  detail::require_size(send.size() == recv.size() && send.size() % P == 0, "all_to_all", g, send.size(), recv.size());
+  detail::require_rows(send.size() / P, rows, row);
   detail::require_sequence(g, "start_all_to_all_trimmed");
   const std::size_t piece = send.size() / P;
   (void)mpi::count(detail::trimmed_room<T>(piece, rows, row), "all_to_all");  // before it is counted

@@ -78,7 +78,7 @@ class update_targets {
   // The checks before an update: the weight wire is still the one the
   // masters were made for.
   void check(const parameters_base& ps, std::string_view optimizer) const {
-    if (ps.weight_wire() == wire_) return;
+    if (sends_bf16(ps.weight_wire()) == sends_bf16(wire_)) return;
     const auto name = [](wire w) { return sends_bf16(w) ? "bf16" : "same"; };
     throw error("gshard::" + std::string(optimizer) + ": the parameters' weight wire is wire::" + name(ps.weight_wire()) +
                 " but the optimizer was built when it was wire::" + name(wire_) +

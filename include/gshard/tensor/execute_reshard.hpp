@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <span>
 #include <type_traits>
 
@@ -126,16 +127,22 @@ struct all_to_all_geometry {
     else return 1;
   }
   std::size_t row() const { return std::size_t(slot[std::size_t(Rank - 1)]); }
-  // Communicate: send's P pieces to the group's ranks, recv's from them
-  // (trim: wire::trimmed), now or started.
-  void run(const mesh_base& m, const reshard_step& s, const T* send, T* recv, bool trim) const {
+  // Whether `w` trims this all_to_all's pieces: wire::trimmed, and each
+  // piece's largest message fits one MPI message of bytes.
+  bool trims(wire w) const {
+    return trims_rows(w) && piece > 0 &&
+           trimmed_room<T>(piece, rows(), row()) <= std::size_t(std::numeric_limits<int>::max());
+  }
+  // Communicate: send's P pieces to the group's ranks, recv's from them,
+  // now or started.
+  void run(const mesh_base& m, const reshard_step& s, const T* send, T* recv, wire w) const {
     const axis_group& g = m.group(1u << s.axis);
-    if (trim && piece > 0) all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
+    if (trims(w)) all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
     else all_to_all<T>(g, {send, n}, {recv, n});
   }
-  collective_request start(const mesh_base& m, const reshard_step& s, const T* send, T* recv, bool trim) const {
+  collective_request start(const mesh_base& m, const reshard_step& s, const T* send, T* recv, wire w) const {
     const axis_group& g = m.group(1u << s.axis);
-    if (trim && piece > 0) return start_all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
+    if (trims(w)) return start_all_to_all_trimmed<T>(g, {send, n}, {recv, n}, rows(), row());
     return start_all_to_all<T>(g, {send, n}, {recv, n});
   }
   bool packs() const { return !even || product<Rank>(e, 0, b) != 1; }
@@ -225,7 +232,7 @@ local_tensor<T, Rank> reduce_scatter_step(const mesh_base& m, const reshard_step
 // step's geometry (the extents, the group, the block sizes).
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard_step& s, const rlayout& before, const rlayout& after,
-                               const local_tensor<T, Rank>& in, const shape<Rank>& global, bool trim = false) {
+                               const local_tensor<T, Rank>& in, const shape<Rank>& global, wire w = wire::same) {
   const shape<Rank> e = local_extents<Rank>(before, global, m);
   const shape<Rank> eo = local_extents<Rank>(after, global, m);
   const std::size_t n = std::size_t(product<Rank>(e));
@@ -248,7 +255,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
       }
       if (geo.unpacks()) recv_buf = uninitialized<T>(geo.n);
       T* recv = geo.unpacks() ? recv_buf.get() : out.data();
-      geo.run(m, s, send, recv, trim);  // Communicate
+      geo.run(m, s, send, recv, w);  // Communicate
       if (geo.unpacks()) geo.unpack(recv, out.data());  // Unpack
       return out;
     }
@@ -279,11 +286,12 @@ GSHARD_NOINLINE local_tensor<T, Rank> run_step(const mesh_base& m, const reshard
 }
 
 // Runs steps [first, n) on a shard it owns: all_reduce and zero_partial
-// work in place, the other steps write a fresh shard. trim: the all_to_all
-// steps' pieces travel without their trailing rows of zeros (wire::trimmed).
+// work in place, the other steps write a fresh shard. `w`: wire::trimmed
+// sends the all_to_all steps' pieces without their trailing rows of zeros
+// (its other flags are execute_reshard_on's).
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, local_tensor<T, Rank>&& local,
-                                      const shape<Rank>& global, int first = 0, bool trim = false) {
+                                      const shape<Rank>& global, int first = 0, wire w = wire::same) {
   const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
   for (int i = first; i < p.n; ++i) {
     const reshard_step& s = p.step[i];
@@ -292,7 +300,7 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
     } else if (s.kind == step_kind::zero_partial) {
       if (m.coord(s.axis) != 0) local.setZero();
     } else {
-      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global, trim);
+      local = run_step<T, Rank>(m, s, p.state[i], p.state[i + 1], local, global, w);
     }
   }
   return std::move(local);
@@ -301,11 +309,10 @@ GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const 
 // Runs a plan on a shard it only reads: the first step writes a fresh shard.
 template <class T, int Rank>
 GSHARD_NOINLINE local_tensor<T, Rank> execute_reshard(const mesh_base& m, const reshard_steps& planned, const local_tensor<T, Rank>& local,
-                                      const shape<Rank>& global, bool trim = false) {
+                                      const shape<Rank>& global, wire w = wire::same) {
   if (planned.n == 0) return local;
   const reshard_steps p = plan_to_run(planned, global.data(), Rank, m.naxes(), m.sizes());
-  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global, trim), global, 1,
-                                  trim);
+  return execute_reshard<T, Rank>(m, p, run_step<T, Rank>(m, p.step[0], p.state[0], p.state[1], local, global, w), global, 1, w);
 }
 
 // x's elements converted to To (to bf16: rounded to nearest even; a double
@@ -336,12 +343,12 @@ local_tensor<T, Rank> execute_reshard_on(wire w, const mesh_base& m, const resha
     auto narrow = converted<bf16>(local);
     release(std::forward<Local>(local));
     if (p.n == 0) return converted<T>(narrow);
-    return converted<T>(execute_reshard<bf16, Rank>(m, p, std::move(narrow), global, 0, trims_rows(w)));
+    return converted<T>(execute_reshard<bf16, Rank>(m, p, std::move(narrow), global, 0, w));
   }
   if constexpr (std::is_rvalue_reference_v<Local&&> && !std::is_const_v<std::remove_reference_t<Local>>)
-    return execute_reshard<T, Rank>(m, p, std::move(local), global, 0, trims_rows(w));
+    return execute_reshard<T, Rank>(m, p, std::move(local), global, 0, w);
   else
-    return execute_reshard<T, Rank>(m, p, local, global, trims_rows(w));
+    return execute_reshard<T, Rank>(m, p, local, global, w);
 }
 
 // Plans at run time with the mesh's real sizes, then executes: for layouts

@@ -82,31 +82,31 @@ struct reshard_flight {  // on the heap: the request may move while MPI writes i
 
   template <class Local>
   static GSHARD_NOINLINE std::unique_ptr<reshard_flight> start(const mesh_base& m, const reshard_steps& p, Local&& in,
-                                                               const shape<R>& global, bool trim) {
+                                                               const shape<R>& global, wire w) {
     auto f = std::make_unique<reshard_flight>();
     const int last = p.n - 1;
     if (p.n == 0 || p.step[last].kind != step_kind::all_to_all) {
-      f->out = run_plan(m, p, std::forward<Local>(in), global, trim);
+      f->out = run_plan(m, p, std::forward<Local>(in), global, w);
     } else if (last > 0) {  // the steps before the all_to_all, now
       reshard_steps head = p;
       head.n = last;
-      f->post(m, p, last, run_plan(m, head, std::forward<Local>(in), global, trim), global, trim);
+      f->post(m, p, last, run_plan(m, head, std::forward<Local>(in), global, w), global, w);
     } else {
-      f->post(m, p, last, std::forward<Local>(in), global, trim);
+      f->post(m, p, last, std::forward<Local>(in), global, w);
     }
     return f;
   }
   template <class Local>
-  static local_tensor<W, R> run_plan(const mesh_base& m, const reshard_steps& p, Local&& in, const shape<R>& global, bool trim) {
+  static local_tensor<W, R> run_plan(const mesh_base& m, const reshard_steps& p, Local&& in, const shape<R>& global, wire w) {
     if constexpr (std::is_rvalue_reference_v<Local&&> && !std::is_const_v<std::remove_reference_t<Local>>)
-      return execute_reshard<W, R>(m, p, std::move(in), global, 0, trim);
+      return execute_reshard<W, R>(m, p, std::move(in), global, 0, w);
     else
-      return execute_reshard<W, R>(m, p, in, global, trim);
+      return execute_reshard<W, R>(m, p, in, global, w);
   }
 
   // Packs `x` (in state i of the plan) and posts step i, an all_to_all.
   template <class Local>
-  void post(const mesh_base& m, const reshard_steps& p, int i, Local&& x, const shape<R>& global, bool trim) {
+  void post(const mesh_base& m, const reshard_steps& p, int i, Local&& x, const shape<R>& global, wire w) {
     const all_to_all_geometry<W, R> geo(m, p.step[i], p.state[i], p.state[i + 1], global);
     const W* s = x.data();
     if (geo.packs()) {
@@ -123,7 +123,7 @@ struct reshard_flight {  // on the heap: the request may move while MPI writes i
       unpack.emplace(geo);
     }
     W* r = geo.unpacks() ? recv.data() : out.data();
-    request = geo.start(m, p.step[i], s, r, trim);
+    request = geo.start(m, p.step[i], s, r, w);
   }
 
   local_tensor<W, R> finish() {
@@ -149,12 +149,12 @@ class started_reshard {
       auto narrow = converted<bf16>(in);
       release(std::forward<Local>(in));
       if (p.n == 0)  // nothing travels: the values rounded all the same
-        wide_ = wide_flight::start(m, p, converted<T>(narrow), global, false);
+        wide_ = wide_flight::start(m, p, converted<T>(narrow), global, w);
       else
-        narrow_ = narrow_flight::start(m, p, std::move(narrow), global, trims_rows(w));
+        narrow_ = narrow_flight::start(m, p, std::move(narrow), global, w);
       return;
     }
-    wide_ = wide_flight::start(m, p, std::forward<Local>(in), global, trims_rows(w));
+    wide_ = wide_flight::start(m, p, std::forward<Local>(in), global, w);
   }
 
   bool test() {
