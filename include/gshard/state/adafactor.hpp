@@ -119,6 +119,7 @@ class adafactor final : public optimizer {
                   " but the optimizer was built with beta1 0 (no first moments); set it before building the optimizer");
     check_config(cfg);
     targets_.check(ps, name());
+    detail::weight_gathers& gathers = targets_.begin(ps);
     const detail::mesh_base& mesh = ps.mesh();
     const double norm = global_norm(ps.grads(), mesh);
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
@@ -146,8 +147,6 @@ class adafactor final : public optimizer {
       if (w.rank >= 2) ++col;
     }
     all_reduce<double>(mesh.all_axes(), sums);
-    detail::buckets<float> f32(mesh, ps.bucket_bytes(), ps.bucket_memory<float>(), targets_.weights());
-    detail::buckets<double> f64(mesh, ps.bucket_bytes(), ps.bucket_memory<double>(), targets_.weights());
     col = 0;
     for (std::size_t i = 0; i < weights_.size(); ++i) {
       auto& w = weights_[i];
@@ -164,10 +163,9 @@ class adafactor final : public optimizer {
       if (g.element_bytes() == 4) apply(value.f32(), g.f32(), cfg.beta1 > 0 ? m_[i].f32() : std::span<float>{});
       else apply(value.f64(), g.f64(), cfg.beta1 > 0 ? m_[i].f64() : std::span<double>{});
       if (w.rank >= 2) ++col;
-      targets_.publish(i, ps, f32, f64, ps.bucket_bytes() > 0);
+      targets_.publish(i, ps, gathers);
     }
-    f32.flush();
-    f64.flush();
+    gathers.leave_in_flight();
     return {norm, lr};
   }
 

@@ -125,7 +125,8 @@ class bucket {
   std::size_t bytes() const { return data_.size() * sizeof(T); }
   bool empty() const { return members_.empty(); }
 
-  void add(std::span<const T> block, done_fn done) {
+  // `id`: what holds() answers for it (the caller's number, e.g. a parameter's).
+  void add(std::span<const T> block, done_fn done, std::size_t id = no_id) {
     if (step_ >= 0) throw error("gshard::detail::bucket: a tensor added to a bucket that has started");
     // Each rank's part of a member must be whole: a reduce_scatter's group
     // divides its block (only plans whose blocks are all equal are stacked:
@@ -136,8 +137,21 @@ class bucket {
     if (block.size() % parts != 0)
       throw error("gshard::detail::bucket: a block of " + std::to_string(block.size()) + " elements does not split into the " +
                   std::to_string(parts) + " parts its reduce_scatters make");
-    members_.push_back({block.size(), std::move(done)});
+    members_.push_back({block.size(), std::move(done), id});
     data_.append(block);
+  }
+  static constexpr std::size_t no_id = std::size_t(-1);
+  bool holds(std::size_t id) const {
+    return std::any_of(members_.begin(), members_.end(), [id](const member& m) { return m.id == id; });
+  }
+  // The steps not yet finished (the one in flight among them).
+  int steps_left() const { return members_.empty() ? 0 : step_ < 0 ? plan_.n : plan_.n - step_; }
+  // The bytes its members hold once its all_gathers have run.
+  std::size_t gathered_bytes() const {
+    std::size_t n = data_.size();
+    for (int i = std::max(step_, 0); i < plan_.n; ++i)
+      if (plan_.step[i].kind == step_kind::all_gather) n *= std::size_t(mesh_->group(1u << plan_.step[i].axis).size);
+    return n * sizeof(T);
   }
 
   // Posts the first step's collective.
@@ -159,12 +173,13 @@ class bucket {
     }
     flight_ = collective_request{};
     step_ = -1;
+    const std::vector<member> done = std::move(members_);  // empty even if a member's function throws
+    members_.clear();
     std::size_t at = 0;
-    for (auto& m : members_) {
+    for (const auto& m : done) {
       m.done(std::span<const T>(data_.data() + at, m.size));
       at += m.size;
     }
-    members_.clear();
     data_.clear();
   }
   // Runs what is left of the plan and hands out the results.
@@ -177,6 +192,7 @@ class bucket {
   struct member {
     std::size_t size;  // its elements in data_, now
     done_fn done;
+    std::size_t id;
   };
 
   // Pack and start one step's collective; end_step unpacks once it has finished.
@@ -287,6 +303,17 @@ class bucket {
 // every bucket in the order they started. limit 0: every tensor on its own.
 // The same sequence of adds and flushes on every rank gives the same
 // collectives in the same order.
+//
+// Held (hold(bytes)): a bucket's last step is left in flight. Each time
+// one starts, the buckets started before it post their next step, but not
+// past their last; the oldest are finished while those in flight would
+// hold more than `bytes` once gathered. start_rest() starts the rest, moves
+// every bucket on to its last step and keeps the same bound. Then
+// finish_holding(id) finishes the bucket holding a member `id` — a wait,
+// which posts nothing, so a rank may call it where and when it needs that
+// member. The sharded update's gathers travel this way while the next
+// forward computes (state/weight_update.hpp). drop_open() forgets the
+// buckets not started (an update that threw half-way).
 template <class T>
 class buckets {
  public:
@@ -300,17 +327,20 @@ class buckets {
   buckets(const buckets&) = delete;  // its buckets point at *memory_
   buckets& operator=(const buckets&) = delete;
 
-  void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done) {
+  void add(const reshard_steps& plan, std::span<const T> block, typename bucket<T>::done_fn done,
+           std::size_t id = bucket<T>::no_id) {
     if (!stackable(plan)) throw error("gshard::detail::buckets: a plan whose steps cannot share a bucket");
     auto it = std::find_if(open_.begin(), open_.end(), [&](const bucket<T>& b) { return same_steps(b.plan(), plan); });
     if (it == open_.end()) it = open_.emplace(open_.end(), *mesh_, plan, *memory_, wire_);
-    it->add(block, std::move(done));
+    it->add(block, std::move(done), id);
     if (it->bytes() < limit_) return;
-    for (auto& b : running_) b.advance();
+    for (auto& b : running_)
+      if (!hold_ || b.steps_left() > 1) b.advance();
     running_.remove_if([](const bucket<T>& b) { return b.empty(); });  // their buffers go back for the next ones
     it->start();
     open_.emplace(it, *mesh_, plan, *memory_, wire_);     // an empty one keeps the plan's place in flush()'s order
     running_.splice(running_.end(), open_, it);          // the list moves no bucket: its buffers stay put
+    if (hold_) keep_within(1);
   }
   void flush() {
     for (auto& b : open_) b.start();
@@ -319,10 +349,50 @@ class buckets {
     running_.clear();
   }
 
+  void hold(std::size_t bytes) {
+    hold_ = true;
+    hold_bytes_ = bytes;
+  }
+  void start_rest() {
+    for (auto& b : open_) b.start();
+    running_.splice(running_.end(), open_);
+    for (auto& b : running_)
+      while (b.steps_left() > 1) b.advance();
+    keep_within(0);
+  }
+  // True if a bucket held a member `id` (now finished).
+  bool finish_holding(std::size_t id) {
+    auto it = std::find_if(running_.begin(), running_.end(), [id](const bucket<T>& b) { return b.holds(id); });
+    if (it == running_.end()) return false;
+    try {
+      it->finish();
+    } catch (...) {
+      running_.erase(it);
+      throw;
+    }
+    running_.erase(it);
+    return true;
+  }
+  void drop_open() { open_.clear(); }
+
  private:
+  // Finishes the oldest buckets while those in flight would hold more than
+  // hold_bytes_ once gathered, leaving at least `keep`.
+  void keep_within(std::size_t keep) {
+    std::size_t held = 0;
+    for (const auto& b : running_) held += b.gathered_bytes();
+    while (held > hold_bytes_ && running_.size() > keep) {
+      held -= running_.front().gathered_bytes();
+      running_.front().finish();
+      running_.pop_front();
+    }
+  }
+
   const mesh_base* mesh_;
   std::size_t limit_;
   wire wire_;
+  bool hold_ = false;
+  std::size_t hold_bytes_ = 0;
   std::shared_ptr<bucket_memory<T>> memory_;  // declared before the lists: outlives the buckets that give back to it
   std::list<bucket<T>> open_, running_;
 };
@@ -333,5 +403,8 @@ namespace gshard {
 
 // The default size of a gradient bucket (parameters::bucket_bytes).
 inline constexpr std::size_t default_bucket_bytes = std::size_t(4) << 20;
+// The default bound on the gathered weights whose all_gathers travel into
+// the next forward (parameters::gather_bytes_in_flight).
+inline constexpr std::size_t default_gather_bytes_in_flight = std::size_t(64) << 20;
 
 }  // namespace gshard

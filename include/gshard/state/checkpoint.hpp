@@ -167,6 +167,7 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
   for (const auto& [k, v] : meta)  // the metadata travels as "key=value" lines on load
     if (k.empty() || k.find('\n') != std::string::npos)
       throw checkpoint_error("gshard::checkpoint: " + path + ": a metadata key is empty or holds a newline");
+  for (const auto& part : parts) part.set->settle();
   detail::ckpt_writer w;
   std::uint64_t n_records = 0;
   for (const auto& part : parts) n_records += part.set->size();
@@ -213,6 +214,7 @@ inline void save_checkpoint(const std::string& path, const detail::mesh_base& m,
 // rank throws the same error or none.
 inline std::map<std::string, double> load_checkpoint(const std::string& path, const detail::mesh_base& m,
                                                      const std::vector<checkpoint_part>& parts) {
+  for (const auto& part : parts) part.set->settle();  // nothing in flight writes over what is loaded
   const bool root = m.rank() == 0;
   std::string file, problem;
   std::optional<debug::awaiting_io> io(std::in_place, "rank 0's read of " + path);  // the others wait in the agreement

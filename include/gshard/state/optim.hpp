@@ -155,6 +155,7 @@ class adam final : public optimizer {
   std::pair<double, double> update(parameters_base& ps) override {
     check_owner(ps, owner_, m_.size());
     targets_.check(ps, name());
+    detail::weight_gathers& gathers = targets_.begin(ps);
     const double norm = global_norm(ps.grads(), ps.mesh());
     const double clip = cfg.clip_norm > 0 && norm > cfg.clip_norm ? cfg.clip_norm / (norm + 1e-12) : 1.0;
     const double lr = cfg.lr_at(step);
@@ -162,19 +163,18 @@ class adam final : public optimizer {
     const double c1 = 1.0 - std::pow(cfg.beta1, step), c2 = 1.0 - std::pow(cfg.beta2, step);
     // A sharded update runs on this rank's block of the weight and
     // all_gathers the updated blocks — in buckets of weights whose gathers
-    // take the same steps (gshard/state/buckets.hpp); otherwise on the whole
-    // local shard, or on its master (gshard/state/update_targets.hpp).
-    detail::buckets<float> f32(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<float>(), targets_.weights());
-    detail::buckets<double> f64(ps.mesh(), ps.bucket_bytes(), ps.bucket_memory<double>(), targets_.weights());
+    // take the same steps (gshard/state/buckets.hpp), left in flight until
+    // the model next reads each weight (detail::weight_gathers); otherwise
+    // on the whole local shard, or on its master
+    // (gshard/state/update_targets.hpp).
     for (std::size_t i = 0; i < ps.size(); ++i) {
       auto& g = ps.grads()[i];
       detail::set_entry& w = targets_.target(i, ps);
       update_one(w.f32(), g.f32(), m_[i].f32(), v_[i].f32(), clip, lr, c1, c2);
       update_one(w.f64(), g.f64(), m_[i].f64(), v_[i].f64(), clip, lr, c1, c2);
-      targets_.publish(i, ps, f32, f64, ps.bucket_bytes() > 0);
+      targets_.publish(i, ps, gathers);
     }
-    f32.flush();
-    f64.flush();
+    gathers.leave_in_flight();
     return {norm, lr};
   }
 

@@ -22,7 +22,7 @@ namespace gshard {
 
 namespace detail {
 inline std::uint64_t name_hash(std::string_view s) { return fnv1a(s); }  // a parameter's stream of initial values
-
+class update_targets;
 }  // namespace detail
 
 // How a parameter starts: normal(stddev) draws from a stream keyed by the
@@ -58,7 +58,15 @@ class parameters_base {
   const detail::mesh_base& mesh() const { return *mesh_; }
   std::uint64_t seed() const { return seed_; }
   std::size_t size() const { return values_.size(); }
-  tensor_set& values() { return values_; }
+  // The weights, each holding the last update: the sharded update's gathers
+  // still in flight into them are finished first (a collective's wait: the
+  // other ranks need not be here). A reference to a weight taken before an
+  // update reads it as it is until its gather is finished: take it again
+  // (param::value) after the update.
+  tensor_set& values() {
+    finish_gathers();
+    return values_;
+  }
   tensor_set& grads() { return grads_; }
   // State that is not trained but belongs to the model and is checkpointed
   // (e.g. the MoE router's balancing bias).
@@ -105,6 +113,23 @@ class parameters_base {
     else return f64_bucket_memory_;
   }
 
+  // The sharded update's all_gathers of the updated blocks travel into the
+  // next forward, each weight's finished where the model first reads it
+  // (param::value): at most this many bytes of gathered weights at once (in
+  // the weights' type; the oldest gathers beyond it finish in the update).
+  // 0: every gather finishes in the update.
+  std::size_t gather_bytes_in_flight() const { return gather_bytes_in_flight_; }
+  void set_gather_bytes_in_flight(std::size_t bytes) { gather_bytes_in_flight_ = bytes; }
+  // The weights whose gathers are still in flight.
+  std::size_t weights_in_flight() const { return gathers_ ? gathers_->in_flight() : 0; }
+  // Every gather still in flight into a weight, finished (a wait on each:
+  // the other ranks need not be here).
+  void finish_gathers() {
+    if (!gathers_) return;
+    const auto g = std::move(gathers_);  // gone even if a wait throws
+    g->finish_all();
+  }
+
   // The layout of parameter i's gradient: the weight's, or its update layout.
   const detail::rlayout& grad_layout(std::size_t i) const { return grad_layouts_.at(i); }
   // A factor of parameter i's gradient for a factored optimizer (Adafactor):
@@ -131,9 +156,38 @@ class parameters_base {
   }
 
  protected:
+  template <class X>
+  friend class param;
+  friend class detail::update_targets;
+  // Parameter i's weight, holding its update (its gather finished, if one is
+  // in flight; no other).
+  template <class X>
+  X& settled(std::size_t i) {
+    if (gathers_) gathers_->finish(i);
+    return values_.template at<X>(i);
+  }
+  // The weights as they are, gathers in flight or not: the optimizer's
+  // view while it starts them.
+  tensor_set& values_as_held() { return values_; }
+  // The gathers of one update (state/weight_update.hpp), every earlier one
+  // finished: the optimizer adds each updated block, then leaves them in
+  // flight (leave_in_flight). `w`: what they carry.
+  detail::weight_gathers& start_gathers(wire w) {
+    finish_gathers();
+    gathers_ = std::make_unique<detail::weight_gathers>(*mesh_, bucket_bytes_, gather_bytes_in_flight_, f32_bucket_memory_,
+                                                        f64_bucket_memory_, w, values_.size());
+    return *gathers_;
+  }
+
   parameters_base(const detail::mesh_base& m, std::uint64_t seed, std::uint32_t update_axes)
-      : mesh_(&m), seed_(seed), update_axes_(update_axes) {}
-  ~parameters_base() = default;
+      : mesh_(&m), seed_(seed), update_axes_(update_axes) {
+    values_.on_settle([this] { finish_gathers(); });  // checkpoints read and write the weights whole
+  }
+  ~parameters_base() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) (void)gathers_.release();  // MPI is gone: nothing can be waited for, nor needs to be
+  }
 
   // Declares a parameter of type X and initialises it; returns its position.
   template <class X>
@@ -172,11 +226,13 @@ class parameters_base {
   std::uint64_t seed_;
   std::uint32_t update_axes_ = 0;
   std::size_t bucket_bytes_ = default_bucket_bytes;
+  std::size_t gather_bytes_in_flight_ = default_gather_bytes_in_flight;
   wire gradient_wire_ = wire::same;
   wire weight_wire_ = wire::same;
   std::shared_ptr<detail::bucket_memory<float>> f32_bucket_memory_ = std::make_shared<detail::bucket_memory<float>>();
   std::shared_ptr<detail::bucket_memory<double>> f64_bucket_memory_ = std::make_shared<detail::bucket_memory<double>>();
   tensor_set values_, grads_, buffers_;
+  std::unique_ptr<detail::weight_gathers> gathers_;  // the last update's gathers, while any may be in flight
   std::vector<bool> has_grad_;
   std::vector<const char*> update_why_;  // per parameter: why its update is not sharded ("" if it is, or nothing asked)
   std::vector<detail::rlayout> grad_layouts_;
@@ -241,8 +297,11 @@ class param {
   param(parameters<M>& ps, std::string name, const typename X::extents_type& extents, initializer init)
       : owner_(&ps), index_(ps.template declare<X>(std::move(name), extents, init)) {}
 
-  const X& value() const { return owner_->values().template at<X>(index_); }
-  X& value() { return owner_->values().template at<X>(index_); }
+  // The weight, holding the last update (its gather, if one is in flight,
+  // finished here: the sharded update's all_gathers travel until the model
+  // reads the weight).
+  const X& value() const { return owner_->template settled<X>(index_); }
+  X& value() { return owner_->template settled<X>(index_); }
   // The gradient of the last backward, in the parameter's sharding (zeros if
   // it received none). Under shard_weight_update a replicated weight's
   // gradient exists only as blocks: grad() throws; gathered_grad() all_gathers

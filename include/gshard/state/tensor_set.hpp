@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -178,9 +179,18 @@ class tensor_set {
     return static_cast<detail::set_entry_of<X>&>(*entries_[i]).value();
   }
 
+  // Finishes whatever still writes into these tensors (a model's weights:
+  // the sharded update's gathers in flight); checkpoints call it before
+  // they read or write a set.
+  void settle() {
+    if (settle_) settle_();
+  }
+  void on_settle(std::function<void()> f) { settle_ = std::move(f); }
+
  private:
   std::vector<std::unique_ptr<detail::set_entry>> entries_;
   std::map<std::string, std::size_t> index_;
+  std::function<void()> settle_;
 };
 
 // A named set of tensors to save or load: every tensor of *set, under the

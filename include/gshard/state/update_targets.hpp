@@ -4,7 +4,8 @@
 //   - the weight itself: its update is not sharded and the weights are in
 //     their own type;
 //   - the block of its update layout (shard_weight_update), sliced from the
-//     weight before each update and all_gathered into it after;
+//     weight before each update and all_gathered into it after (left in
+//     flight until the weight is next read: weight_gathers);
 //   - an fp32 master (f64 for a double weight) when the parameters' weight
 //     wire is bf16: kept from step to step — the block of the update layout,
 //     or the whole local shard — and the weight made its rounding through
@@ -85,36 +86,40 @@ class update_targets {
                 " (the masters are its state); set it before building the optimizer");
   }
 
+  // Where an update begins: every gather of the last one finished, and the
+  // gathers this one starts (publish) go here.
+  weight_gathers& begin(parameters_base& ps) { return ps.start_gathers(wire_); }
+
   // Before parameter i's update: the entry to update — its block or master,
   // up to date with the weight — or the weight itself.
   set_entry& target(std::size_t i, parameters_base& ps) {
     set_entry* e = entry_[i];
-    if (!e) return ps.values()[i];
+    if (!e) return ps.values_as_held()[i];
     if (auto* block = e->as_sharded()) {
-      if (sends_bf16(wire_)) block->follow(ps.values()[i]);
-      else block->slice_from(ps.values()[i]);
+      if (sends_bf16(wire_)) block->follow(ps.values_as_held()[i]);
+      else block->slice_from(ps.values_as_held()[i]);
     } else {
-      set_entry& w = ps.values()[i];
+      set_entry& w = ps.values_as_held()[i];
       follow_rounded(e->f32().data(), w.f32().data(), e->f32().size());
       follow_rounded(e->f64().data(), w.f64().data(), e->f64().size());
     }
     return *e;
   }
   // The same entry, as target() last left it.
-  set_entry& current(std::size_t i, parameters_base& ps) { return entry_[i] ? *entry_[i] : ps.values()[i]; }
+  set_entry& current(std::size_t i, parameters_base& ps) { return entry_[i] ? *entry_[i] : ps.values_as_held()[i]; }
 
-  // After it: the update reaches the weight — gathered (through `f32` or
-  // `f64` when `bucketed`), or rounded in place. Every rank calls it for the
-  // same parameters in the same order.
-  void publish(std::size_t i, parameters_base& ps, buckets<float>& f32, buckets<double>& f64, bool bucketed) {
+  // After it: the update reaches the weight — gathered (through `gathers`,
+  // begin()'s), or rounded in place. Every rank calls it for the same
+  // parameters in the same order.
+  void publish(std::size_t i, parameters_base& ps, weight_gathers& gathers) {
     set_entry* e = entry_[i];
     if (!e) return;
     if (auto* block = e->as_sharded()) {
-      gather_block(*block, ps.values()[i], ps.mesh(), f32, f64, bucketed, wire_);
+      gathers.gather(i, *block, ps.values_as_held()[i]);
       progress_in_flight();  // a started gather travels while the next weights update
       return;
     }
-    set_entry& w = ps.values()[i];
+    set_entry& w = ps.values_as_held()[i];
     round_through_bf16(e->f32().data(), e->f32().size(), w.f32().data());
     round_through_bf16(e->f64().data(), e->f64().size(), w.f64().data());
   }

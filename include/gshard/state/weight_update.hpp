@@ -1,8 +1,8 @@
 // gshard/state/weight_update.hpp — where a replicated weight's update runs
 // when it is sharded over the batch axes (shard_weight_update; ZeRO stage 2):
 // the update layout each weight gets, the block of it a rank holds
-// (update_shard: gradient, moments, the weight's block), and the one way an
-// updated block returns to its weight (gather_block).
+// (update_shard: gradient, moments, the weight's block), and the one way
+// updated blocks return to their weights (weight_gathers).
 #pragma once
 
 #include <algorithm>
@@ -191,33 +191,90 @@ std::unique_ptr<set_entry> zero_factor(std::string name, const mesh_base& m, con
   }
 }
 
-// The one way an updated block returns to its weight: its plan's
-// all_gathers through the buckets (one collective per step for many weights,
-// gshard/state/buckets.hpp) when `bucketed` and the plan's steps stack with
-// every block of one size (plan_even), else alone — carrying `w`, which the
-// buckets carry too. Every rank calls it for the same weights in the same
-// order, and decides alike.
-inline void gather_block(sharded_entry& block, set_entry& weight, const mesh_base& m, buckets<float>& f32, buckets<double>& f64,
-                         bool bucketed, wire w) {
-  const std::vector<index_t> extents = block.extents();
-  if (!bucketed || !bucketable(block.gather_plan(), extents.data(), int(extents.size()), m.sizes())) {
-    block.gather_into(weight, w);
-    return;
+// The one way updated blocks return to their weights: the gathers of one
+// update, in buckets by element type (one collective per step for many
+// weights, gshard/state/buckets.hpp; `limit` 0: one per weight), carrying
+// `w`. A block whose plan cannot share a bucket (its steps do not stack, or
+// its blocks differ between ranks) is gathered at once. The optimizer calls
+// gather() for each updated block, every rank for the same weights in the
+// same order, then leave_in_flight(): the buckets' last all_gathers are
+// still travelling when the update returns — as many as hold
+// `in_flight_bytes` of gathered weights; the oldest beyond that finish
+// first, 0: all, in the update — and finish(i) waits for weight i's where
+// the model next reads it (param::value, the tape's use of it in the next
+// forward), so they travel while the layers before it compute: the
+// prefetch of PyTorch FSDP's forward. The parameters finish all of them
+// before their values are read as a set, and before the next update.
+class weight_gathers {
+ public:
+  weight_gathers(const mesh_base& m, std::size_t limit, std::size_t in_flight_bytes,
+                 std::shared_ptr<bucket_memory<float>> f32, std::shared_ptr<bucket_memory<double>> f64, wire w,
+                 std::size_t weights)
+      : mesh_(&m), wire_(w), f32_(m, limit, std::move(f32), w), f64_(m, limit, std::move(f64), w), pending_(weights, 0) {
+    f32_.hold(in_flight_bytes);
+    f64_.hold(in_flight_bytes);
   }
-  auto gather = [&](auto& into, auto from, auto to) {
-    using T = typename std::remove_cvref_t<decltype(to)>::value_type;
-    into.add(block.gather_plan(), std::span<const T>(from.data(), from.size()), [to, &weight](std::span<const T> whole) {
-      if (whole.size() != to.size())
-        throw error("gshard::gather_block: the gathered '" + weight.name() + "' has " + std::to_string(whole.size()) +
-                    " elements on this rank but the weight " + std::to_string(to.size()));
-      std::copy(whole.begin(), whole.end(), to.begin());
-    });
-  };
-  // By the element type: an empty block (a split that does not divide) still
-  // joins its group's all_gathers.
-  if (block.element_bytes() == 4) gather(f32, block.f32(), weight.f32());
-  else gather(f64, block.f64(), weight.f64());
-}
+  weight_gathers(const weight_gathers&) = delete;  // its buckets' functions point at pending_
+  weight_gathers& operator=(const weight_gathers&) = delete;
+
+  // Weight i (`weight`) takes every rank's `block`.
+  void gather(std::size_t i, sharded_entry& block, set_entry& weight) {
+    const std::vector<index_t> extents = block.extents();
+    if (!bucketable(block.gather_plan(), extents.data(), int(extents.size()), mesh_->sizes())) {
+      block.gather_into(weight, wire_);
+      return;
+    }
+    auto add = [&](auto& into, auto from, auto to) {
+      using T = typename std::remove_cvref_t<decltype(to)>::value_type;
+      into.add(
+          block.gather_plan(), std::span<const T>(from.data(), from.size()),
+          [this, i, to, &weight](std::span<const T> whole) {
+            pending_[i] = 0;
+            if (whole.size() != to.size())
+              throw error("gshard::weight_gathers: the gathered '" + weight.name() + "' has " + std::to_string(whole.size()) +
+                          " elements on this rank but the weight " + std::to_string(to.size()));
+            std::copy(whole.begin(), whole.end(), to.begin());
+          },
+          i);
+    };
+    pending_.at(i) = 1;
+    // By the element type: an empty block (a split that does not divide) still
+    // joins its group's all_gathers.
+    if (block.element_bytes() == 4) add(f32_, block.f32(), weight.f32());
+    else add(f64_, block.f64(), weight.f64());
+  }
+  void leave_in_flight() {
+    f32_.start_rest();
+    f64_.start_rest();
+    left_ = true;
+  }
+  // Weight i holds its update.
+  void finish(std::size_t i) {
+    if (i >= pending_.size() || !pending_[i]) return;
+    if (!f32_.finish_holding(i)) f64_.finish_holding(i);
+  }
+  // Every weight holds its update — or, after an update that threw before
+  // leave_in_flight, the gathers it started have finished and the rest are
+  // forgotten (starting them here would be this rank's alone).
+  void finish_all() {
+    if (!left_) {
+      f32_.drop_open();
+      f64_.drop_open();
+    }
+    f32_.flush();
+    f64_.flush();
+  }
+  // The weights whose gathers have not finished.
+  std::size_t in_flight() const { return std::size_t(std::count(pending_.begin(), pending_.end(), char(1))); }
+
+ private:
+  const mesh_base* mesh_;
+  wire wire_;
+  buckets<float> f32_;
+  buckets<double> f64_;
+  std::vector<char> pending_;  // per weight: its gather has not finished
+  bool left_ = false;          // leave_in_flight() has run
+};
 
 }  // namespace detail
 
