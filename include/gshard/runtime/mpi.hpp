@@ -102,12 +102,15 @@ inline MPI_Comm& error_comm() {
   return c;
 }
 
-// How many non-blocking collectives this rank has in flight (set by
-// runtime/nonblocking.hpp when it posts one): an error that leaves one
-// pending cannot end in MPI_Finalize, which would wait on it.
-using in_flight_count_fn = std::size_t (*)();
-inline in_flight_count_fn& in_flight_count() {
-  static in_flight_count_fn f = nullptr;
+// Finishes the non-blocking collectives this rank has in flight, for as
+// long as the watchdog allows (10 s without one); true when none is left
+// (set by runtime/nonblocking.hpp when it posts one). An error that leaves
+// one pending cannot end in MPI_Finalize, which would wait on it; one
+// every rank posted (the sharded update's gathers, travelling until the
+// next forward reads the weights) finishes while every rank is here.
+using finish_in_flight_fn = bool (*)();
+inline finish_in_flight_fn& finish_in_flight() {
+  static finish_in_flight_fn f = nullptr;
   return f;
 }
 
@@ -136,8 +139,9 @@ inline bool every_rank_here(double seconds) {
 // bad option, a missing file, shapes that do not fit: what the user asked
 // for) is a usage error: rank 0 prints its message once and every rank ends
 // normally with exit status 2. Anything else — an error one rank alone
-// sees, an MPI failure, an error with a collective in flight or off MPI's
-// main thread — prints that rank's message and ends the job (MPI_Abort).
+// sees, an MPI failure, an error with a collective in flight that cannot
+// be finished, or off MPI's main thread — prints that rank's message and
+// ends the job (MPI_Abort).
 [[noreturn]] inline void terminate_handler() {
   std::string what = "terminate called without an active exception";
   bool usage = false;
@@ -158,8 +162,10 @@ inline bool every_rank_here(double seconds) {
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Is_thread_main(&main_thread);
-  const bool pending = in_flight_count() && in_flight_count()() > 0;
-  if (usage && main_thread && !finalized && !pending && every_rank_here(agreement_seconds)) {
+  // Every rank here, then none with a collective left in flight (a rank
+  // that could not finish one does not come to the second agreement).
+  if (usage && main_thread && !finalized && every_rank_here(agreement_seconds) &&
+      (!finish_in_flight() || (finish_in_flight()() && every_rank_here(agreement_seconds)))) {
     std::fflush(stdout);  // what the program printed before comes first
     if (world_rank() == 0) std::fprintf(stderr, "%s\n", what.c_str());
     std::fflush(stderr);

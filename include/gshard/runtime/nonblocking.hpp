@@ -62,7 +62,7 @@ class in_flight {
     add_collective_seconds(kind_, axes_, MPI_Wtime() - started_);
     running().push_back(this);
     progress_hook() = &progress_in_flight;  // the kernels' calls between their pieces of work
-    mpi::detail::in_flight_count() = [] { return running().size(); };  // an error then ends the job (mpi.hpp)
+    mpi::detail::finish_in_flight() = &finish_running;  // what an uncaught error ends with (mpi.hpp)
   }
 
   // The collectives this rank has in flight, oldest first (progress_in_flight).
@@ -73,6 +73,22 @@ class in_flight {
   // True for a collective that moves on only when it is itself tested (a
   // ring posts its next exchange then); false when any MPI call moves it.
   virtual bool needs_own_test() const { return false; }
+
+  // Tests what this rank has in flight until none is left or the
+  // watchdog's time (10 s without one) has passed; true when none is left.
+  static bool finish_running() noexcept {
+    const double until = MPI_Wtime() + (options().watchdog_seconds > 0 ? options().watchdog_seconds : 10.0);
+    try {
+      while (!running().empty()) {
+        for (std::size_t i = 0; i < running().size();)  // a test that ends one unlists it
+          if (!running()[i]->test()) ++i;
+        if (MPI_Wtime() > until) return false;
+      }
+    } catch (...) {
+      return false;
+    }
+    return true;
+  }
 
   // Moves it on; true once it has finished (its result is in place).
   bool test() {
