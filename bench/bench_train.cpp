@@ -67,6 +67,12 @@ struct trainer {
     const matmul_precision_scope precision(bf16 ? matmul_precision::bf16 : matmul_precision::f32);
     model::train_step(tr, ps, opt, tokens, s++);
   }
+  // A step that ends with its update's gathers: interleaved with another
+  // model's steps, they would otherwise travel in that model's time.
+  void step_alone() {
+    step();
+    ps.finish_gathers();
+  }
 };
 
 // step/sharded_update:0|1: one training step of the trainer's model
@@ -141,7 +147,8 @@ void step_bf16(benchmark::State& state) {
   f32.step();
   const double P = double(f32.m.nranks()), step_flops = (model_flops() - flops0) * P;
   const auto c = gshard::bench::compare(
-      state, {[&] { f32.step(); }, [&] { on_wire.step(); }, [&] { bf16.step(); }, [&] { trimmed.step(); }}, 1);
+      state, {[&] { f32.step_alone(); }, [&] { on_wire.step_alone(); }, [&] { bf16.step_alone(); }, [&] { trimmed.step_alone(); }},
+      1);
   state.counters["wire_speedup"] = 1.0 / c.median_ratio[1];
   state.counters["bf16_speedup"] = 1.0 / c.median_ratio[2];
   state.counters["trimmed_vs_bf16"] = c.median_ratio[2] / c.median_ratio[3];
@@ -153,6 +160,36 @@ void step_bf16(benchmark::State& state) {
   if (const double peak = gshard::bench::bf16_peak_gflops(); peak > 0)
     state.counters["bf16_mfu"] = step_flops / c.median_time[2] / (P * peak * 1e9);
   state.counters["bf16_units"] = gshard::detail::gemm_bf16_native() ? 1 : 0;
+}
+
+// gathers_in_flight: the bf16 step (step_bf16's trimmed one, one
+// collective per weight as `train --bucket-kib 0`) with the updated blocks'
+// all_gathers travelling into the next forward (the default) and finished
+// in the update (parameters::set_gather_bytes_in_flight(0)), interleaved:
+// each timed call runs three steps of one model and finishes its last
+// gathers, so two of every three travel into a forward of the model's own.
+// in_flight_speedup: the median ratio of the calls' times, finished over
+// in flight. At least 4 s. Over shared memory the gathers are short; at a
+// slow link (scripts/multihost --link-rate 1gbit) they are not.
+void gathers_in_flight(benchmark::State& state) {
+  model::config cfg = trainer_config();
+  cfg.all_to_all_wire = wire::bf16 | wire::trimmed;
+  trainer eager(cfg, true), late(cfg, true);
+  for (trainer* t : {&eager, &late}) {
+    t->ps.set_bucket_bytes(0);
+    t->use_bf16();
+  }
+  eager.ps.set_gather_bytes_in_flight(0);
+  const auto three = [](trainer& t) {
+    return [&t] {
+      for (int i = 0; i < 3; ++i) t.step();
+      t.ps.finish_gathers();
+    };
+  };
+  const auto c = gshard::bench::compare(state, {three(eager), three(late)}, 1);
+  state.counters["in_flight_speedup"] = 1.0 / c.median_ratio[1];
+  state.counters["finished_tokens/s"] = 3 * 16 * 128 / c.median_time[0];
+  state.counters["in_flight_tokens/s"] = 3 * 16 * 128 / c.median_time[1];
 }
 
 // step_gemms: the step (sharded update) against its own GEMMs replayed
@@ -220,7 +257,7 @@ void step_memory(benchmark::State& state) {
 // median ratio of step times, sharded over replicated.
 void sharded_vs_replicated_update(benchmark::State& state) {
   trainer rep(false), sh(true);
-  const auto c = gshard::bench::compare(state, {[&] { rep.step(); }, [&] { sh.step(); }}, 1);
+  const auto c = gshard::bench::compare(state, {[&] { rep.step(); }, [&] { sh.step_alone(); }}, 1);
   state.counters["replicated_ms"] = 1e3 * c.median_time[0];
   state.counters["sharded_ms"] = 1e3 * c.median_time[1];
   state.counters["sharded/replicated"] = c.median_ratio[1];
@@ -246,7 +283,7 @@ void bucket_sizes(benchmark::State& state) {
     trainer& t = *runs.back();
     t.ps.set_bucket_bytes(k << 10);
     if (bf16) t.use_bf16();
-    steps.push_back([&t] { t.step(); });
+    steps.push_back([&t] { t.step_alone(); });
   }
   auto name = [](std::size_t k) { return k == 0 ? std::string("per_weight") : std::to_string(k) + "KiB"; };
   for (std::size_t i = 0; i < runs.size(); ++i) {
@@ -540,6 +577,7 @@ void seq2seq_decode(benchmark::State& state) {
 const int registered = [] {
   benchmark::RegisterBenchmark("step", step)->ArgName("sharded_update")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_bf16", step_bf16)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("gathers_in_flight", gathers_in_flight)->MinTime(4)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("sharded_vs_replicated_update", sharded_vs_replicated_update)
       ->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("bucket_sizes", bucket_sizes)->ArgName("bf16")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
